@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - create/reuse .venv, install, run the main job
+#   make test   - create/reuse .venv, install, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean-venv
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m stabledrl_mcore.demo --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=15
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,40 @@
+"""Install stabledrl_mcore.
+
+CPU (tests, CI, the tiny demo): ``pip install torch==2.13.0 && pip install -e .[test]``.
+GPU clusters: install the CUDA build of torch 2.13.0 first (it satisfies the pin),
+then ``pip install -e .[gpu]`` for Transformer Engine; NVIDIA apex is optional and
+built from source (see README).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="stabledrl_mcore",
+    version="0.1.0",
+    description="StableDRL reinforcement learning for diffusion LMs (LLaDA, SDAR) on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["stabledrl_mcore", "stabledrl_mcore.*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+        "transformers>=4.53,<6",
+        "tokenizers>=0.19",
+        "wandb>=0.19",
+        "psutil>=5.9",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # GPU-only: needs CUDA headers to build. apex: see README ("GPU install").
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["stabledrl=stabledrl_mcore.cli:main"]},
+)

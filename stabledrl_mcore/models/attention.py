@@ -1,0 +1,120 @@
+"""Core attention for diffusion LMs: the one module where a dLLM differs from a GPT.
+
+Plugs into Megatron-Core's ``SelfAttention`` as its ``core_attention``
+submodule (the interface of ``megatron.core.transformer.DotProductAttention``):
+inputs ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` (GQA: ``ng``
+query groups per tensor-parallel partition), already q/k-normed and rotated by
+``SelfAttention``; output ``[sq, b, np * hn]``.
+
+``attention_mask`` may be
+
+- ``None``: fully bidirectional (LLaDA) -- SDPA without a mask, so the
+  flash/memory-efficient kernels apply; (causal only if the layer was built
+  with ``AttnMaskType.causal``, which the dLLM spec never does);
+- a bool tensor broadcastable to ``[b, np, sq, sk]``, ``True`` = blocked
+  (Megatron's convention);
+- an :class:`~stabledrl_mcore.models.masks.AttentionLayout` descriptor tensor
+  (``layout.to_tensor()``): resolved here to a dense mask for SDPA, or to a
+  flex-attention ``BlockMask`` on GPU (:mod:`stabledrl_mcore.models.flex`).
+
+While the model runs with a :class:`~stabledrl_mcore.models.kv_cache.KVCache`
+it binds the cache to ``self.kv_cache``; keys and values then become
+``[cached | current]`` and are staged for storing when ``cache.store``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from . import flex
+from .masks import AttentionLayout
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_mask(layout: AttentionLayout, sq: int, sk: int, device: str) -> Optional[torch.Tensor]:
+    return layout.dense(sq, sk, device=torch.device(device))
+
+
+class SDPACoreAttention(MegatronModule):
+    """Attention over one tensor-parallel partition of heads (SDPA, or flex on GPU).
+
+    ``backend``: ``"auto"`` | ``"sdpa"`` | ``"flex"`` (see :mod:`.flex` for the choice).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: str = "auto",
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism")
+        tp_size = config.tensor_model_parallel_size
+        self.heads_per_partition = config.num_attention_heads // tp_size
+        self.groups_per_partition = (config.num_query_groups or config.num_attention_heads) // tp_size
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = max(1, layer_number)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+        self.backend = backend
+        self.kv_cache = None  # bound by DLLMModel.forward for KV-cached decoding
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        if self.kv_cache is not None:
+            key, value = self.kv_cache.extend(self.layer_number, key, value)
+        sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        gqa = self.heads_per_partition != self.groups_per_partition
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        if AttentionLayout.is_descriptor(attention_mask):
+            layout = AttentionLayout.from_tensor(attention_mask)
+            if flex.use_flex(self.backend, layout, sq, q.device):
+                if dropout_p > 0:
+                    raise ValueError("flex attention path does not implement attention dropout")
+                out = flex.flex_attention(q, k, v, layout, scale=self.softmax_scale, enable_gqa=gqa)
+                return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+            attention_mask = _dense_mask(layout, sq, sk, str(q.device))
+
+        mask_type = attn_mask_type or self.attn_mask_type
+        is_causal = attention_mask is None and mask_type == AttnMaskType.causal
+        allowed = None if attention_mask is None else ~attention_mask
+        if allowed is not None and gqa and q.device.type == "cpu":
+            # CPU SDPA has no fused GQA path with a mask: expand the groups (as HF does).
+            k, v = (t.repeat_interleave(self.heads_per_partition // self.groups_per_partition, 1)
+                    for t in (k, v))
+            gqa = False
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=gqa,
+            )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

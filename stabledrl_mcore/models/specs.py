@@ -1,0 +1,54 @@
+"""Layer specs: a Megatron-Core GPT layer whose only dLLM change is the core attention.
+
+The layer (pre-norm attention + SwiGLU MLP, RMSNorm, optional per-head q/k
+RMSNorm) is Megatron's own ``TransformerLayer``; the diffusion LM differs from an
+autoregressive LM only in which keys a query may see, which lives in
+:class:`~stabledrl_mcore.models.attention.SDPACoreAttention` and the mask passed
+to it. The local spec serves CPU; on GPU with Transformer Engine installed
+``te_available()`` selects TE's fused linears/norms, with the same checkpoint
+keys (Megatron maps the local names to the TE names in ``sharded_state_dict``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .attention import SDPACoreAttention
+
+
+def te_available() -> bool:
+    """True when Transformer Engine is importable and CUDA is present."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -> ModuleSpec:
+    """The transformer-layer spec for LLaDA (``qk_layernorm=False``) and SDAR (``True``).
+
+    Megatron's own GPT layer (local or TE flavour) with ``attn_mask_type=arbitrary``
+    and :class:`SDPACoreAttention` as core attention (``SelfAttention`` calls the
+    class directly, so its ``backend`` is set by the model after construction).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = te_available() if use_te is None else use_te
+    if use_te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
+                                                        normalization="RMSNorm")
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention
+    attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
+    attention.submodules.core_attention = SDPACoreAttention
+    return spec

@@ -1,0 +1,233 @@
+"""Distributed start-up: launcher environment -> torch.distributed -> Megatron parallel state.
+
+Supported launchers (checked in this order):
+
+- ``torchrun`` / any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT``;
+- SLURM ``srun`` with one task per rank: ``SLURM_PROCID`` -> rank,
+  ``SLURM_NTASKS`` -> world size, ``SLURM_LOCALID`` -> local rank, the master
+  address is the first host of ``SLURM_JOB_NODELIST`` and the port comes from
+  ``MASTER_PORT`` or is derived from ``SLURM_JOB_ID`` (so two jobs sharing a
+  node do not collide);
+- a plain single process (world size 1, loopback, a free port).
+
+NCCL is used when CUDA is available, gloo otherwise (then the CPU
+compatibility layer :mod:`stabledrl_mcore.parallel.cpu_compat` is enabled).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+import socket
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+
+class ParallelLayoutError(ValueError):
+    """The requested tensor/pipeline/data layout cannot be built."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from the launcher's variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def expand_slurm_nodelist(nodelist: str) -> List[str]:
+    """Expand a SLURM hostlist such as ``node[01-03,07],gpu5`` into host names.
+
+    Follows the format accepted by ``scontrol show hostnames`` for the common
+    cases (comma-separated items, one bracketed range group per item, zero-padded
+    ranges).
+    """
+    hosts: List[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"(.*?)\[([^\]]*)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{part}{suffix}")
+    return hosts
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from the environment."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        master_addr = env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0]
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        port = int(env.get("MASTER_PORT") or 20000 + job_id % 20000)
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=master_addr,
+            master_port=port,
+            launcher="slurm",
+        )
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+
+
+def validate_parallel_layout(
+    world_size: int,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    *,
+    num_layers: Optional[int] = None,
+    num_attention_heads: Optional[int] = None,
+    num_query_groups: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> int:
+    """Check a layout before anything is built; return the data-parallel size.
+
+    Every rank runs the same check on the same numbers, so every rank raises
+    the same error and none is left waiting in a collective.
+    """
+    problems = []
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        problems.append(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel "
+                        f"({pipeline_parallel}) must be >= 1")
+    elif world_size % (tensor_parallel * pipeline_parallel):
+        problems.append(
+            f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel "
+            f"= {tensor_parallel} x {pipeline_parallel} = {tensor_parallel * pipeline_parallel}")
+    if num_attention_heads is not None and tensor_parallel >= 1 and num_attention_heads % tensor_parallel:
+        problems.append(f"num_attention_heads ({num_attention_heads}) is not divisible by "
+                        f"tensor_parallel ({tensor_parallel})")
+    if num_query_groups is not None and tensor_parallel >= 1 and num_query_groups % tensor_parallel:
+        problems.append(f"num_query_groups ({num_query_groups}) is not divisible by "
+                        f"tensor_parallel ({tensor_parallel})")
+    if num_layers is not None and pipeline_parallel >= 1 and num_layers % pipeline_parallel:
+        problems.append(f"num_layers ({num_layers}) is not divisible by "
+                        f"pipeline_parallel ({pipeline_parallel})")
+    if vocab_size is not None and tensor_parallel >= 1 and vocab_size % tensor_parallel:
+        problems.append(f"vocab_size ({vocab_size}) is not divisible by "
+                        f"tensor_parallel ({tensor_parallel}); pad the vocabulary")
+    if problems:
+        raise ParallelLayoutError("invalid parallel layout: " + "; ".join(problems))
+    return world_size // (tensor_parallel * pipeline_parallel)
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch (and Megatron's model-parallel RNG tracker).
+
+    Follows Megatron-LM's convention: each pipeline stage offsets the seed by
+    100 x its rank so that stages do not draw identical streams; tensor-parallel
+    ranks get distinct dropout streams through the tracker.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    try:
+        import numpy as np
+
+        np.random.seed(stage_seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        pass
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def initialize(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    *,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    timeout_minutes: int = 30,
+    model_shape: Optional[dict] = None,
+    environ: Optional[dict] = None,
+) -> LaunchEnv:
+    """Start torch.distributed and Megatron's parallel state; seed every RNG.
+
+    ``model_shape`` may carry ``num_layers``, ``num_attention_heads``,
+    ``num_query_groups`` and ``vocab_size`` so that a layout that cannot hold
+    the model fails here, identically on every rank, before any collective.
+    Idempotent: a second call with the same layout is a no-op.
+    """
+    from megatron.core import parallel_state
+
+    from . import cpu_compat
+
+    launch = detect_launch_env(environ)
+    validate_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel,
+                             **(model_shape or {}))
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        cpu_compat.enable()
+    if not torch.distributed.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        torch.distributed.init_process_group(
+            backend=backend or ("nccl" if use_cuda else "gloo"),
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
+                or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel):
+            raise ParallelLayoutError("Megatron parallel state is already initialised with a "
+                                      "different layout; call destroy() first")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            distributed_timeout_minutes=timeout_minutes,
+            create_gloo_process_groups=True,
+        )
+    set_seed(seed)
+    return launch
+
+
+def destroy() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of the job (or a process that never initialised distributed)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

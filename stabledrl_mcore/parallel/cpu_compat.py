@@ -1,0 +1,142 @@
+"""Make megatron-core 0.16 run on a CPU-only machine (tests, CI, the tiny demo).
+
+megatron-core has no device abstraction: it calls ``torch.cuda.current_device()``,
+``torch.cuda.synchronize()``, builds tensors with ``device="cuda"``, keeps its
+RNG tracker on the CUDA generator and asserts ``tensor.type()`` strings such as
+``'torch.cuda.FloatTensor'`` (``optimizer/clip_grads.py``, ``optimizer/optimizer.py``).
+``../shared/notes/megatron-on-cpu.md`` lists every call site that was measured.
+
+:func:`enable` redirects exactly those entry points to the CPU, once, *before*
+any Megatron object is built, and only when CUDA is unavailable. On a machine
+with CUDA it does nothing at all (``tests/test_cpu_compat.py`` checks this), so
+the GPU path is megatron-core as shipped.
+
+Redirected:
+- ``torch.cuda.current_device`` -> ``"cpu"``; ``torch.cuda.synchronize`` -> no-op;
+- the ``device=`` keyword of the tensor factories: ``"cuda"``/``"cuda:N"`` -> CPU;
+- ``Tensor.cuda()`` -> the tensor itself;
+- ``Tensor.type()`` (no argument) reports CPU tensors under their CUDA names,
+  which is what Megatron's optimizer and grad-clip asserts compare against;
+- the CUDA RNG API used by Megatron's RNG tracker and activation recompute
+  (``torch.cuda.{get,set}_rng_state``, ``manual_seed``, and
+  ``tensor_parallel.random._{get,set}_cuda_rng_state``) -> the CPU generator,
+  so tensor-parallel-rank-specific dropout streams and recompute stay correct.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace",
+    "rand", "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "eye",
+)
+
+_lock = threading.Lock()
+_active = False
+# (owner, attribute name, original value) for every patch, so that tests can undo them.
+_saved: List[Tuple[Any, str, Any]] = []
+
+
+def is_active() -> bool:
+    """True when the CPU redirection is installed in this process."""
+    return _active
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cpu_device_kwarg(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper.__stabledrl_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _tensor_type(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str) and self.device.type == "cpu":
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    return type_
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _saved.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def enable(force: bool = False) -> bool:
+    """Install the CPU redirection if CUDA is unavailable (or ``force``).
+
+    Returns whether the layer is active afterwards. Idempotent and thread-safe.
+    """
+    global _active
+    with _lock:
+        if _active:
+            return True
+        if torch.cuda.is_available() and not force:
+            return False
+        for name in _FACTORIES:
+            _patch(torch, name, _cpu_device_kwarg(getattr(torch, name)))
+        _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to))
+        _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+        _patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
+        _patch(torch.cuda, "current_device", lambda: "cpu")
+        _patch(torch.cuda, "synchronize", lambda *a, **k: None)
+        _patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+        _patch(torch.cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+        _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed))
+        _patch(torch.cuda, "manual_seed_all", lambda seed: None)  # torch.manual_seed calls it
+        _patch(torch.cuda, "empty_cache", lambda: None)
+        from megatron.core.tensor_parallel import random as mpu_random
+
+        _patch(mpu_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        _patch(mpu_random, "_set_cuda_rng_state",
+               lambda state, *a, **k: torch.set_rng_state(state))
+        _active = True
+        return True
+
+
+def _tensor_to(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu",) + args[1:]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def disable() -> None:
+    """Undo :func:`enable` (for tests)."""
+    global _active
+    with _lock:
+        while _saved:
+            owner, name, value = _saved.pop()
+            setattr(owner, name, value)
+        _active = False
+
+
+def patched_names() -> Dict[str, bool]:
+    """Which torch factory functions are currently redirected (diagnostics)."""
+    return {n: getattr(getattr(torch, n), "__stabledrl_cpu_compat__", False) for n in _FACTORIES}

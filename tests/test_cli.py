@@ -1,0 +1,55 @@
+"""The ``stabledrl`` entry point: subcommands, one-line errors, exit code 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stabledrl_mcore.cli import main
+
+SUBCOMMANDS = ("train", "convert", "generate", "eval", "bench", "plan")
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "stabledrl_mcore.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_unknown_subcommand_is_one_line_exit_2():
+    code, out, err = run_cli("trian")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "invalid choice: 'trian'" in err
+
+
+def test_bad_flag_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--no-such-flag" in err
+
+
+def test_config_error_exit_2(capsys):
+    assert main(["train", "algo.epz=0.1", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean algo.eps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_print_config_resolves_overrides(tmp_path, capsys):
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny_cpu.yaml")
+    out_path = tmp_path / "resolved.yaml"
+    assert main(["train", "--config", config, "algo.eps=0.3", "--print-config",
+                 "--save-config", str(out_path)]) == 0
+    assert "eps: 0.3" in capsys.readouterr().out
+    assert "eps: 0.3" in out_path.read_text()

@@ -1,0 +1,76 @@
+"""Typed config: YAML + dotted overrides, clear errors, atomic save."""
+
+import pytest
+import yaml
+
+from stabledrl_mcore.config import (ConfigError, RunConfig, load_config, save_config, to_dict)
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig) and cfg.algo.loss == "stabledrl"
+    path = save_config(cfg, str(tmp_path / "sub" / "config.yaml"))
+    again = load_config(path)
+    assert to_dict(again) == to_dict(cfg)
+    assert not [p for p in (tmp_path / "sub").iterdir() if p.name.startswith(".config-")]
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"algo": {"eps": 0.3}, "optim": {"betas": [0.9, 0.95]},
+                                    "model": {"overrides": {"num_layers": 2}}}))
+    cfg = load_config(str(path), ["algo.eps=0.1", "parallel.tensor_parallel=2",
+                                  "algo.ratio_noise=student_t", "optim.lr=3e-5"])
+    assert cfg.algo.eps == 0.1 and cfg.parallel.tensor_parallel == 2
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.lr == 3e-5
+    assert cfg.model.overrides == {"num_layers": 2}
+    assert load_config(None, ["algo.ratio_noise=null"]).algo.ratio_noise is None
+    widened = load_config(None, ["optim.lr=1"]).optim.lr
+    assert isinstance(widened, float) and widened == 1.0
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key algo\.epz.*did you mean algo\.eps"):
+        load_config(None, ["algo.epz=0.1"])
+    with pytest.raises(ConfigError, match=r"unknown config key algorithm.*did you mean algo"):
+        load_config(None, ["algorithm.eps=0.1"])
+
+
+def test_wrong_type_names_field_and_type():
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel: expected int, got str"):
+        load_config(None, ["parallel.tensor_parallel=two"])
+    with pytest.raises(ConfigError, match=r"algo\.length_normalize: expected bool"):
+        load_config(None, ["algo.length_normalize=3"])
+    with pytest.raises(ConfigError, match=r"optim\.betas: expected a list of 2 values"):
+        load_config(None, ["optim.betas=[0.9]"])
+
+
+def test_value_checks():
+    with pytest.raises(ConfigError, match=r"algo\.eps must be in \(0, 1\)"):
+        load_config(None, ["algo.eps=1.5"])
+    with pytest.raises(ConfigError, match=r"model\.dtype must be one of"):
+        load_config(None, ["model.dtype=fp8"])
+    with pytest.raises(ConfigError, match=r"rollout\.group_size must be >= 1"):
+        load_config(None, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["algo.eps"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(bad))
+
+
+def test_example_configs_load():
+    import glob
+    import os
+
+    here = os.path.join(os.path.dirname(__file__), "..", "examples", "configs")
+    files = sorted(glob.glob(os.path.join(here, "*.yaml")))
+    assert files, "examples/configs/*.yaml are missing"
+    for path in files:
+        load_config(path)
