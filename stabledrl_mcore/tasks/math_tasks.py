@@ -1,0 +1,203 @@
+"""GSM8K and MATH500: file-backed tasks with numeric / math-verify rewards.
+
+Data comes from local JSONL files in the datasets' public formats:
+
+* GSM8K: ``{"question": str, "answer": "<reasoning> #### <number>"}``,
+  default path ``<data_root>/gsm8k/<split>.jsonl``;
+* MATH500: ``{"problem": str, "solution": str, "answer": str, ...}``,
+  default path ``<data_root>/math500/<split>.jsonl`` (the public set has
+  only ``test``).
+
+``data_root`` is the constructor argument, else ``$STABLEDRL_DATA``, else
+``./data``. ``load(split, path=...)`` reads an explicit file instead.
+``load(split, source="hf")`` reads through the ``datasets`` library (needs it
+installed and network access); it is never tried implicitly.
+
+Rewards (range (0, 1)): correctness of the answer taken from the last
+``\\boxed{}`` (else the ``<answer>`` tag). With ``format_weight = w > 0`` the
+reward is ``(1 - w) * correct + w * formatted``, where ``formatted`` means
+the completion has a closed ``<answer>...</answer>`` tag containing the
+answer; the default ``w = 0`` is pure correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from stabledrl_mcore.tasks.base import Example, Task, register_task
+from stabledrl_mcore.tasks.extract import answer_tag, boxed_then_tag, numbers_equal, parse_number
+from stabledrl_mcore.tasks.math_equiv import DEFAULT_TIMEOUT_S, math_equal
+from stabledrl_mcore.tasks.prompts import MATH_SYSTEM_PROMPT
+
+DATA_ENV = "STABLEDRL_DATA"
+
+
+def resolve_data_root(data_root: str | os.PathLike | None = None) -> Path:
+    """``data_root`` if given, else ``$STABLEDRL_DATA``, else ``./data``."""
+    if data_root is not None:
+        return Path(data_root)
+    return Path(os.environ.get(DATA_ENV) or "data")
+
+
+def read_jsonl(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; ``ValueError`` naming file and line on bad JSON or missing fields."""
+    rows: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing field(s) {missing}; expected {list(required)}")
+            rows.append(row)
+    return rows
+
+
+def gsm8k_gold(answer_field: str) -> str:
+    """The final answer after ``####`` in a GSM8K ``answer`` field, commas removed."""
+    if "####" not in answer_field:
+        raise ValueError(f"GSM8K answer has no '#### <number>' line: {answer_field[-80:]!r}")
+    return answer_field.split("####")[-1].strip().replace(",", "")
+
+
+class _FileMathTask(Task):
+    """Shared loading logic for the two JSONL-backed tasks."""
+
+    dir_name: str = ""
+    hf_id: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+    format_hint: str = ""
+
+    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0) -> None:
+        if not 0.0 <= format_weight <= 1.0:
+            raise ValueError(f"format_weight must be in [0, 1], got {format_weight}")
+        self.data_root = data_root
+        self.format_weight = float(format_weight)
+        self.system_prompt = MATH_SYSTEM_PROMPT
+
+    def default_path(self, split: str) -> Path:
+        return resolve_data_root(self.data_root) / self.dir_name / f"{split}.jsonl"
+
+    def _missing_message(self, path: Path, split: str) -> str:
+        hf_args = ", ".join(repr(a) for a in self.hf_id)
+        return (f"{self.name}: data file not found: {path}\n"
+                f"Expected format: one JSON object per line with {self.format_hint}.\n"
+                f"Put the file there (or pass path=..., or set ${DATA_ENV} to the data root). "
+                f"To get it (network needed):\n"
+                f"  python -c \"import datasets; datasets.load_dataset({hf_args})['{split}']"
+                f".to_json('{path}')\"")
+
+    def _rows(self, split: str, path: str | None, source: str) -> list[dict[str, Any]]:
+        if source == "hf":
+            try:
+                import datasets  # optional dependency, never used implicitly
+            except ImportError:
+                raise ImportError(f"{self.name}: source='hf' needs the 'datasets' package") from None
+            return [dict(r) for r in datasets.load_dataset(*self.hf_id)[split]]
+        if source != "local":
+            raise ValueError(f"{self.name}: source must be 'local' or 'hf', got {source!r}")
+        file = Path(path) if path is not None else self.default_path(split)
+        if not file.is_file():
+            raise FileNotFoundError(self._missing_message(file, split))
+        return read_jsonl(file, self.fields)
+
+    def _example(self, row: dict[str, Any], index: int) -> Example:
+        raise NotImplementedError
+
+    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
+             seed: int = 0, n: int | None = None, source: str = "local") -> list[Example]:
+        """Examples of ``split`` in file order (``seed`` and ``n`` are unused here); first ``limit``."""
+        rows = self._rows(split, path, source)
+        if limit is not None:
+            rows = rows[: max(0, int(limit))]
+        return [self._example(r, i) for i, r in enumerate(rows)]
+
+    def check_reference(self, reference: Any) -> str:
+        if isinstance(reference, (int, float)) and not isinstance(reference, bool):
+            reference = str(reference)
+        if not isinstance(reference, str) or not reference.strip():
+            raise ValueError(f"{self.name}: reference must be a non-empty answer string, got {reference!r}")
+        return reference
+
+    def extract_answer(self, completion: str) -> str | None:
+        """Last ``\\boxed{}`` content, else ``<answer>`` tag content, else None."""
+        return boxed_then_tag(completion)
+
+    def _correct(self, answer: str | None, reference: str) -> bool:
+        raise NotImplementedError
+
+    def _reward(self, completion: str, reference: str) -> float:
+        correct = float(self._correct(self.extract_answer(completion), reference))
+        if self.format_weight == 0.0:
+            return correct
+        tag = answer_tag(completion)
+        formatted = float(bool(tag))
+        return (1.0 - self.format_weight) * correct + self.format_weight * formatted
+
+    def is_correct(self, completion: str, reference: Any) -> bool:
+        ref = self.check_reference(reference)
+        try:
+            return self._correct(self.extract_answer(completion), ref)
+        except Exception:
+            return False
+
+
+@register_task("gsm8k")
+class Gsm8kTask(_FileMathTask):
+    """GSM8K grade-school math; reference = final number string; exact numeric compare."""
+
+    name = "gsm8k"
+    dir_name = "gsm8k"
+    hf_id = ("openai/gsm8k", "main")
+    fields = ("question", "answer")
+    format_hint = "'question' and 'answer' fields, the answer ending in '#### <number>'"
+
+    def _example(self, row: dict[str, Any], index: int) -> Example:
+        return Example(prompt=str(row["question"]), reference=gsm8k_gold(str(row["answer"])),
+                       meta={"index": index, "solution": row["answer"]})
+
+    def check_reference(self, reference: Any) -> str:
+        ref = super().check_reference(reference)
+        if parse_number(ref) is None:
+            raise ValueError(f"gsm8k: reference {ref!r} is not a number")
+        return ref
+
+    def _correct(self, answer: str | None, reference: str) -> bool:
+        return numbers_equal(answer, reference)
+
+
+@register_task("math500")
+class Math500Task(_FileMathTask):
+    """MATH500 competition math; reference = LaTeX answer; ``math-verify`` equivalence."""
+
+    name = "math500"
+    dir_name = "math500"
+    hf_id = ("HuggingFaceH4/MATH-500",)
+    fields = ("problem", "answer")
+    format_hint = "'problem', 'answer' (LaTeX final answer) and 'solution' fields"
+
+    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(data_root, format_weight)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+
+    def _example(self, row: dict[str, Any], index: int) -> Example:
+        meta = {"index": index, "solution": row.get("solution", "")}
+        for key in ("subject", "level", "unique_id"):
+            if key in row:
+                meta[key] = row[key]
+        return Example(prompt=str(row["problem"]), reference=str(row["answer"]), meta=meta)
+
+    def _correct(self, answer: str | None, reference: str) -> bool:
+        return math_equal(answer, reference, self.timeout_s)
