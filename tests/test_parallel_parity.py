@@ -34,30 +34,18 @@ def _global_name(name, layer_offset):
 
 
 def _worker(tp, pp, ref_dir, result_dir):
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
+    from megatron_helpers import build_tiny_gpt
 
-    from stabledrl_mcore.models.specs import dllm_layer_spec
     from stabledrl_mcore.parallel import bootstrap
 
     bootstrap.initialize(tp, pp, seed=7, model_shape=dict(num_layers=LAYERS, num_attention_heads=4,
                                                           num_query_groups=2))
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=48, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bf16=False,
-    )
-    model = GPTModel(config, dllm_layer_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    config, model = build_tiny_gpt(tp, pp, layers=LAYERS, vocab=VOCAB, seq=SEQ)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), tp
     offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // pp)
     reference = tp == pp == 1 and torch.distributed.get_world_size() == 1

@@ -1,0 +1,206 @@
+"""Training-state checkpoints through ``dist_checkpointing``, written atomically.
+
+Layout of a checkpoint root::
+
+    <root>/step_00000010/        a complete checkpoint (model + optimizer shards,
+        train_state.json          step, data position, scheduler state, world layout)
+        config.yaml               the resolved run config
+        rng/rank00000.pt          each rank's RNG states (Python, NumPy, torch, CUDA, Megatron tracker)
+        ...dist_checkpointing files
+    <root>/.tmp-step_00000012/   a save in progress (ignored by resume)
+
+Every rank writes into the temporary directory; after a barrier rank 0 writes
+``train_state.json`` last and renames the directory to ``step_N``. A crash at
+any point (even SIGKILL of a rank mid-write) leaves either the previous
+complete checkpoints or a ``.tmp-*`` directory that :func:`find_latest` never
+returns. Only the newest ``keep_last`` complete checkpoints are kept.
+
+Model and optimizer tensors are stored as sharded tensors, so a checkpoint
+written at one TP/PP/DP layout loads at another (Megatron reshards on load).
+RNG states are restored only when the world size is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+STATE_FILE = "train_state.json"
+
+
+@dataclass
+class TrainState:
+    """What besides tensors a resume needs."""
+
+    step: int
+    data_position: int = 0
+    scheduler: Optional[Dict[str, Any]] = None
+    world_size: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    extra: Optional[Dict[str, Any]] = None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isfile(os.path.join(path, STATE_FILE)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def find_latest(root: str) -> Optional[str]:
+    """The newest complete checkpoint under ``root`` (``--resume auto``), or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _broadcast_str(value: str) -> str:
+    if not torch.distributed.is_initialized():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def capture_rng_state() -> Dict[str, Any]:
+    """Every RNG stream this process uses (restored by :func:`restore_rng_state`)."""
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Callable[[], dict],
+                    *, optimizer=None, config_yaml: Optional[str] = None,
+                    rng_state: Optional[Dict[str, Any]] = None, keep_last: int = 3,
+                    extra_files: Optional[Dict[str, str]] = None) -> str:
+    """Write a complete checkpoint for ``state.step`` and prune old ones; returns its path.
+
+    ``model_sharded_state_dict`` returns the model's ``sharded_state_dict()``
+    (a callable so that the optimizer state can be mapped onto it). Must be
+    called on every rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, step_dir_name(state.step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(state.step))
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "rng"))
+    _barrier()
+    sharded = {"model": model_sharded_state_dict()}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+    dist_checkpointing.save(sharded, tmp)
+    torch.save(rng_state if rng_state is not None else capture_rng_state(),
+               os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"))
+    _barrier()
+    if _rank() == 0:
+        for name, text in (extra_files or {}).items():
+            _write_text(os.path.join(tmp, name), text)
+        if config_yaml is not None:
+            _write_text(os.path.join(tmp, "config.yaml"), config_yaml)
+        _write_text(os.path.join(tmp, STATE_FILE), json.dumps(state.__dict__, indent=2))
+        if os.path.isdir(final):  # re-saving the same step (e.g. after a resume)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".part", "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".part", path)
+
+
+def load_checkpoint(path: str, model, *, optimizer=None,
+                    restore_rng: bool = True) -> TrainState:
+    """Load model (and optimizer) shards from ``path`` into the current layout.
+
+    ``model`` is a module (or list of chunks) with ``sharded_state_dict()`` and
+    ``load_state_dict()``. Returns the :class:`TrainState`. RNG streams are
+    restored when the world size matches the one that saved.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = _broadcast_str(path)
+    state_file = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    with open(state_file) as handle:
+        state = TrainState(**json.load(handle))
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise NotImplementedError("virtual pipeline chunks are not supported yet")
+    sharded = {"model": chunks[0].sharded_state_dict()}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+    loaded = dist_checkpointing.load(sharded, path)
+    chunks[0].load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
+    if restore_rng and state.world_size == _world() and os.path.isfile(rng_file):
+        restore_rng_state(torch.load(rng_file, weights_only=False))
+    return state
