@@ -1,0 +1,27 @@
+"""Diffusion-LM backbones (LLaDA, SDAR) built from Megatron-Core pieces.
+
+Public API::
+
+    cfg = get_preset("sdar-tiny")                      # DLLMConfig
+    model = build_model(cfg)                           # after parallel.bootstrap.initialize()
+    logits = model(ids, pos, AttentionLayout.staircase(cfg.block_size))
+    logp = vocab_parallel_log_probs(logits, targets)
+"""
+
+from .attention import SDPACoreAttention
+from .kv_cache import KVCache
+from .logprobs import vocab_parallel_log_probs
+from .masks import (AttentionLayout, block_causal_mask, padding_mask, staircase_mask,
+                    staircase_position_ids)
+from .model import DLLMModel, build_model
+from .presets import (DLLMConfig, ModelConfigError, available_presets, get_preset,
+                      to_transformer_config)
+from .rope import rotary_angles
+from .specs import dllm_layer_spec, te_available
+
+__all__ = [
+    "AttentionLayout", "DLLMConfig", "DLLMModel", "KVCache", "ModelConfigError",
+    "SDPACoreAttention", "available_presets", "block_causal_mask", "build_model",
+    "dllm_layer_spec", "get_preset", "padding_mask", "rotary_angles", "staircase_mask",
+    "staircase_position_ids", "te_available", "to_transformer_config", "vocab_parallel_log_probs",
+]

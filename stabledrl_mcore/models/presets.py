@@ -1,0 +1,256 @@
+"""Backbone configuration (:class:`DLLMConfig`), named presets, and the Megatron translation.
+
+Two architectures are supported, both pre-norm decoder stacks with SwiGLU MLPs,
+RMSNorm, rotate-half RoPE, no biases and an untied LM head:
+
+- ``llada`` -- LLaDA (GSAI-ML/LLaDA-8B): multi-head attention, fully
+  bidirectional; the logits at position ``i`` predict token ``i`` (no shift).
+- ``sdar`` -- SDAR (JetLM/SDAR-8B, Qwen3 shape): grouped-query attention and a
+  per-head q/k RMSNorm applied before RoPE; trained with the staircase layout
+  and decoded block by block (``block_size``).
+
+Shapes and special ids of the 8B presets follow the upstream ``config.json``
+files (``../shared/notes/models.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+ARCHS = ("llada", "sdar")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+class ModelConfigError(ValueError):
+    """A :class:`DLLMConfig` that cannot describe a working model."""
+
+
+@dataclass
+class DLLMConfig:
+    """Shape and vocabulary of a diffusion-LM backbone (architecture-level, no parallelism)."""
+
+    arch: str
+    """``"llada"`` (bidirectional MHA) or ``"sdar"`` (block diffusion, GQA + qk-norm)."""
+    vocab_size: int
+    """Number of token ids the tokenizer can produce (rows of the embedding)."""
+    hidden_size: int
+    """Model width ``H``."""
+    num_layers: int
+    """Number of transformer blocks."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (== ``num_attention_heads`` for MHA; 8 for SDAR-8B)."""
+    ffn_hidden_size: int
+    """SwiGLU inner width (each of gate and up)."""
+    head_dim: Optional[int] = None
+    """Per-head width; None = ``hidden_size // num_attention_heads``."""
+    rope_theta: float = 10000.0
+    """RoPE base (5e5 for LLaDA, 1e6 for SDAR)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon, shared by every norm of the model (1e-5 LLaDA, 1e-6 SDAR)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (SDAR/Qwen3)."""
+    max_position_embeddings: int = 4096
+    """Longest position id the model is meant for (informational; RoPE has no table)."""
+    block_size: Optional[int] = None
+    """SDAR: tokens per diffusion block (staircase training, block decoding); None for LLaDA."""
+    mask_token_id: int = 0
+    """Id of the ``[MASK]`` token that marks noised positions."""
+    eos_token_id: int = 0
+    """End-of-sequence id."""
+    pad_token_id: int = 0
+    """Padding id (LLaDA pads with EOS)."""
+    bos_token_id: Optional[int] = None
+    """Beginning-of-sequence id, if the tokenizer has one."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the embedding/output rows to a multiple of this x TP (Megatron's convention)."""
+    init_std: float = 0.02
+    """Std of the normal init of every weight matrix (random-init runs and tests)."""
+    attention_backend: str = "auto"
+    """``auto`` (SDPA, flex attention on CUDA for long masked layouts), ``sdpa`` or ``flex``."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width actually used."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
+        """Rows of the embedding/output layer: ``vocab_size`` rounded up to
+        ``make_vocab_size_divisible_by x tensor_parallel`` (as Megatron-LM pads)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    def num_parameters(self) -> int:
+        """Parameter count (unpadded vocab)."""
+        h, d = self.hidden_size, self.kv_channels
+        attn = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
+        attn += self.num_attention_heads * d * h + (2 * d if self.qk_layernorm else 0)
+        mlp = 3 * h * self.ffn_hidden_size
+        return self.num_layers * (attn + mlp + 2 * h) + 2 * self.vocab_size * h + h
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> "DLLMConfig":
+        """Raise :class:`ModelConfigError` naming every problem; return ``self``."""
+        problems: List[str] = []
+        if self.arch not in ARCHS:
+            problems.append(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive int, got {value!r}")
+        if not problems:
+            if self.num_attention_heads % self.num_query_groups:
+                problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a "
+                                f"multiple of num_query_groups ({self.num_query_groups})")
+            if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+                problems.append(f"hidden_size ({self.hidden_size}) is not divisible by "
+                                f"num_attention_heads ({self.num_attention_heads}); set head_dim")
+            if self.kv_channels % 2:
+                problems.append(f"head_dim ({self.kv_channels}) must be even for rotate-half RoPE")
+            for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+                value = getattr(self, name)
+                if value is not None and not 0 <= value < self.vocab_size:
+                    problems.append(f"{name} ({value}) is outside the vocabulary [0, {self.vocab_size})")
+        if self.arch == "sdar" and (self.block_size is None or self.block_size < 1):
+            problems.append(f"sdar needs a positive block_size, got {self.block_size!r}")
+        if self.arch == "llada" and self.block_size is not None:
+            problems.append("llada is fully bidirectional: block_size must be None")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            problems.append("rope_theta, norm_eps and init_std must be > 0")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            problems.append(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                            f"got {self.attention_backend!r}")
+        if problems:
+            raise ModelConfigError("invalid DLLMConfig: " + "; ".join(problems))
+        return self
+
+    # ---------------------------------------------------------- serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain dict of every field (JSON/YAML friendly)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "DLLMConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise :class:`ModelConfigError`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ModelConfigError(f"unknown DLLMConfig fields {unknown}; valid: {sorted(names)}")
+        return cls(**data).validate()
+
+    def replace(self, **changes: Any) -> "DLLMConfig":
+        """A validated copy with some fields changed (e.g. ``num_layers=2``)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+_PRESETS: Dict[str, Dict[str, Any]] = {
+    # GSAI-ML/LLaDA-8B-{Base,Instruct} config.json.
+    "llada-8b": dict(arch="llada", vocab_size=126464, hidden_size=4096, num_layers=32,
+                     num_attention_heads=32, num_query_groups=32, ffn_hidden_size=12288,
+                     rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=4096,
+                     mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
+                     bos_token_id=126080),
+    # JetLM/SDAR-8B-Chat: Qwen3-8B shape; <|MASK|> 151669, <|im_end|> eos, <|endoftext|> pad.
+    "sdar-8b": dict(arch="sdar", vocab_size=151936, hidden_size=4096, num_layers=36,
+                    num_attention_heads=32, num_query_groups=8, head_dim=128, ffn_hidden_size=12288,
+                    rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
+                    max_position_embeddings=32768, block_size=4, mask_token_id=151669,
+                    eos_token_id=151645, pad_token_id=151643),
+    # ~0.23M parameters: unit tests and the CPU demo. Ids: pad 0, bos 1, eos 2, mask = last.
+    "llada-tiny": dict(arch="llada", vocab_size=256, hidden_size=64, num_layers=4,
+                       num_attention_heads=4, num_query_groups=4, ffn_hidden_size=176,
+                       rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=512,
+                       mask_token_id=255, eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    "sdar-tiny": dict(arch="sdar", vocab_size=256, hidden_size=64, num_layers=4,
+                      num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=176,
+                      rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
+                      max_position_embeddings=512, block_size=4, mask_token_id=255,
+                      eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    # ~100M parameters: throughput benchmarks and CPU smoke runs of the full stack.
+    "llada-100m": dict(arch="llada", vocab_size=32768, hidden_size=768, num_layers=8,
+                       num_attention_heads=12, num_query_groups=12, ffn_hidden_size=2048,
+                       rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=2048,
+                       mask_token_id=32767, eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    "sdar-100m": dict(arch="sdar", vocab_size=32768, hidden_size=768, num_layers=8,
+                      num_attention_heads=12, num_query_groups=4, head_dim=64, ffn_hidden_size=2048,
+                      rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
+                      max_position_embeddings=2048, block_size=4, mask_token_id=32767,
+                      eos_token_id=2, pad_token_id=0, bos_token_id=1),
+}
+
+
+def available_presets() -> List[str]:
+    """Names accepted by :func:`get_preset`."""
+    return sorted(_PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> DLLMConfig:
+    """A fresh, validated :class:`DLLMConfig` for a preset name, with optional field overrides."""
+    if name not in _PRESETS:
+        raise ModelConfigError(f"unknown preset {name!r}; available: {available_presets()}")
+    return DLLMConfig.from_dict({**_PRESETS[name], **overrides})
+
+
+def _parallel_sizes(parallel: Union[None, Dict[str, Any], Any]) -> Dict[str, Any]:
+    if parallel is None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+        return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if isinstance(parallel, dict):
+        return dict(parallel)
+    return dict(tensor_model_parallel_size=parallel.tensor_parallel,
+                pipeline_model_parallel_size=parallel.pipeline_parallel)
+
+
+def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any], Any] = None,
+                          dtype: torch.dtype = torch.float32,
+                          recompute: Union[bool, str] = False, **overrides: Any):
+    """Translate a :class:`DLLMConfig` into Megatron-Core's ``TransformerConfig``.
+
+    ``parallel``: None (read Megatron's parallel state), a dict of
+    ``ModelParallelConfig`` fields (``tensor_model_parallel_size``, ...), or an
+    object with ``tensor_parallel``/``pipeline_parallel`` attributes (the run
+    config's ``ParallelSection``). ``recompute``: False, True/``"full"`` (every
+    layer recomputed in backward, Megatron's ``full``/``uniform``/1) or
+    ``"selective"`` (core attention only). ``overrides`` go to TransformerConfig.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    cfg.validate()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelConfigError(f"unsupported dtype {dtype}")
+    kwargs: Dict[str, Any] = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
+        normalization="RMSNorm", layernorm_epsilon=cfg.norm_eps, qk_layernorm=cfg.qk_layernorm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=cfg.init_std, rotary_interleaved=False, apply_rope_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        cuda_graph_scope=[],  # Megatron's default "full" only triggers a deprecation warning
+    )
+    kwargs.update(_parallel_sizes(parallel))
+    if recompute is True or recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute not in (False, None):
+        raise ModelConfigError(f"recompute must be False, True, 'full' or 'selective', got {recompute!r}")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,36 @@
+"""Rotary position embedding from explicit position ids (rotate-half, fp32).
+
+Megatron's ``GPTModel`` builds its RoPE table for positions ``0..S-1`` and
+ignores ``position_ids``; the staircase layout reuses positions ``0..n-1`` in
+both halves and KV-cached decoding starts at the cached length, so the model
+computes the angles itself and hands them to ``TransformerBlock`` as
+``rotary_pos_emb``. Megatron's ``apply_rotary_pos_emb`` (non-interleaved)
+then rotates ``t * cos + rotate_half(t) * sin`` -- the HF-Llama / NeoX
+convention that LLaDA and SDAR (Qwen3) use -- with cos/sin taken in fp32
+and cast to the activation dtype, as HF does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """``theta ** (-2i / d)`` for ``i < d/2`` in fp32 (same arithmetic as HF's default RoPE)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rotary_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """Angles for Megatron's ``apply_rotary_pos_emb``: ``[S, B, 1, head_dim]`` fp32.
+
+    ``position_ids``: ``[B, S]`` or ``[1, S]`` (broadcast over the batch). The
+    last dimension is ``[freqs, freqs]`` (rotate-half layout); the singleton
+    third dimension broadcasts over heads, so per-row positions work.
+    """
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [B, S], got shape {tuple(position_ids.shape)}")
+    inv_freq = inv_frequencies(head_dim, theta, device=position_ids.device)
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, S, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.transpose(0, 1)[:, :, None, :].contiguous()
