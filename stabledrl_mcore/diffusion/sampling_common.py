@@ -1,0 +1,132 @@
+"""Pieces shared by the LLaDA and SDAR samplers (batched, explicit generators).
+
+Under tensor parallelism every TP rank runs the sampler on the same inputs with
+full-vocab logits (``gather_output=True``); seed the generators identically on
+the ranks of a TP group so every rank commits the same tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from stabledrl_mcore.diffusion.masking import uniform
+
+
+def num_transfer_tokens(masked_count: Tensor, steps: int) -> Tensor:
+    """``[B, steps]``: split each count evenly over the steps, remainder to the first steps (LLaDA)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    c = masked_count.long().reshape(-1, 1)
+    base, rem = c // steps, c % steps
+    return base + (torch.arange(steps, device=c.device)[None] < rem).long()
+
+
+def select_transfer(confidence: Tensor, k: Tensor, threshold: Optional[float] = None) -> Tensor:
+    """Positions to commit ``[B, n]`` from ``confidence`` (-inf = not eligible).
+
+    Without ``threshold``: the top-``k[b]`` (LLaDA low-confidence remasking). With a
+    threshold (SDAR ``low_confidence_dynamic``): every position above it if there are
+    at least ``k[b]`` of them, else the top-``k[b]``. ``k`` is clamped to the number
+    of eligible positions, so nothing outside the eligible set is ever committed.
+    """
+    eligible = torch.isfinite(confidence)
+    k = torch.minimum(k.long().reshape(-1), eligible.sum(-1))
+    kmax = int(k.max()) if k.numel() else 0
+    top = torch.zeros_like(eligible)
+    if kmax > 0:
+        idx = torch.topk(confidence, kmax, dim=-1).indices
+        keep = torch.arange(kmax, device=k.device)[None] < k[:, None]
+        top.scatter_(1, idx, keep)
+    if threshold is None:
+        return top
+    high = eligible & (confidence > threshold)
+    use_high = high.sum(-1) >= k
+    return torch.where(use_high[:, None], high, top)
+
+
+def gumbel_argmax(logits: Tensor, temperature: float, generator: Optional[torch.Generator]) -> Tensor:
+    """LLaDA's ``add_gumbel_noise`` + argmax: exp(l) / (-log u)^T in float64; T = 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    if generator is None:
+        raise TypeError("temperature > 0 needs an explicit torch.Generator")
+    l64 = logits.double()
+    noise = uniform(l64.shape, generator, l64.device, torch.float64)
+    return (l64.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+
+
+def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Keep the ``top_k`` largest logits and the smallest nucleus of mass ``top_p`` (others -inf)."""
+    if top_k and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p < 1.0:
+        srt, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(srt, -1).cumsum(-1)
+        drop = cum - torch.softmax(srt, -1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), -torch.inf)
+    return logits
+
+
+def sample_tokens(logits: Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  generator: Optional[torch.Generator] = None):
+    """SDAR's ``sample_with_temperature_topk_topp``: (token, its probability) per position.
+
+    Sampling uses the Gumbel-max trick on float64 noise from ``generator``
+    (same distribution as ``multinomial``, and works with a CPU generator for CUDA logits).
+    """
+    logits = logits.float()
+    if temperature == 0:
+        probs = torch.softmax(logits, -1)
+        tok = logits.argmax(-1)
+        return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    if generator is None:
+        raise TypeError("temperature > 0 needs an explicit torch.Generator")
+    logits = filter_top_k_top_p(logits / temperature, top_k, top_p)
+    probs = torch.softmax(logits, -1)
+    noise = uniform(logits.shape, generator, logits.device, torch.float64)
+    tok = (logits.double() - torch.log(-torch.log(noise))).argmax(-1)
+    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+def first_eos_settled(gen: Tensor, mask_id: int, eos_id: int):
+    """(settled [B], first_eos [B]): a row is settled once it has a committed EOS
+    and no mask token before its first EOS."""
+    is_eos = gen == eos_id
+    has = is_eos.any(-1)
+    first = torch.where(has, is_eos.long().argmax(-1), torch.full_like(has, gen.shape[-1], dtype=torch.long))
+    before = torch.arange(gen.shape[-1], device=gen.device)[None] < first[:, None]
+    settled = has & ~((gen == mask_id) & before).any(-1)
+    return settled, first
+
+
+def fill_after_eos(x: Tensor, start: int, eos_id: int) -> Tensor:
+    """Set every position after a row's first EOS (in ``x[:, start:]``) to EOS."""
+    gen = x[:, start:]
+    is_eos = gen == eos_id
+    has = is_eos.any(-1)
+    first = is_eos.long().argmax(-1)
+    after = has[:, None] & (torch.arange(gen.shape[-1], device=x.device)[None] > first[:, None])
+    return torch.cat([x[:, :start], gen.masked_fill(after, eos_id)], dim=1)
+
+
+def progress_bar(total: int, progress: Optional[bool], desc: str):
+    """tqdm bar; ``progress=None`` shows it for long runs on an interactive rank 0."""
+    from tqdm.auto import tqdm
+
+    if progress is None:
+        rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+            torch.distributed.get_rank() == 0
+        progress = rank0 and total >= 64 and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, disable=not progress, leave=False)
+
+
+def check_prompt(prompt_ids: Tensor, prompt_valid: Optional[Tensor]) -> None:
+    if prompt_ids.dim() != 2 or prompt_ids.dtype != torch.long:
+        raise ValueError(f"prompt_ids must be a [B, P] LongTensor, got {tuple(prompt_ids.shape)} {prompt_ids.dtype}")
+    if prompt_valid is not None and prompt_valid.shape != prompt_ids.shape:
+        raise ValueError("prompt_valid must have the shape of prompt_ids")

@@ -1,0 +1,131 @@
+"""SDAR block decoding with a KV cache of finished blocks (upstream ``block_diffusion_generate``).
+
+The output is the prompt followed by masks up to ``ceil((P + gen_length) / bs) * bs``
+tokens (whole blocks, as upstream). The whole prompt blocks are prefilled into
+the cache with the block-causal mask; then for each remaining block (the first
+may hold the prompt's tail): up to ``steps`` denoising steps, each a forward of
+the block alone against ``[cache | block]``; tokens are proposed by
+temperature / top-k / top-p sampling (greedy at temperature 0) with confidence
+= their probability, and the step commits the scheduled top-k (the block
+length split evenly over the steps, remainder first) or, with ``threshold``,
+every masked position above it when that is at least k (upstream's
+``low_confidence_dynamic``). The finished block is then run once inside
+``cache.storing()`` to append its keys/values.
+
+``use_cache=False`` is the reference: every step re-runs the prefix
+``x[:, :end_of_block]`` with the block-causal mask; greedy decoding gives the
+same tokens with and without the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from stabledrl_mcore.diffusion.likelihood import dllm_config
+from stabledrl_mcore.diffusion.sampling_common import (
+    check_prompt,
+    fill_after_eos,
+    num_transfer_tokens,
+    progress_bar,
+    sample_tokens,
+    select_transfer,
+)
+from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
+
+StepHook = Callable[[int, Tensor, Tensor], None]
+
+
+def default_kv_cache(model):
+    """``model.new_kv_cache()`` when the model offers one, else ``stabledrl_mcore.models.KVCache()``."""
+    m = model
+    while m is not None:
+        factory = getattr(m, "new_kv_cache", None)
+        if callable(factory):
+            return factory()
+        m = getattr(m, "module", None)
+    from stabledrl_mcore.models import KVCache  # the Megatron model's cache
+
+    return KVCache()
+
+
+@torch.no_grad()
+def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_length: Optional[int] = None,
+                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, threshold: Optional[float] = None,
+                  use_cache: bool = True, generator: Optional[torch.Generator] = None,
+                  mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
+                  prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
+                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None
+                  ) -> Tensor:
+    """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
+
+    ``steps`` is the number of denoising steps *per block* (upstream
+    ``denoising_steps``); ``block_length`` defaults to ``model.dllm_config.block_size``.
+    ``stop_at_eos``: after each block, if every row has an EOS in its generated
+    part, decoding stops; in every row, positions after its first EOS become EOS.
+    """
+    check_prompt(prompt_ids, prompt_valid)
+    cfg = dllm_config(model)
+    bs = int(cfg.block_size) if block_length is None else int(block_length)
+    mask_id = int(cfg.mask_token_id) if mask_id is None else int(mask_id)
+    eos_id = int(cfg.eos_token_id) if eos_id is None else int(eos_id)
+    B, P = prompt_ids.shape
+    device = prompt_ids.device
+    num_blocks = -(-(P + gen_length) // bs)
+    total = num_blocks * bs
+    x = torch.full((B, total), mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt_ids
+    pos = torch.arange(total, device=device)[None]
+    valid = None
+    if prompt_valid is not None:
+        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
+
+    def mask(offset: int, length: int) -> Tensor:
+        m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
+        return m if valid is None else m | padding_mask(valid[:, :offset + length])
+
+    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
+    prefill = P // bs
+    cache = None
+    if use_cache:
+        cache = kv_cache_factory() if kv_cache_factory is not None else default_kv_cache(model)
+        if prefill > 0:
+            with cache.storing():
+                model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
+                      kv_cache=cache)
+
+    bar = progress_bar((num_blocks - prefill) * steps, progress, "sdar")
+    step = 0
+    for blk in range(prefill, num_blocks):
+        s, e = blk * bs, (blk + 1) * bs
+        for i in range(steps):
+            cur = x[:, s:e]
+            masked = cur == mask_id
+            if not bool(masked.any()):
+                break
+            if use_cache:
+                logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
+            else:
+                logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e))[:, s:e]
+            x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
+            conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
+            transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+            x[:, s:e] = torch.where(transfer, x0, cur)
+            step += 1
+            bar.update(1)
+            if on_step is not None:
+                full = torch.zeros_like(x, dtype=torch.bool)
+                full[:, s:e] = transfer
+                on_step(step, full, x)
+        finished = stop_at_eos and bool((x[:, P:e] == eos_id).any(-1).all())
+        if use_cache and blk < num_blocks - 1 and not finished:
+            with cache.storing():
+                model(x[:, s:e], position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
+        if finished:
+            break
+    bar.close()
+    if stop_at_eos:
+        x = fill_after_eos(x, P, eos_id)
+    return x

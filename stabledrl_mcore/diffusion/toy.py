@@ -1,0 +1,153 @@
+"""A tiny pure-torch dLLM implementing the model contract, for tests and benchmarks.
+
+Contract (what the Megatron model in ``stabledrl_mcore.models`` provides):
+``model(input_ids [B, S], position_ids=None, attention_mask=None, *, kv_cache=None,
+gather_output=True) -> logits [B, S, V]``; ``attention_mask`` is None (bidirectional)
+or bool, True = blocked, broadcastable to ``[B, 1, S, K]``; ``model.dllm_config``
+has ``arch, mask_token_id, eos_token_id, pad_token_id, block_size, vocab_size``.
+
+KV cache semantics (same as ``stabledrl_mcore.models.KVCache``): with
+``kv_cache=cache`` the queries attend to ``[cached | current]`` keys (the mask's
+key length is ``cache.length + S``); inside ``with cache.storing():`` the current
+keys/values are appended once the forward is done.
+
+Pre-norm transformer: RMSNorm, multi-head attention with rotate-half RoPE on
+the given position ids, SiLU MLP, untied head. Weights are drawn from an
+explicit generator (no global RNG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ToyDLLMConfig:
+    arch: str = "llada"  # 'llada' (bidirectional sampler) or 'sdar' (block decoding)
+    vocab_size: int = 16
+    mask_token_id: int = 15
+    eos_token_id: int = 1
+    pad_token_id: int = 1
+    block_size: int = 4
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    rope_theta: float = 10000.0
+    logit_scale: float = 1.0
+    suppress_mask: bool = True  # push the mask token's logit down (trained dLLMs never predict it)
+
+
+class ToyKVCache:
+    """Per-layer cached keys/values ``[B, H, K, D]`` of finished (clean) positions."""
+
+    def __init__(self) -> None:
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+        self._storing = False
+        self._pending: Optional[List[tuple]] = None
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @contextlib.contextmanager
+    def storing(self):
+        self._storing = True
+        try:
+            yield self
+        finally:
+            self._storing = False
+
+    def past(self, layer: int):
+        return (self.keys[layer], self.values[layer]) if layer < len(self.keys) else (None, None)
+
+    def stage(self, layer: int, k: Tensor, v: Tensor) -> None:
+        if self._storing:
+            if self._pending is None:
+                self._pending = []
+            self._pending.append((layer, k, v))
+
+    def commit(self) -> None:
+        for layer, k, v in self._pending or []:
+            if layer < len(self.keys):
+                self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+                self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+            else:
+                self.keys.append(k)
+                self.values.append(v)
+        self._pending = None
+
+
+def _rms(x: Tensor, w: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotate-half RoPE; x [B, H, S, D], pos [B or 1, S]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
+    ang = (pos.to(torch.float64).unsqueeze(-1) * inv).to(x.dtype)  # [B, S, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class ToyDiffusionLM(nn.Module):
+    def __init__(self, config: ToyDLLMConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.dllm_config = config
+        c, g = config, torch.Generator().manual_seed(seed)
+        h, n = c.hidden_size, c.num_layers
+
+        def param(*shape, std=None):
+            std = (1.0 / shape[-1]) ** 0.5 if std is None else std
+            return nn.Parameter((torch.randn(*shape, generator=g, dtype=torch.float64) * std).to(dtype))
+
+        self.embed = param(c.vocab_size, h, std=1.0)
+        self.qkv = nn.ParameterList([param(3 * h, h) for _ in range(n)])
+        # a large attention output gain makes predictions depend strongly on the context
+        self.proj = nn.ParameterList([param(h, h, std=3.0 / h ** 0.5) for _ in range(n)])
+        self.up = nn.ParameterList([param(2 * h, h) for _ in range(n)])
+        self.down = nn.ParameterList([param(h, 2 * h) for _ in range(n)])
+        self.norms = nn.Parameter(torch.ones(2 * n + 1, h, dtype=dtype))
+        self.head = param(c.vocab_size, h)
+
+    def new_kv_cache(self) -> ToyKVCache:
+        return ToyKVCache()
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None, *, kv_cache: Optional[ToyKVCache] = None,
+                gather_output: bool = True) -> Tensor:
+        c = self.dllm_config
+        B, S = input_ids.shape
+        H = c.num_heads
+        past = kv_cache.length if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
+        allowed = None if attention_mask is None else ~attention_mask.bool()
+        x = self.embed[input_ids]
+        for i in range(c.num_layers):
+            q, k, v = F.linear(_rms(x, self.norms[2 * i]), self.qkv[i]).chunk(3, dim=-1)
+            q, k, v = (t.reshape(B, S, H, -1).transpose(1, 2) for t in (q, k, v))
+            q, k = _rope(q, position_ids, c.rope_theta), _rope(k, position_ids, c.rope_theta)
+            if kv_cache is not None:
+                kv_cache.stage(i, k, v)
+                pk, pv = kv_cache.past(i)
+                if pk is not None:
+                    k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, S, -1), self.proj[i])
+            x = x + F.linear(F.silu(F.linear(_rms(x, self.norms[2 * i + 1]), self.up[i])), self.down[i])
+        if kv_cache is not None:
+            kv_cache.commit()
+        logits = F.linear(_rms(x, self.norms[-1]), self.head) * c.logit_scale
+        if c.suppress_mask:
+            bias = torch.zeros(c.vocab_size, dtype=logits.dtype, device=logits.device)
+            logits = logits + bias.index_fill(0, torch.tensor([c.mask_token_id], device=logits.device), -30.0)
+        return logits
