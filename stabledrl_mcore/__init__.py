@@ -8,3 +8,22 @@ likelihood, sampling), ``rl`` (losses, advantages, rollout, trainer), ``tasks``,
 """
 
 __version__ = "0.1.0"
+
+
+def _quiet_cpu_warnings() -> None:
+    """megatron-core warns at import that TE/apex are absent; on CPU that is expected."""
+    import warnings
+
+    for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=text, category=UserWarning)
+
+
+_quiet_cpu_warnings()
+
+
+def load_model(*args, **kwargs):
+    """HF directory or converted checkpoint -> single-process logits module
+    (see :func:`stabledrl_mcore.checkpoint.loader.load_model`)."""
+    from .checkpoint.loader import load_model as _load_model
+
+    return _load_model(*args, **kwargs)

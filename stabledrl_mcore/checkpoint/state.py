@@ -127,12 +127,16 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
 def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Callable[[], dict],
                     *, optimizer=None, config_yaml: Optional[str] = None,
                     rng_state: Optional[Dict[str, Any]] = None, keep_last: int = 3,
-                    extra_files: Optional[Dict[str, str]] = None) -> str:
+                    extra_files: Optional[Dict[str, str]] = None,
+                    assets: Optional[Dict[str, str]] = None) -> str:
     """Write a complete checkpoint for ``state.step`` and prune old ones; returns its path.
 
     ``model_sharded_state_dict`` returns the model's ``sharded_state_dict()``
     (a callable so that the optimizer state can be mapped onto it). Must be
-    called on every rank.
+    called on every rank. ``extra_files`` maps file names to text written beside the
+    tensors (e.g. ``model_config.json``); ``assets`` maps a sub-directory name to a
+    file or directory copied there (e.g. ``{"hf": tokenizer_dir}``), so a checkpoint
+    is self-contained for ``load_model``, ``stabledrl eval`` and ``mcore-to-hf``.
     """
     from megatron.core import dist_checkpointing
 
@@ -142,18 +146,27 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)  # dist_checkpointing needs it to exist, and empty
     _barrier()
     sharded = {"model": model_sharded_state_dict()}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
     dist_checkpointing.save(sharded, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(rng_state if rng_state is not None else capture_rng_state(),
                os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"))
     _barrier()
+    _fault_injection_pause()
     if _rank() == 0:
         for name, text in (extra_files or {}).items():
             _write_text(os.path.join(tmp, name), text)
+        for name, src in (assets or {}).items():
+            dst = os.path.join(tmp, name)
+            if os.path.isdir(src):
+                shutil.copytree(src, dst)
+            else:
+                os.makedirs(dst, exist_ok=True)
+                shutil.copy2(src, dst)
         if config_yaml is not None:
             _write_text(os.path.join(tmp, "config.yaml"), config_yaml)
         _write_text(os.path.join(tmp, STATE_FILE), json.dumps(state.__dict__, indent=2))
@@ -162,8 +175,20 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         os.replace(tmp, final)
         for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+        for name in os.listdir(root):  # saves that a crash interrupted earlier
+            if name.startswith(".tmp-step_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     _barrier()
     return final
+
+
+def _fault_injection_pause() -> None:
+    """Tests set ``STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT`` (seconds) to kill a save mid-way."""
+    pause = float(os.environ.get("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT", "0") or 0)
+    if pause > 0:
+        import time
+
+        time.sleep(pause)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -204,3 +229,4 @@ def load_checkpoint(path: str, model, *, optimizer=None,
     if restore_rng and state.world_size == _world() and os.path.isfile(rng_file):
         restore_rng_state(torch.load(rng_file, weights_only=False))
     return state
+

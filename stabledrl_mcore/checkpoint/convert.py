@@ -1,0 +1,259 @@
+"""HF <-> Megatron-Core checkpoint conversion for LLaDA and SDAR, and its command line.
+
+``hf_to_mcore``: upstream directory (``config.json`` in the model's own field
+names, ``model.safetensors`` or shards + ``model.safetensors.index.json``,
+tokenizer files, optional ``*.py`` remote code) -> model-only ``torch_dist``
+checkpoint (:mod:`.mcore_io` describes the layout) loadable at any TP/PP.
+``mcore_to_hf``: the way back, to safetensors shards + index, ``config.json``
+and every non-weight upstream file, so that ``transformers`` loads the result.
+
+Both run in one process at TP=1/PP=1 and stream: HF -> Megatron reads tensors
+one at a time from memory maps into a never-initialised model shell and saves
+once; Megatron -> HF loads one layer at a time and writes each tensor straight
+into its safetensors shard. Peak memory is about one copy of the weights
+(``tools/bench_convert.py``). Output goes to ``.tmp-<name>-*`` beside the target
+and is renamed into place only when complete, so an interrupted run never
+leaves anything that looks like a valid checkpoint.
+
+CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
+
+    hf-to-mcore --model {llada,sdar} --hf-dir DIR --out DIR [--tp N] [--pp M]
+                [--dtype auto|bf16|fp32] [--vocab-multiple K] [--overwrite] [--verify]
+    mcore-to-hf --ckpt DIR --out DIR [--hf-assets DIR] [--dtype ...]
+                [--max-shard-size 5GB] [--overwrite] [--verify]
+
+Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--tolerance``,
+2 bad input (:class:`~.errors.ConversionError`, message names the culprit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from ..models import DLLMConfig
+from . import hf_config as hfc
+from .engine import MappingEngine
+from .errors import ConversionError
+from .mappings import VocabRows, table_for
+from .mcore_io import (DTYPES, HF_ASSETS, attach, build_shell, copy_assets, ensure_single_process,
+                       expanded_sharded_state_dict, finalize_output, iter_full_tensors,
+                       prepare_output, read_checkpoint_info, write_json, write_marker)
+from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
+
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _by_group(items, total: int, desc: str, enabled: bool):
+    """Pass ``(group, ...)`` items through, with a tqdm bar advancing once per group."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="group", disable=not enabled, file=sys.stderr) as bar:
+        current = None
+        for item in items:
+            if item[0] != current:
+                bar.update(current is not None)
+                current = item[0]
+            yield item
+        bar.update(current is not None)
+
+
+def check_layout(cfg: DLLMConfig, tp: int, pp: int) -> None:
+    """The suggested layout must split heads, KV groups, FFN and layers evenly."""
+    problems = []
+    for name, value, parts in (("num_attention_heads", cfg.num_attention_heads, tp),
+                               ("num_query_groups", cfg.num_query_groups, tp),
+                               ("ffn_hidden_size", cfg.ffn_hidden_size, tp),
+                               ("num_layers", cfg.num_layers, pp)):
+        if parts < 1 or value % parts:
+            problems.append(f"{name} ({value}) is not divisible by {parts}")
+    if problems:
+        raise ConversionError(f"layout TP={tp} PP={pp} does not fit the model: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------ HF -> Megatron
+def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int = 1, pp: int = 1,
+                dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
+                progress: bool = True) -> str:
+    """Convert an upstream LLaDA/SDAR directory to a model-only ``torch_dist`` checkpoint.
+
+    ``dtype``: ``"bf16"``/``"fp32"``/``"fp16"`` or None (keep the stored dtype).
+    ``vocab_multiple``: ``make_vocab_size_divisible_by`` recorded in the config
+    (rows are zero-padded to it). ``tp``/``pp`` are checked and recorded as the
+    suggested layout; the checkpoint loads at any layout. Returns ``out``.
+    """
+    from megatron.core import dist_checkpointing
+
+    raw = hfc.read_hf_config(hf_dir)
+    arch = hfc.detect_arch(raw, model)
+    cfg = hfc.hf_to_dllm_config(raw, arch, source_dir=hf_dir, make_vocab_size_divisible_by=vocab_multiple)
+    check_layout(cfg, tp, pp)
+    reader = SafetensorsReader(hf_dir)
+    tied = hfc.is_tied(raw, arch)
+    engine = MappingEngine(table_for(arch), cfg, tied=tied)
+    engine.check_source(reader)
+    first = engine.groups()[0][1][0]
+    target = DTYPES[dtype] if dtype else reader.dtype(first.hf_names()[0])
+    if target not in HF_DTYPE_NAMES:
+        raise ConversionError(f"weights are stored as {target}; pass --dtype bf16 or fp32")
+    tmp = prepare_output(out, overwrite, protect=hf_dir)
+    started, owns_megatron = time.time(), False
+    try:
+        owns_megatron = ensure_single_process()
+        entries = expanded_sharded_state_dict(build_shell(cfg, target))
+        expected = {m.megatron for _, group in engine.groups() for m in group}
+        tensors = {k for k, v in entries.items() if k.endswith(".weight")}
+        if tensors != expected:
+            raise ConversionError(f"mapping table and model disagree: {sorted(tensors ^ expected)[:5]}")
+        items = engine.iter_megatron(reader, target)
+        for _, name, blocks in _by_group(items, len(engine.groups()), "hf-to-mcore", progress):
+            attach(entries[name], blocks)
+        dist_checkpointing.save(entries, tmp)
+        del entries
+        copy_assets(hf_dir, os.path.join(tmp, HF_ASSETS), skip=())
+        write_marker(tmp, cfg, dtype=target, tied=tied, layout={"tensor_parallel": tp,
+                                                                 "pipeline_parallel": pp},
+                     source={"hf_dir": os.path.abspath(hf_dir), "weight_bytes": reader.nbytes(),
+                             "seconds": round(time.time() - started, 2)})
+        return finalize_output(tmp, out)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if owns_megatron:
+            from ..parallel import bootstrap
+
+            bootstrap.destroy()
+
+
+# ------------------------------------------------------------------ Megatron -> HF
+def _head_still_tied(path, shell, engine, dtype) -> bool:
+    """Export a tied model without ``lm_head`` only if training left head == embedding."""
+    pair = [("tie check", [m for _, g in engine.groups() for m in g if isinstance(m, VocabRows)])]
+    tensors = [t for _, _, t in iter_full_tensors(path, shell, pair, dtype)]
+    return torch.equal(tensors[0][: engine.cfg.vocab_size], tensors[1][: engine.cfg.vocab_size])
+
+
+def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: Optional[str] = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+                progress: bool = True) -> str:
+    """Export a converted (or training) checkpoint to an upstream-format HF directory.
+
+    ``hf_assets``: where ``config.json``/tokenizer/``*.py`` come from (default:
+    the checkpoint's ``hf/``); without any, a template config is written.
+    """
+    info = read_checkpoint_info(ckpt)
+    cfg, assets = info.config, hf_assets or info.hf_assets
+    base = hfc.read_hf_config(assets) if assets and os.path.isfile(
+        os.path.join(assets, "config.json")) else None
+    target = DTYPES[dtype] if dtype else info.dtype
+    engine = MappingEngine(table_for(cfg.arch), cfg, tied=info.tied_embeddings)
+    tmp = prepare_output(out, overwrite, protect=ckpt)
+    owns_megatron, writer = False, None
+    try:
+        owns_megatron = ensure_single_process()
+        shell = build_shell(cfg, info.dtype)
+        tied = info.tied_embeddings and _head_still_tied(ckpt, shell, engine, info.dtype)
+        if info.tied_embeddings and not tied:
+            print("stabledrl convert: warning: LM head no longer equals the embedding; "
+                  "exporting it untied", file=sys.stderr)
+        writer = SafetensorsWriter(tmp, engine.hf_plan(target, omit_head=tied), max_shard_bytes)
+        items = iter_full_tensors(ckpt, shell, engine.groups(), info.dtype)
+        for _, name, full in _by_group(items, len(engine.groups()), "mcore-to-hf", progress):
+            if tied and name == "output_layer.weight":
+                continue
+            for hf_name, tensor in engine.to_hf(name, full):
+                writer.write(hf_name, tensor.to(target))
+        writer.close()
+        if assets:
+            copy_assets(assets, tmp)
+        config = hfc.dllm_to_hf_config(cfg, base, dtype=HF_DTYPE_NAMES[target], tied=tied)
+        write_json(os.path.join(tmp, "config.json"), config)
+        return finalize_output(tmp, out)
+    finally:
+        if writer is not None:
+            writer.abort()
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if owns_megatron:
+            from ..parallel import bootstrap
+
+            bootstrap.destroy()
+
+
+# ------------------------------------------------------------------ command line
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count."""
+    units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
+    low = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * units[suffix])
+    return int(low)
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``hf-to-mcore`` / ``mcore-to-hf`` subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
+    sub.required = True
+    a = sub.add_parser("hf-to-mcore", help="Hugging Face directory -> Megatron torch_dist checkpoint")
+    a.add_argument("--model", required=True, choices=sorted(hfc.MODEL_TYPES.values()))
+    a.add_argument("--hf-dir", required=True, metavar="DIR")
+    a.add_argument("--tp", type=int, default=1, help="suggested tensor parallel size (checked, recorded)")
+    a.add_argument("--pp", type=int, default=1, help="suggested pipeline parallel size (checked, recorded)")
+    a.add_argument("--vocab-multiple", type=int, default=1, metavar="K",
+                   help="pad vocab rows to a multiple of K x TP (make_vocab_size_divisible_by)")
+    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> Hugging Face safetensors directory")
+    b.add_argument("--ckpt", required=True, metavar="DIR")
+    b.add_argument("--hf-assets", metavar="DIR", help="config/tokenizer source (default: <ckpt>/hf)")
+    b.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+                   metavar="SIZE", help="largest safetensors shard, e.g. 5GB (default)")
+    for p in (a, b):
+        p.add_argument("--out", required=True, metavar="DIR")
+        p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                       help="weight dtype of the output (auto = as stored)")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+        p.add_argument("--verify", action="store_true",
+                       help="compare logits of an independent reference with the converted model")
+        p.add_argument("--reference", choices=("public", "remote"), default="public",
+                       help="public transformers classes (default) or the upstream remote code")
+        p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run a parsed ``convert`` command; returns the exit status."""
+    import warnings
+
+    # torch.distributed.checkpoint deprecation notices raised inside megatron: noise for users
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")
+    dtype = None if args.dtype == "auto" else args.dtype
+    try:
+        if args.direction == "hf-to-mcore":
+            out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp,
+                              dtype=dtype, vocab_multiple=args.vocab_multiple,
+                              overwrite=args.overwrite, progress=not args.no_progress)
+            hf_dir, ckpt = args.hf_dir, out
+        else:
+            out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets, dtype=dtype,
+                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                              progress=not args.no_progress)
+            hf_dir, ckpt = out, args.ckpt
+        print(f"wrote {out}")
+        if args.verify:
+            from .verify import verify
+
+            diff = verify(hf_dir, ckpt, reference=args.reference)
+            ok = diff <= args.tolerance
+            print(f"verify: max abs logit difference {diff:.3e} "
+                  f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
+            return 0 if ok else 1
+        return 0
+    except ConversionError as err:
+        print(f"stabledrl convert: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,10 @@
+"""The one error type of checkpoint conversion."""
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted as given.
+
+    The message names the offending tensor, config field or path, and says
+    what was expected. Raised before anything is written whenever possible;
+    a conversion that fails later leaves only a ``.tmp-*`` directory behind.
+    """

@@ -1,0 +1,256 @@
+"""Hugging Face ``config.json`` <-> :class:`~stabledrl_mcore.models.DLLMConfig`, in each model's own words.
+
+LLaDA (GSAI-ML/LLaDA-8B-*) keeps OLMo's field names: ``d_model``, ``n_layers``,
+``n_heads``, ``n_kv_heads``, ``mlp_hidden_size`` (width of *each* of the
+SwiGLU gate and up projections), ``vocab_size`` / ``embedding_size`` (rows of
+``wte``), ``max_sequence_length``, ``rope_theta``, ``rms_norm_eps``,
+``mask_token_id``, ``weight_tying``. SDAR (JetLM/SDAR-*) uses Qwen3's names
+(``hidden_size``, ``num_hidden_layers``, ``num_key_value_heads``,
+``intermediate_size``, ``head_dim``, ``tie_word_embeddings``) plus
+``block_size`` and ``mask_token_id``; released configs sometimes omit those
+two, which then default with a warning (the mask id is looked up as
+``<|MASK|>`` in the tokenizer files first).
+
+Each model has one field table (:data:`FIELDS`) and one table of architecture
+switches that must hold for the Megatron backbone to compute the same function
+(:data:`REQUIRED_VALUES`); a config that violates one is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from ..models import DLLMConfig, ModelConfigError
+from .errors import ConversionError
+
+Default = Union[None, float, int, Callable[[Dict[str, Any]], Any]]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One ``DLLMConfig`` field read from one HF config key."""
+
+    ours: str
+    theirs: str
+    required: bool = True
+    default: Default = None
+    """Used when the key is absent or null; a callable gets the HF config (and may look further)."""
+    warn: bool = False
+    """Warn when the default is used (fields that released configs are known to omit)."""
+
+
+MODEL_TYPES = {"llada": "llada", "sdar": "sdar"}  # HF model_type -> our arch
+ARCHITECTURES = {"llada": ["LLaDAModelLM"], "sdar": ["SDARForCausalLM"]}
+TIE_KEY = {"llada": "weight_tying", "sdar": "tie_word_embeddings"}
+SDAR_MASK_TOKEN = "<|MASK|>"
+SDAR_DEFAULT_MASK_ID = 151669
+SDAR_DEFAULT_BLOCK_SIZE = 4
+
+
+def _rope_theta(default: float) -> Callable[[Dict[str, Any]], float]:
+    def read(hf: Dict[str, Any]) -> float:  # transformers 5 nests it in ``rope_parameters``
+        nested = hf.get("rope_parameters") or {}
+        return float(nested.get("rope_theta", default))
+    return read
+
+
+FIELDS: Dict[str, List[Field]] = {
+    "llada": [
+        Field("hidden_size", "d_model"),
+        Field("num_layers", "n_layers"),
+        Field("num_attention_heads", "n_heads"),
+        Field("num_query_groups", "n_kv_heads", False, lambda hf: hf["n_heads"]),
+        Field("ffn_hidden_size", "mlp_hidden_size"),
+        Field("vocab_size", "embedding_size", False, lambda hf: _need(hf, "vocab_size", "llada")),
+        Field("rope_theta", "rope_theta", False, 10000.0),
+        Field("norm_eps", "rms_norm_eps", False, 1e-5),
+        Field("max_position_embeddings", "max_sequence_length", False, 4096),
+        Field("mask_token_id", "mask_token_id"),
+        Field("eos_token_id", "eos_token_id"),
+        Field("pad_token_id", "pad_token_id", False, lambda hf: _first(hf["eos_token_id"])),
+        Field("bos_token_id", "bos_token_id", False, None),
+    ],
+    "sdar": [
+        Field("hidden_size", "hidden_size"),
+        Field("num_layers", "num_hidden_layers"),
+        Field("num_attention_heads", "num_attention_heads"),
+        Field("num_query_groups", "num_key_value_heads", False, lambda hf: hf["num_attention_heads"]),
+        Field("head_dim", "head_dim", False, lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
+        Field("ffn_hidden_size", "intermediate_size"),
+        Field("vocab_size", "vocab_size"),
+        Field("rope_theta", "rope_theta", False, _rope_theta(10000.0)),
+        Field("norm_eps", "rms_norm_eps", False, 1e-6),
+        Field("max_position_embeddings", "max_position_embeddings", False, 32768),
+        Field("block_size", "block_size", False, SDAR_DEFAULT_BLOCK_SIZE, warn=True),
+        Field("mask_token_id", "mask_token_id", False, lambda hf: _sdar_mask_id(hf), warn=True),
+        Field("eos_token_id", "eos_token_id"),
+        Field("pad_token_id", "pad_token_id", False, lambda hf: _first(hf["eos_token_id"])),
+        Field("bos_token_id", "bos_token_id", False, None),
+    ],
+}
+
+# Switches that must have these values when present (the backbone implements nothing else).
+REQUIRED_VALUES: Dict[str, Dict[str, Tuple[Any, ...]]] = {
+    "llada": {"rope": (True,), "alibi": (False, None), "layer_norm_type": ("rms",),
+              "include_bias": (False,), "include_qkv_bias": (False, None),
+              "activation_type": ("silu",), "block_type": ("llama",),
+              "attention_layer_norm": (False, None), "scale_logits": (False, None),
+              "input_emb_norm": (False, None), "layer_norm_with_affine": (True, None),
+              "block_group_size": (1, None), "multi_query_attention": (False, None),
+              "clip_qkv": (None,)},
+    "sdar": {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
+             "use_sliding_window": (False, None), "rope_scaling": (None,)},
+}
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _need(hf: Dict[str, Any], key: str, arch: str) -> Any:
+    if hf.get(key) is None:
+        raise ConversionError(f"{arch} config.json is missing the required field {key!r}")
+    return hf[key]
+
+
+def _sdar_mask_id(hf: Dict[str, Any]) -> int:
+    found = token_id_in_tokenizer(hf.get("_source_dir"), SDAR_MASK_TOKEN)
+    return SDAR_DEFAULT_MASK_ID if found is None else found
+
+
+def token_id_in_tokenizer(hf_dir: Optional[str], token: str) -> Optional[int]:
+    """Id of an added token in ``tokenizer.json`` / ``tokenizer_config.json``, or None."""
+    if not hf_dir:
+        return None
+    try:
+        with open(os.path.join(hf_dir, "tokenizer.json")) as handle:
+            for added in json.load(handle).get("added_tokens", []):
+                if added.get("content") == token:
+                    return int(added["id"])
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(hf_dir, "tokenizer_config.json")) as handle:
+            for key, added in json.load(handle).get("added_tokens_decoder", {}).items():
+                if added.get("content") == token:
+                    return int(key)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------ reading
+def read_hf_config(hf_dir: str) -> Dict[str, Any]:
+    """The parsed ``config.json`` of an HF model directory."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir} is not a directory")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir} has no config.json (not a Hugging Face model directory)")
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except ValueError as err:
+        raise ConversionError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} must hold a JSON object")
+    return data
+
+
+def detect_arch(hf_cfg: Dict[str, Any], expected: Optional[str] = None) -> str:
+    """``'llada'`` or ``'sdar'`` from ``model_type``; checks it against ``expected`` (``--model``)."""
+    model_type = hf_cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConversionError(f"unknown model_type {model_type!r} in config.json; supported: "
+                              f"{sorted(MODEL_TYPES)} (LLaDA: 'llada', SDAR: 'sdar')")
+    arch = MODEL_TYPES[model_type]
+    if expected is not None and expected != arch:
+        raise ConversionError(f"--model {expected} was given but config.json has "
+                              f"model_type {model_type!r} ({arch})")
+    return arch
+
+
+def is_tied(hf_cfg: Dict[str, Any], arch: str) -> bool:
+    """Whether the LM head shares the input embedding (``weight_tying`` / ``tie_word_embeddings``)."""
+    return bool(hf_cfg.get(TIE_KEY[arch], False))
+
+
+def hf_to_dllm_config(hf_cfg: Dict[str, Any], arch: Optional[str] = None, *,
+                      source_dir: Optional[str] = None,
+                      make_vocab_size_divisible_by: int = 1) -> DLLMConfig:
+    """Translate an upstream ``config.json`` dict into a validated :class:`DLLMConfig`."""
+    arch = detect_arch(hf_cfg, arch)
+    for key, allowed in REQUIRED_VALUES[arch].items():
+        if key in hf_cfg and hf_cfg[key] not in allowed:
+            raise ConversionError(f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not "
+                                  f"supported (expected {' or '.join(map(repr, allowed))})")
+    view = dict(hf_cfg, _source_dir=source_dir)
+    values: Dict[str, Any] = {"arch": arch, "qk_layernorm": arch == "sdar",
+                              "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+    for field in FIELDS[arch]:
+        value = hf_cfg.get(field.theirs)
+        if value is None:
+            if field.required:
+                raise ConversionError(f"{arch} config.json is missing the required field "
+                                      f"{field.theirs!r} ({field.ours})")
+            value = field.default(view) if callable(field.default) else field.default
+            if field.warn:
+                warnings.warn(f"{arch} config.json has no {field.theirs!r}; using {value!r}",
+                              stacklevel=2)
+        values[field.ours] = _first(value) if field.ours.endswith("token_id") else value
+    if arch == "llada" and hf_cfg.get("embedding_size") is not None:
+        if hf_cfg["embedding_size"] < _need(hf_cfg, "vocab_size", arch):
+            raise ConversionError(f"llada config.json: embedding_size ({hf_cfg['embedding_size']}) "
+                                  f"< vocab_size ({hf_cfg['vocab_size']})")
+    for name in ("rope_theta", "norm_eps"):
+        values[name] = float(values[name])
+    try:
+        return DLLMConfig.from_dict(values)
+    except ModelConfigError as err:
+        raise ConversionError(f"config.json describes no valid {arch} model: {err}") from None
+
+
+# ------------------------------------------------------------------------------ writing
+_TEMPLATES: Dict[str, Dict[str, Any]] = {
+    "llada": {"model_type": "llada", "architectures": ["LLaDAModelLM"], "activation_type": "silu",
+              "alibi": False, "block_type": "llama", "include_bias": False,
+              "include_qkv_bias": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
+              "attention_layer_norm": False, "rope": True, "rope_full_precision": True,
+              "scale_logits": False, "weight_tying": False, "use_cache": False},
+    "sdar": {"model_type": "sdar", "architectures": ["SDARForCausalLM"], "hidden_act": "silu",
+             "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+             "rope_scaling": None, "tie_word_embeddings": False},
+}
+
+
+def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
+                      dtype: Optional[str] = None, tied: Optional[bool] = None) -> Dict[str, Any]:
+    """An upstream-style ``config.json`` dict for ``cfg``.
+
+    ``base`` (the source model's ``config.json``) keeps every key it has (auto_map,
+    dropout, init settings, ...); the shape, ids and SDAR block fields are then
+    written from ``cfg``. Without a base, a template of the upstream keys is used.
+    ``dtype``: ``"bfloat16"``/``"float32"`` for ``torch_dtype``; ``tied``: the head-tying flag.
+    """
+    out = dict(base) if base is not None else dict(_TEMPLATES[cfg.arch])
+    if base is not None:
+        detect_arch(base, cfg.arch)
+    for field in FIELDS[cfg.arch]:
+        value = getattr(cfg, field.ours)
+        if field.theirs == "head_dim" or value is not None or field.theirs in out:
+            out[field.theirs] = value if field.ours != "head_dim" else cfg.kv_channels
+    if cfg.arch == "llada":
+        if out.get("vocab_size") is None or out["vocab_size"] > cfg.vocab_size:
+            out["vocab_size"] = cfg.vocab_size
+    if cfg.arch == "sdar" and "rope_parameters" in out and "rope_theta" not in (base or {}):
+        out.pop("rope_theta", None)
+        out["rope_parameters"] = dict(out["rope_parameters"], rope_theta=cfg.rope_theta)
+    if tied is not None:
+        out[TIE_KEY[cfg.arch]] = tied
+    if dtype is not None:
+        out["dtype" if "dtype" in out and "torch_dtype" not in out else "torch_dtype"] = dtype
+    return out

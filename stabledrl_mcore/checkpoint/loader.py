@@ -1,0 +1,139 @@
+"""``load_model``: one call from an HF directory or a converted checkpoint to a working model.
+
+For inspection and tests, in a single process (Megatron is initialised with
+TP=PP=1 if it is not already; the caller's RNG streams are left untouched).
+The returned :class:`InspectionModel` wraps the Megatron :class:`DLLMModel`
+and applies each model's *inference* attention by default: LLaDA is fully
+bidirectional; SDAR is block-causal with the block size from its config
+(query in block ``b`` sees keys in blocks ``<= b``), as upstream decoding runs it.
+
+:func:`load_hf_weights` fills any (TP/PP-sharded) :class:`DLLMModel` straight
+from an upstream directory; converted checkpoints load with
+:func:`~.mcore_io.load_model_weights` at any layout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, Union
+
+import torch
+
+from ..models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
+from . import hf_config as hfc
+from .engine import MappingEngine
+from .errors import ConversionError
+from .mappings import table_for
+from .mcore_io import (build_shell, ensure_single_process, is_model_checkpoint,
+                       load_model_weights, read_checkpoint_info)
+from .safetensors_io import SafetensorsReader
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class InspectionModel(torch.nn.Module):
+    """``forward(input_ids, position_ids=None, attention_mask=None) -> logits [B, S, V]``.
+
+    ``attention_mask``: None (the model's inference attention, see the module
+    docstring); a 2-D ``[B, S]`` HF-style key mask (1/True = real token),
+    combined with SDAR's block-causal pattern; or anything
+    :meth:`DLLMModel.forward` accepts (4-D bool with True = blocked, or an
+    :class:`AttentionLayout`), passed through unchanged.
+    """
+
+    def __init__(self, model, config: DLLMConfig):
+        super().__init__()
+        self.model = model
+        self.config = config
+
+    def default_layout(self) -> Optional[AttentionLayout]:
+        if self.config.arch == "sdar":
+            return AttentionLayout.block_causal(self.config.block_size)
+        return None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask=None) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = self.default_layout()
+        elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            blocked = padding_mask(attention_mask.bool())
+            if self.config.arch == "sdar":
+                seq = input_ids.shape[1]
+                blocked = blocked | block_causal_mask(seq, self.config.block_size,
+                                                      device=blocked.device)
+            attention_mask = blocked
+        return self.model(input_ids, position_ids, attention_mask)
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and not is_model_checkpoint(path)
+
+
+def _global_names(model):
+    """``(global parameter name, parameter)`` with pipeline-local layer indices made global."""
+    layers = getattr(model.decoder, "layers", [])
+    offsets = {j: layer.layer_number - 1 for j, layer in enumerate(layers)}
+    for name, param in model.named_parameters():
+        match = _LAYER.match(name)
+        if match:
+            name = f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end():]
+        yield name, param
+
+
+def load_hf_weights(model, hf_dir: str) -> None:
+    """Fill this rank's stage/shard of ``model`` from an upstream HF directory."""
+    from megatron.core import parallel_state as ps
+
+    cfg = model.dllm_config
+    raw = hfc.read_hf_config(hf_dir)
+    hfc.detect_arch(raw, cfg.arch)
+    reader = SafetensorsReader(hf_dir)
+    engine = MappingEngine(table_for(cfg.arch), cfg, tied=hfc.is_tied(raw, cfg.arch),
+                           padded_vocab=model.padded_vocab_size)
+    engine.check_source(reader)
+    keys = set(reader.keys())
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in _global_names(model):
+            mapping = engine.mapping(name)
+            blocks = engine.to_megatron(mapping, reader.get, param.dtype, keys)
+            shard = engine.shard_for_rank(name, blocks, param, tp_rank, tp_size)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ConversionError(f"{name}: mapped shape {list(shard.shape)} does not fit the "
+                                      f"parameter {list(param.shape)}")
+            param.copy_(shard)
+
+
+def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
+    """The :class:`DLLMConfig` of an HF directory or a converted checkpoint."""
+    if is_hf_dir(path):
+        return hfc.hf_to_dllm_config(hfc.read_hf_config(path), arch, source_dir=path)
+    return read_checkpoint_info(path).config
+
+
+def load_model(path: str, *, dtype: Union[str, torch.dtype] = torch.float32,
+               arch: Optional[str] = None) -> InspectionModel:
+    """A single-process model from an HF directory (``config.json`` + safetensors) or a
+    converted checkpoint (``stabledrl_model.json``), in eval mode, on CPU.
+
+    ``dtype``: parameter dtype (``torch.float32`` default, or ``"bf16"``/``"fp32"``).
+    ``arch``: expected ``"llada"``/``"sdar"`` (checked against an HF config).
+    """
+    if isinstance(dtype, str):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if not os.path.isdir(path):
+        raise ConversionError(f"{path} is not a directory")
+    cfg = read_config(path, arch)
+    if arch is not None and cfg.arch != arch:
+        raise ConversionError(f"{path} holds a {cfg.arch} model, not {arch}")
+    ensure_single_process()
+    model = build_shell(cfg, dtype)
+    if is_hf_dir(path):
+        load_hf_weights(model, path)
+    else:
+        load_model_weights(model, path)
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return InspectionModel(model, cfg).eval()

@@ -1,0 +1,371 @@
+"""Model-only Megatron checkpoints (``torch_dist``): layout, metadata, save and load.
+
+A converted checkpoint is a directory::
+
+    <out>/stabledrl_model.json   marker + metadata, written last (see MARKER_FIELDS)
+    <out>/model_config.json      the resolved DLLMConfig (DLLMConfig.to_dict())
+    <out>/hf/                    non-weight upstream files: config.json, tokenizer
+                                 files, generation_config.json, upstream *.py code
+    <out>/.metadata, *.distcp, common.pt, metadata.json   dist_checkpointing files
+
+Tensors are stored under Megatron-Core's own sharded keys (e.g.
+``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis)
+as *global* tensors, so the directory loads into :func:`build_model` at any
+TP/PP (:func:`load_model_weights`; Megatron reshards on load, and the vocab
+rows of embedding/head may differ in padding, ``allow_shape_mismatch``). The
+layout recorded in the marker (``suggested_layout``) is advisory: the
+conversion itself always runs in one process at TP=1/PP=1.
+
+Unlike training checkpoints (:mod:`.state`, ``train_state.json``), these hold
+no optimizer or RNG state; the marker is what makes the directory valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..models import DLLMConfig
+from .errors import ConversionError
+
+MARKER = "stabledrl_model.json"
+MODEL_CONFIG = "model_config.json"
+HF_ASSETS = "hf"
+FORMAT = "stabledrl-mcore-model"
+FORMAT_VERSION = 1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
+                   "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.distcp")
+MARKER_FIELDS = ("format", "version", "arch", "dtype", "tied_embeddings", "padded_vocab_size",
+                 "suggested_layout", "source")
+
+
+@dataclass
+class CheckpointInfo:
+    """What a converted (or training) checkpoint says about itself."""
+
+    path: str
+    config: DLLMConfig
+    dtype: torch.dtype
+    tied_embeddings: bool = False
+    suggested_layout: Optional[Dict[str, int]] = None
+    hf_assets: Optional[str] = None
+    """Directory with the upstream config/tokenizer files, if the checkpoint carries one."""
+
+
+def is_model_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"cannot read {path}: {err}") from None
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+
+
+def read_checkpoint_info(path: str) -> CheckpointInfo:
+    """Metadata of a converted checkpoint, or of a training checkpoint (``train_state.json``)
+    that carries a ``model_config.json`` (dtype then read from the tensors)."""
+    if not os.path.isdir(path):
+        raise ConversionError(f"checkpoint {path} is not a directory")
+    assets = os.path.join(path, HF_ASSETS)
+    assets = assets if os.path.isdir(assets) else None
+    if is_model_checkpoint(path):
+        marker = _read_json(os.path.join(path, MARKER))
+        if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
+            raise ConversionError(f"{path}/{MARKER}: unsupported format {marker.get('format')!r} "
+                                  f"version {marker.get('version')!r}")
+        cfg = DLLMConfig.from_dict(_read_json(os.path.join(path, MODEL_CONFIG)))
+        return CheckpointInfo(path, cfg, DTYPES[marker["dtype"]], bool(marker["tied_embeddings"]),
+                              marker.get("suggested_layout"), assets)
+    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(
+            os.path.join(path, ".metadata")):
+        cfg = DLLMConfig.from_dict(_read_json(os.path.join(path, MODEL_CONFIG)))
+        return CheckpointInfo(path, cfg, stored_dtype(path), False, None, assets)
+    raise ConversionError(f"{path} is not a converted checkpoint (no {MARKER}; a training "
+                          f"checkpoint needs a {MODEL_CONFIG} beside its tensors)")
+
+
+def stored_dtype(path: str) -> torch.dtype:
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(path)
+    for key, tensor in meta.items():
+        if key.endswith("word_embeddings.weight") or key.endswith("linear_qkv.weight"):
+            return tensor.dtype
+    raise ConversionError(f"{path} holds no embedding or attention tensor")
+
+
+def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: bool,
+                 layout: Dict[str, int], source: Dict[str, Any],
+                 padded_vocab: Optional[int] = None) -> None:
+    """Write ``model_config.json`` then the marker (last: its presence means complete)."""
+    from .. import __version__
+
+    write_json(os.path.join(out_dir, MODEL_CONFIG), cfg.to_dict())
+    write_json(os.path.join(out_dir, MARKER), {
+        "format": FORMAT, "version": FORMAT_VERSION, "arch": cfg.arch, "dtype": DTYPE_NAMES[dtype],
+        "tied_embeddings": tied, "padded_vocab_size": padded_vocab or cfg.padded_vocab_size(1),
+        "suggested_layout": layout, "source": source, "stabledrl_version": __version__})
+
+
+# ------------------------------------------------------------------ atomic output
+def prepare_output(out: str, overwrite: bool, protect: Optional[str] = None) -> str:
+    """Check ``out`` may be written and return a fresh temporary directory beside it."""
+    out = os.path.abspath(out)
+    if protect is not None:
+        src = os.path.abspath(protect)
+        if out == src or src.startswith(out + os.sep) or out.startswith(src + os.sep):
+            raise ConversionError(f"output {out} must lie outside the source {src}")
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise ConversionError(f"output {out} exists and is not a directory")
+        if os.listdir(out) and not overwrite:
+            raise ConversionError(f"output directory {out} is not empty; pass --overwrite to "
+                                  "replace it")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out)}-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any directory
+    return tmp
+
+
+def finalize_output(tmp: str, out: str) -> str:
+    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
+    out = os.path.abspath(out)
+    old = None
+    if os.path.isdir(out):
+        if os.listdir(out):
+            old = tempfile.mkdtemp(prefix=f".old-{os.path.basename(out)}-", dir=os.path.dirname(out))
+            os.rename(out, os.path.join(old, "previous"))
+        else:
+            os.rmdir(out)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------ assets
+def copy_assets(src: str, dst: str, *, skip=("config.json",)) -> list:
+    """Copy every top-level non-weight file (tokenizer, generation config, ``*.py`` code)."""
+    os.makedirs(dst, exist_ok=True)
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if (name.startswith(".") or not os.path.isfile(path) or name in skip
+                or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)):
+            continue
+        shutil.copy2(path, os.path.join(dst, name))
+        copied.append(name)
+    return copied
+
+
+def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, tied: bool = False,
+                          overwrite: bool = False) -> str:
+    """Save a (TP/PP-sharded) model as a model-only checkpoint; every rank calls it.
+
+    Written atomically like a conversion (rank 0 prepares, renames and writes the
+    marker); ``hf_assets``: upstream config/tokenizer directory to keep beside it.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+
+    rank = torch.distributed.get_rank()
+    box: List[Any] = [None]
+    if rank == 0:
+        try:
+            box = [("ok", prepare_output(out, overwrite))]
+        except ConversionError as err:
+            box = [("error", str(err))]
+    torch.distributed.broadcast_object_list(box, src=0)  # every rank raises the same error
+    status, tmp = box[0]
+    if status == "error":
+        raise ConversionError(tmp)
+    try:
+        dist_checkpointing.save(model.sharded_state_dict(), tmp)
+        torch.distributed.barrier()
+        if rank == 0:
+            if hf_assets:
+                copy_assets(hf_assets, os.path.join(tmp, HF_ASSETS), skip=())
+            cfg = model.dllm_config
+            layout = {"tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+                      "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size()}
+            write_marker(tmp, cfg, dtype=model.config.params_dtype, tied=tied, layout=layout,
+                         source={"saved_from_layout": layout},
+                         padded_vocab=model.padded_vocab_size)
+            finalize_output(tmp, out)
+    finally:
+        if rank == 0 and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    torch.distributed.barrier()
+    return os.path.abspath(out)
+
+
+# ------------------------------------------------------------------ single process
+@contextlib.contextmanager
+def _rng_preserved():
+    states: List[Any] = [random.getstate(), torch.get_rng_state()]
+    try:
+        import numpy as np
+
+        states.append(np.random.get_state())
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+        if len(states) > 2:
+            import numpy as np
+
+            np.random.set_state(states[2])
+
+
+def ensure_single_process() -> bool:
+    """Make sure Megatron runs with TP=PP=1 here; True if this call initialised it.
+
+    The caller's RNG streams are left as they were (initialisation seeds them).
+    """
+    from megatron.core import parallel_state
+
+    from ..parallel import bootstrap
+
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() != 1
+                or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+            raise ConversionError("conversion and load_model run with TP=PP=1, but Megatron is "
+                                  "initialised with another layout in this process")
+        return False
+    with _rng_preserved():
+        bootstrap.initialize(1, 1, backend="gloo",
+                             environ=None if torch.distributed.is_initialized() else {})
+    return True
+
+
+def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
+    """A TP=1/PP=1 model whose parameters are allocated but never initialised or touched
+    (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE)."""
+    from ..models import DLLMModel, dllm_layer_spec, to_transformer_config
+
+    config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=1), dtype,
+                                   perform_initialization=False, use_cpu_initialization=True)
+    return DLLMModel(cfg, config, dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False))
+
+
+def expanded_sharded_state_dict(model) -> Dict[str, Any]:
+    """``model.sharded_state_dict()`` with every ShardedTensorFactory built into its
+    ShardedTensors (a list), so that each piece can get its own contiguous tensor
+    (Megatron would otherwise chunk ``linear_fc1`` and clone the halves when saving)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    out = {}
+    for name, entry in model.sharded_state_dict().items():
+        if isinstance(entry, ShardedTensorFactory):
+            built = entry.build()
+            entry = list(built) if isinstance(built, (list, tuple)) else [built]
+        out[name] = entry
+    return out
+
+
+def attach(entry: Any, blocks: List[torch.Tensor]) -> None:
+    """Give a ShardedTensor (or a factory's list of them) the rows ``blocks`` (TP=1: local = global)."""
+    pieces = entry if isinstance(entry, list) else [entry]
+    shapes = [tuple(p.local_shape) for p in pieces]
+    if len(blocks) != len(pieces) or [tuple(b.shape) for b in blocks] != shapes:
+        full = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        if full.shape[0] != sum(s[0] for s in shapes):
+            raise ConversionError(f"cannot place a tensor of shape {list(full.shape)} into "
+                                  f"{pieces[0].key} pieces {shapes}")
+        blocks = list(full.split([s[0] for s in shapes]))
+    for piece, block in zip(pieces, blocks):
+        if tuple(block.shape) != tuple(piece.local_shape):
+            raise ConversionError(f"{piece.key}: shape {list(block.shape)} != {list(piece.local_shape)}")
+        piece.data = block.to(piece.dtype)
+
+
+def check_keys_present(entries: Dict[str, Any], path: str) -> None:
+    """Raise naming every requested tensor key the checkpoint does not hold."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    wanted = {p.key for e in entries.values() for p in (e if isinstance(e, list) else [e])
+              if isinstance(p, ShardedTensor)}
+    missing = sorted(wanted - stored)
+    if missing:
+        raise ConversionError(f"checkpoint {path} lacks tensor(s) {missing[:5]}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _standalone(piece, dtype: torch.dtype):
+    """The same region as a self-contained chunk (no prepended layer axis, no grid), so that
+    one layer of a layer-stacked tensor can be loaded without the others."""
+    shape = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
+    return dataclasses.replace(piece, data=torch.empty(shape, dtype=dtype), dtype=dtype,
+                               local_shape=shape, prepend_axis_num=0, axis_fragmentations=None)
+
+
+def iter_full_tensors(path: str, shell, groups: List[Tuple[str, List[Any]]], dtype: torch.dtype
+                      ) -> Iterator[Tuple[str, str, torch.Tensor]]:
+    """``(group, megatron name, full tensor)`` read from ``path`` one group at a time (TP=1 view),
+    so that only one layer is held in memory."""
+    from megatron.core import dist_checkpointing
+
+    entries = expanded_sharded_state_dict(shell)
+    check_keys_present(entries, path)
+    for group_name, mappings in groups:
+        sub = {}
+        for mapping in mappings:
+            entry = entries[mapping.megatron]
+            sub[mapping.megatron] = [_standalone(p, dtype)
+                                     for p in (entry if isinstance(entry, list) else [entry])]
+        dist_checkpointing.load(sub, path, validate_access_integrity=False)
+        for mapping in mappings:
+            pieces = [p.data.reshape(p.data.shape[-len(q.local_shape):])
+                      for p, q in zip(sub.pop(mapping.megatron), _as_list(entries[mapping.megatron]))]
+            yield group_name, mapping.megatron, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _as_list(entry: Any) -> List[Any]:
+    return entry if isinstance(entry, list) else [entry]
+
+
+def load_model_weights(model, path: str) -> None:
+    """Load a converted (or training) checkpoint into ``model`` at this process's TP/PP layout.
+
+    Every rank calls it with its own stage of :func:`build_model`; missing tensors raise."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict()
+    check_keys_present(expanded_sharded_state_dict(model), path)
+    loaded = dist_checkpointing.load(sharded, path)
+    # a training checkpoint also holds optimizer state in its common part: keep model keys only
+    loaded = {key: value for key, value in loaded.items() if key in sharded}
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
