@@ -71,6 +71,10 @@ class RolloutSection:
     """Task name (``stabledrl_mcore.tasks.available_tasks()``)."""
     data_path: Optional[str] = None
     """Local data file or root for file-backed tasks (GSM8K, MATH500)."""
+    prompt_style: str = "chat"
+    """``chat`` (system prompt + the tokenizer's chat template) or ``compact`` (bare puzzle, tiny models)."""
+    task_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task, e.g. ``{blanks: [6, 10]}`` for sudoku."""
     prompts_per_step: int = 16
     """Prompts per optimizer step over the whole job (split over data-parallel ranks)."""
     group_size: int = 8
@@ -191,6 +195,8 @@ class RunConfig:
         _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
         _choice("algo.advantage", self.algo.advantage, ("center", "zscore"))
+        _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
+        _choice("algo.likelihood", self.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
         if self.algo.ratio_noise is not None:
             _choice("algo.ratio_noise", self.algo.ratio_noise, ("lognormal", "student_t"))
         for name in ("parallel.tensor_parallel", "parallel.pipeline_parallel",

@@ -31,6 +31,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (e.g. checkpoint-writer helpers), by PID."""
+    try:
+        import psutil
+
+        pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
+        pids = [pid]
+    for target in pids:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _entry(fn, rank, world_size, port, threads, args, error_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -87,7 +102,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
                 time.sleep(0.05)
         for proc in procs:
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
+                _kill_tree(proc.pid)
             proc.join()
     reports = []
     for name in sorted(os.listdir(error_dir)):

@@ -72,14 +72,25 @@ class Task:
     name: str = ""
     system_prompt: str = ""
     reward_range: tuple[float, float] = REWARD_RANGE
+    prompt_style: str = "chat"
+    """``chat`` (system prompt + chat template) or ``compact`` (:meth:`compact_prompt`, for tiny models)."""
 
     def load(self, split: str, *, path: str | None = None, limit: int | None = None,
              seed: int = 0, n: int | None = None) -> list[Example]:
         raise NotImplementedError
 
     def prompt(self, example: Example, tokenizer: Any = None) -> str:
-        """The full prompt: chat template of ``tokenizer`` if it has one, else plain text."""
+        """The full prompt: chat template of ``tokenizer`` if it has one, else plain text.
+
+        With ``prompt_style == "compact"`` it is :meth:`compact_prompt` instead.
+        """
+        if self.prompt_style == "compact":
+            return self.compact_prompt(example)
         return build_prompt(example.prompt, tokenizer, system_prompt=self.system_prompt)
+
+    def compact_prompt(self, example: Example) -> str:
+        """The bare question, no system prompt or template (tiny from-scratch models)."""
+        return example.prompt
 
     def extract_answer(self, completion: str) -> str | None:
         raise NotImplementedError
@@ -134,8 +145,15 @@ def available_tasks() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_task(name: str, **kwargs: Any) -> Task:
+PROMPT_STYLES = ("chat", "compact")
+
+
+def get_task(name: str, *, prompt_style: str = "chat", **kwargs: Any) -> Task:
     """Build the task registered as ``name`` (kwargs go to its constructor)."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(available_tasks())}")
-    return _REGISTRY[name](**kwargs)
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+    task = _REGISTRY[name](**kwargs)
+    task.prompt_style = prompt_style
+    return task

@@ -152,6 +152,11 @@ class CountdownTask(Task):
     name = "countdown"
     system_prompt = COUNTDOWN_SYSTEM_PROMPT
 
+    def compact_prompt(self, example: Example) -> str:
+        """``"n1 n2 n3 -> target ="``; the answer is the expression."""
+        ref = example.reference
+        return " ".join(str(n) for n in ref["numbers"]) + f" -> {ref['target']} ="
+
     def __init__(self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100) -> None:
         if not num_counts or any(k not in (2, 3, 4, 5) for k in num_counts):
             raise ValueError(f"num_counts must be a non-empty tuple of 2..5, got {num_counts!r}")

@@ -195,6 +195,10 @@ class SudokuTask(Task):
                                     meta={"index": len(examples)}))
         return examples[:limit] if limit is not None else examples
 
+    def compact_prompt(self, example: Example) -> str:
+        """The 16-character puzzle and ``=``; the answer is the 16-digit grid."""
+        return example.reference["puzzle"] + "="
+
     @staticmethod
     def question(puzzle: str) -> str:
         return ("Solve this 4x4 Sudoku. Each row, column and 2x2 box must contain 1, 2, 3 and 4 "

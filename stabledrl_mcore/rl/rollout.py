@@ -1,0 +1,124 @@
+"""Phases 1-2 of a StableDRL step: prompts -> G completions each -> rewards -> advantages.
+
+Everything between phases travels in one :class:`RolloutBatch`. Each phase is
+a function ``(batch, ...) -> batch`` with explicit ``torch.Generator``s, so a
+step is a pure function of (weights, step number, seed) and resume is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..diffusion import generate
+from ..tasks.base import Example
+from .advantages import group_advantages
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's share of a step: ``N = prompts x G`` sequences.
+
+    ``sequences [N, S]`` = left-padded prompt then completion; ``completion_mask``
+    marks completion tokens up to and including the first EOS (what the
+    likelihood scores); ``group_index [N]`` names each sample's prompt.
+    """
+
+    sequences: torch.Tensor
+    prompt_len: int
+    prompt_valid: torch.Tensor
+    completion_mask: torch.Tensor
+    group_index: torch.Tensor
+    completions: List[str]
+    references: List[Any]
+    rewards: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    reward_errors: int = 0
+    old_token_logp: Optional[torch.Tensor] = None  # [M, N, S] per-draw log-probs (no grad)
+    old_logp: Optional[torch.Tensor] = None        # [N] sequence estimates
+    plan: Any = None                               # diffusion.MaskPlan to replay
+    stats: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None):
+    """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])``."""
+    encoded = [tokenizer.encode(t) for t in texts]
+    if max_len is not None:
+        encoded = [e[-max_len:] for e in encoded]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
+    valid = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for row, e in enumerate(encoded):
+        if e:
+            ids[row, width - len(e):] = torch.tensor(e, dtype=torch.long)
+            valid[row, width - len(e):] = True
+    return ids, valid
+
+
+def completion_mask_until_eos(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """True up to and including the first EOS of each row (all True when there is none)."""
+    is_eos = completion == eos_id
+    after_first = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return ~after_first
+
+
+def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, group_size: int,
+                      gen_length: int, steps: int, block_length: int, temperature: float,
+                      threshold: Optional[float], micro_batch: int,
+                      chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
+                      progress: bool = False) -> RolloutBatch:
+    """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
+
+    Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
+    so results do not depend on how the global batch is split over DP ranks.
+    """
+    texts = [task.prompt(ex, tokenizer) for ex in examples]
+    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
+    prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
+    group_index = torch.arange(len(examples)).repeat_interleave(group_size)
+    outputs = []
+    with torch.no_grad():
+        for k, start in enumerate(range(0, prompt_ids.shape[0], micro_batch)):
+            sl = slice(start, start + micro_batch)
+            outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
+                                    block_length=block_length, temperature=temperature,
+                                    threshold=threshold, generator=chunk_generator(first_chunk + k),
+                                    prompt_valid=prompt_valid[sl], progress=progress))
+    sequences = torch.cat(outputs)
+    width = prompt_ids.shape[1]
+    completion = sequences[:, width:]
+    comp_mask = torch.zeros_like(sequences, dtype=torch.bool)
+    comp_mask[:, width:] = completion_mask_until_eos(completion, tokenizer.eos_token_id)
+    valid = torch.cat([prompt_valid, torch.ones_like(completion, dtype=torch.bool)], 1)
+    return RolloutBatch(
+        sequences=sequences, prompt_len=width, prompt_valid=valid, completion_mask=comp_mask,
+        group_index=group_index,
+        completions=[tokenizer.decode(row.tolist()) for row in completion],
+        references=[ex.reference for ex in examples for _ in range(group_size)],
+    )
+
+
+def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> RolloutBatch:
+    """Phase 2: rewards (a verifier that raises scores 0 and is counted) and group advantages."""
+    rewards, errors = [], 0
+    for completion, reference in zip(batch.completions, batch.references):
+        try:
+            rewards.append(float(task.reward(completion, reference)))
+        except Exception:  # noqa: BLE001 - hostile model output must never stop training
+            rewards.append(0.0)
+            errors += 1
+    batch.rewards = torch.tensor(rewards, dtype=torch.float32)
+    batch.reward_errors = errors
+    batch.advantages = group_advantages(batch.rewards, batch.group_index, mode=advantage)
+    return batch

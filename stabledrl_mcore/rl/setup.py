@@ -1,0 +1,199 @@
+"""Build everything a training run needs from a :class:`~stabledrl_mcore.config.RunConfig`.
+
+Distributed start-up, tokenizer, backbone (random init, a converted
+checkpoint, or a training checkpoint on resume), Megatron DDP, the Megatron
+optimizer with its LR schedule, the task and its prompt stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+
+from ..config import RunConfig
+from ..tasks import get_task
+from ..tasks.base import Example
+
+
+@dataclass
+class TrainingSetup:
+    cfg: RunConfig
+    model: Any           # the DLLMModel (this rank's stage)
+    ddp: Any             # Megatron DistributedDataParallel around it
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    task: Any
+    prompts: "PromptStream"
+    dp_rank: int
+    dp_size: int
+    preempted: bool = False
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (seed, step, rank, phase)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def phase_generator(seed: int, step: int, dp_rank: int, phase: str) -> torch.Generator:
+    """Every random draw of a step comes from here: exact resume needs no RNG state."""
+    return torch.Generator().manual_seed(derive_seed(seed, step, dp_rank, phase))
+
+
+class PromptStream:
+    """Deterministic prompts for step ``s``: a seeded permutation per epoch, split over DP ranks."""
+
+    def __init__(self, examples: List[Example], prompts_per_step: int, dp_rank: int, dp_size: int,
+                 seed: int):
+        if prompts_per_step % dp_size:
+            raise ValueError(f"rollout.prompts_per_step ({prompts_per_step}) must be divisible by the "
+                             f"data-parallel size ({dp_size})")
+        if not examples:
+            raise ValueError("the task produced no training examples")
+        self.examples, self.per_step, self.seed = examples, prompts_per_step, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def position(self, step: int) -> int:
+        """Index of the first prompt of ``step`` in the endless stream (saved in checkpoints)."""
+        return step * self.per_step
+
+    def for_step(self, step: int) -> List[Example]:
+        local = self.per_step // self.dp_size
+        start = self.position(step) + self.dp_rank * local
+        out = []
+        for index in range(start, start + local):
+            epoch, offset = divmod(index, len(self.examples))
+            order = torch.randperm(len(self.examples),
+                                   generator=torch.Generator().manual_seed(derive_seed(self.seed, epoch)))
+            out.append(self.examples[int(order[offset])])
+        return out
+
+
+def _model_config(cfg: RunConfig, tokenizer):
+    """The preset (random init) or the checkpoint's own config, with ``model.overrides`` applied."""
+    from ..models import get_preset
+
+    if cfg.model.checkpoint:
+        from ..checkpoint.loader import read_config
+
+        mcfg = read_config(cfg.model.checkpoint)
+    else:
+        mcfg = get_preset(cfg.model.preset)
+    overrides = dict(cfg.model.overrides)
+    for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+        overrides.setdefault(name, getattr(tokenizer, name))
+    if not cfg.model.checkpoint:  # random init: the embedding covers exactly the tokenizer
+        overrides.setdefault("vocab_size", tokenizer.vocab_size)
+    unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(mcfg)}]
+    if unknown:
+        from ..config import ConfigError
+
+        raise ConfigError(f"model.overrides: unknown DLLMConfig field(s) {', '.join(unknown)}")
+    return dataclasses.replace(mcfg, **overrides).validate()
+
+
+def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
+    """The configured tokenizer, the checkpoint's, or a tiny one trained on the task (rank 0 trains)."""
+    from ..tokenizer import load_tokenizer, train_sentencepiece
+
+    path = cfg.model.tokenizer or cfg.model.checkpoint
+    if path and not cfg.model.tokenizer and os.path.isdir(os.path.join(path, "hf")):
+        path = os.path.join(path, "hf")  # converted and training checkpoints keep it there
+    if path:
+        return load_tokenizer(path)
+    target = os.path.join(run_dir, "tokenizer")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0 and not os.path.isdir(target):
+        sample = task.load("train", n=256, seed=cfg.parallel.seed)
+        texts = [task.prompt(ex) for ex in sample] + [str(ex.meta.get("answer_text", ex.reference))
+                                                      for ex in sample]
+        train_sentencepiece(texts, target + ".tmp", vocab_size=64)
+        os.replace(target + ".tmp", target)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return load_tokenizer(target)
+
+
+def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = None) -> TrainingSetup:
+    """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ..models import build_model
+    from ..parallel import bootstrap
+
+    if cfg.parallel.threads:
+        torch.set_num_threads(cfg.parallel.threads)
+    if cfg.parallel.pipeline_parallel > 1:
+        raise NotImplementedError("pipeline parallelism is not supported by the RL loop yet "
+                                  "(rollouts need a pipelined sampler); use tensor and data parallelism")
+    task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+    bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
+                         seed=cfg.parallel.seed, timeout_minutes=cfg.parallel.timeout_minutes,
+                         backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+    tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
+    mcfg = _model_config(cfg, tokenizer)
+    bootstrap.validate_parallel_layout(
+        torch.distributed.get_world_size(), cfg.parallel.tensor_parallel,
+        cfg.parallel.pipeline_parallel, num_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_attention_heads, num_query_groups=mcfg.num_query_groups)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
+    if cfg.model.checkpoint:
+        load_initial_weights(model, cfg.model.checkpoint)
+    distributed = cfg.optim.distributed and torch.cuda.is_available()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    opt_cfg = OptimizerConfig(
+        optimizer=cfg.optim.name, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
+        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1], sgd_momentum=0.0, clip_grad=cfg.optim.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    total = max(cfg.steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr, max_lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr, lr_warmup_steps=cfg.optim.warmup_steps,
+        lr_decay_steps=max(total, cfg.optim.warmup_steps + 1), lr_decay_style=cfg.optim.decay_style,
+        start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total,
+        wd_incr_style="constant")
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    examples = train_examples if train_examples is not None else _train_examples(cfg, task)
+    prompts = PromptStream(examples, cfg.rollout.prompts_per_step, dp_rank, dp_size, cfg.parallel.seed)
+    rows = cfg.rollout.prompts_per_step // dp_size * cfg.rollout.group_size
+    if rows % cfg.parallel.micro_batch_size:
+        from ..config import ConfigError
+
+        raise ConfigError(f"each data-parallel rank holds {rows} sequences (prompts_per_step / DP x "
+                          f"group_size), not a multiple of parallel.micro_batch_size "
+                          f"({cfg.parallel.micro_batch_size})")
+    return TrainingSetup(cfg, model, ddp, optimizer, scheduler, tokenizer, task, prompts,
+                         dp_rank, dp_size)
+
+
+def load_initial_weights(model, path: str) -> None:
+    """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP)."""
+    from ..checkpoint.loader import is_hf_dir, load_hf_weights
+    from ..checkpoint.mcore_io import load_model_weights
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
+    if is_hf_dir(path):
+        load_hf_weights(model, path)
+    else:
+        load_model_weights(model, path)
+
+
+def _train_examples(cfg: RunConfig, task) -> List[Example]:
+    kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
+    if cfg.rollout.task in ("countdown", "sudoku"):
+        kwargs["n"] = max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
+    return task.load("train", seed=cfg.parallel.seed, **kwargs)

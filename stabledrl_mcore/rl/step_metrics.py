@@ -1,0 +1,55 @@
+"""Per-step metrics, reduced over data-parallel ranks: rewards, accuracy, loss diagnostics, speed."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+def _dp_sum(values: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        values = values.clone()
+        torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
+    return values
+
+
+def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
+    """Reward mean/std and accuracy over the global batch; the update's loss diagnostics
+    (averaged over DP ranks); learning rate; wall seconds and tokens/s per phase."""
+    rewards = batch.rewards.double()
+    completion_tokens = float(batch.completion_mask.sum())
+    sequence_tokens = float(batch.sequences.numel())
+    keys = sorted(k for k, v in update.items() if isinstance(v, (int, float)))
+    local = torch.tensor([rewards.sum(), (rewards ** 2).sum(), float(rewards.numel()),
+                          float((rewards >= 1.0).sum()), float(batch.reward_errors), completion_tokens,
+                          sequence_tokens] + [float(update[k]) for k in keys], dtype=torch.float64)
+    total = _dp_sum(local)
+    n = max(total[2].item(), 1.0)
+    mean = total[0].item() / n
+    out = {
+        "reward_mean": mean,
+        "reward_std": max(total[1].item() / n - mean * mean, 0.0) ** 0.5,
+        f"accuracy/{s.cfg.rollout.task}": total[3].item() / n,
+        "reward_errors": total[4].item(),
+        "completion_tokens": total[5].item(),
+        "lr": float(s.optimizer.param_groups[0]["lr"]),
+    }
+    dp = float(s.dp_size)
+    for i, key in enumerate(keys):
+        value = total[7 + i].item()
+        out[key] = value if key in ("skipped_updates",) else value / dp
+    out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
+    for phase, secs in seconds.items():
+        out[f"time/{phase}"] = secs
+    out["step_s"] = sum(seconds.values())
+    if seconds.get("rollout"):
+        out["tokens_per_s/rollout"] = total[5].item() / seconds["rollout"]
+    if seconds.get("update"):
+        out["tokens_per_s/update"] = total[6].item() * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
+            / seconds["update"]
+    if seconds.get("old_logp"):
+        out["tokens_per_s/old_logp"] = total[6].item() * s.cfg.algo.num_mc / seconds["old_logp"]
+    return out

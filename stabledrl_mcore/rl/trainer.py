@@ -1,0 +1,218 @@
+"""The StableDRL training loop: named, timed phases over library functions.
+
+    for step in steps:
+        rollout  -> score -> old-policy likelihood (masks saved)
+        mu x [coefficients -> micro-batch backward -> grad sync -> clip -> optimizer step]
+        log, checkpoint
+
+Runs on any number of ranks (torchrun, srun, or ``stabledrl train --nproc N``);
+each data-parallel rank takes its own prompts, tensor-parallel ranks share them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+
+from ..checkpoint.state import (TrainState, find_latest, load_checkpoint, save_checkpoint)
+from ..config import RunConfig, save_config, to_dict
+from ..metrics import create_logger
+from .noise import RatioNoise
+from .rollout import generate_rollouts, score_rollouts
+from .setup import TrainingSetup, build_training, phase_generator
+from .step_metrics import step_metrics
+from .update import (LikelihoodSpec, accumulate_gradients, agree_ok, all_token_logp,
+                     grads_finite, loss_coefficients, old_policy_likelihood)
+
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
+
+
+_PREEMPTION = {"caught": False, "installed": False}
+
+
+def install_preemption_handlers() -> None:
+    """Catch SIGUSR1/SIGTERM from now on (call early: a signal during start-up is kept too)."""
+    import signal
+    import threading
+
+    if _PREEMPTION["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGUSR1", "SIGTERM"):
+        signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
+    _PREEMPTION["installed"] = True
+
+
+def preemption_agreed() -> bool:
+    """True on every rank once any rank caught a pre-emption signal."""
+    flag = torch.tensor([1.0 if _PREEMPTION["caught"] else 0.0])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+class PhaseTimer:
+    """``with timer("rollout"):`` accumulates wall seconds per named phase."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
+    block = model.dllm_config.block_size if cfg.algo.likelihood == "staircase" else None
+    return LikelihoodSpec(kind=cfg.algo.likelihood, num_mc=cfg.algo.num_mc,
+                          length_normalize=cfg.algo.length_normalize, block_size=block)
+
+
+def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, float]:
+    """Phase 4: ``inner_iterations`` optimizer steps on one rollout batch."""
+    cfg, mask_id = s.cfg, s.model.dllm_config.mask_token_id
+    noise = (RatioNoise(cfg.algo.ratio_noise, cfg.algo.ratio_noise_sigma, cfg.algo.ratio_noise_dof)
+             if cfg.algo.ratio_noise else None)
+    metrics: Dict[str, float] = {"skipped_updates": 0.0}
+    for inner in range(cfg.algo.inner_iterations):
+        current = batch.old_token_logp if inner == 0 else all_token_logp(
+            s.model, batch, batch.plan, spec, micro_batch=cfg.parallel.micro_batch_size, mask_id=mask_id)
+        coef, loss_metrics = loss_coefficients(
+            current, batch, spec, loss=cfg.algo.loss, eps=cfg.algo.eps, ratio_noise=noise,
+            noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise"))
+        s.ddp.zero_grad_buffer()
+        s.optimizer.zero_grad()
+        if agree_ok(coef is not None):
+            accumulate_gradients(s.ddp, batch, spec, coef, micro_batch=cfg.parallel.micro_batch_size,
+                                 mask_id=mask_id)
+        s.ddp.finish_grad_sync()
+        if coef is None or not grads_finite(s.model):
+            metrics["skipped_updates"] += 1
+            s.optimizer.zero_grad()
+            continue
+        _, grad_norm, _ = s.optimizer.step()
+        metrics.update({k: v for k, v in loss_metrics.items() if isinstance(v, (int, float))})
+        metrics["grad_norm"] = max(metrics.get("grad_norm", 0.0), float(grad_norm or 0.0))
+    s.scheduler.step(increment=1)
+    if metrics["skipped_updates"]:
+        s.optimizer.zero_grad()
+    return metrics
+
+
+def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[TrainingSetup] = None,
+          stop_after: Optional[int] = None) -> TrainingSetup:
+    """Run ``cfg.steps`` StableDRL steps (``stop_after`` ends early, e.g. for tests).
+
+    On SIGUSR1 or SIGTERM (SLURM's pre-emption warning) every rank finishes the
+    current step, a checkpoint is written, and ``setup.preempted`` is set; the
+    CLI then exits with :data:`EXIT_PREEMPTED` so the job script can requeue.
+    """
+    s = setup or build_training(cfg)
+    ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
+    start = _maybe_resume(s, ckpt_root, resume or cfg.checkpoint.resume)
+    spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
+    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
+                           wandb_project=cfg.logging.wandb_project,
+                           console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s"))
+    if torch.distributed.get_rank() == 0:
+        save_config(cfg, f"{cfg.logging.run_dir}/config.yaml")
+        if start:
+            logger.info(f"resumed from {ckpt_root}/step_{start:08d} at step {start}")
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = _progress(cfg, start, end)
+    install_preemption_handlers()
+    with logger:
+        for step in range(start, end):
+            timer.seconds.clear()
+            with timer("rollout"):
+                batch = rollout_phase(s, step)
+            with timer("score"):
+                batch = score_rollouts(batch, s.task, advantage=cfg.algo.advantage)
+            with timer("old_logp"):
+                batch = old_logp_phase(s, batch, spec, step)
+            with timer("update"):
+                update = policy_update(s, batch, spec, step)
+            metrics = step_metrics(s, batch, update, timer.seconds)
+            logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
+            bar.update(1)
+            stop = preemption_agreed()
+            if stop or step + 1 == end or cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
+                save_training_checkpoint(s, ckpt_root, step + 1)
+            if stop:
+                logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
+                s.preempted = True
+                break
+    bar.close()
+    return s
+
+
+def _first_chunk(s: TrainingSetup) -> int:
+    """Global index of this rank's first micro-batch (so draws do not depend on the DP split)."""
+    rows = s.cfg.rollout.prompts_per_step // s.dp_size * s.cfg.rollout.group_size
+    return s.dp_rank * rows // s.cfg.parallel.micro_batch_size
+
+
+def rollout_phase(s: TrainingSetup, step: int):
+    """Phase 1: this rank's prompts of ``step``, ``group_size`` completions each."""
+    r = s.cfg.rollout
+    return generate_rollouts(
+        s.model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
+        gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
+        threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
+        chunk_generator=_chunk_generators(s.cfg, step)("rollout"), first_chunk=_first_chunk(s))
+
+
+def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
+    """Phase 3: masks drawn and the old policy scored (kept for replay)."""
+    return old_policy_likelihood(s.model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
+                                 mask_id=s.model.dllm_config.mask_token_id,
+                                 chunk_generator=_chunk_generators(s.cfg, step)("masks"),
+                                 first_chunk=_first_chunk(s))
+
+
+def _progress(cfg: RunConfig, start: int, end: int):
+    from tqdm import tqdm
+
+    rank0 = torch.distributed.get_rank() == 0
+    return tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                disable=not (cfg.logging.progress and rank0))
+
+
+def _chunk_generators(cfg: RunConfig, step: int):
+    """``chunks(phase)(k)``: the generator of global micro-batch ``k`` of ``phase`` at ``step``."""
+    return lambda phase: (lambda k: phase_generator(cfg.parallel.seed, step, k, phase))
+
+
+def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
+    import yaml
+
+    state = TrainState(step=step, data_position=s.prompts.position(step),
+                       scheduler=s.scheduler.state_dict(), world_size=torch.distributed.get_world_size(),
+                       tensor_parallel=s.cfg.parallel.tensor_parallel,
+                       pipeline_parallel=s.cfg.parallel.pipeline_parallel)
+    model_config = json.dumps(s.model.dllm_config.to_dict(), indent=2, sort_keys=True)
+    assets = {"hf": s.tokenizer.path} if s.tokenizer.path else None
+    return save_checkpoint(root, state, s.model.sharded_state_dict, optimizer=s.optimizer,
+                           config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
+                           keep_last=s.cfg.checkpoint.keep_last,
+                           extra_files={"model_config.json": model_config}, assets=assets)
+
+
+def _maybe_resume(s: TrainingSetup, root: str, resume: Optional[str]) -> int:
+    if not resume or resume == "none":
+        return 0
+    path = find_latest(root) if resume == "auto" else resume
+    if path is None:
+        return 0
+    state = load_checkpoint(path, s.model, optimizer=s.optimizer)
+    if state.scheduler:
+        s.scheduler.load_state_dict(state.scheduler)
+    return state.step
+
+

@@ -1,0 +1,146 @@
+"""The distributed StableDRL loop: DP=2 == DP=1, TP=2 trains, exact resume, kill during save."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from stabledrl_mcore.parallel.launch import spawn
+from stabledrl_mcore.tasks.base import register_task
+from stabledrl_mcore.tasks.sudoku import SudokuTask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+
+
+@register_task("test_digits")
+class DigitsTask(SudokuTask):
+    """Sudoku prompts with a dense reward a random model already varies on: share of digits."""
+
+    name = "test_digits"
+
+    def _reward(self, completion, reference):
+        text = completion[:16]
+        return sum(ch.isdigit() for ch in text) / 16.0
+
+
+def overrides(run_dir, **extra):
+    base = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "rollout.task": "test_digits",
+            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.gen_length": 8,
+            "rollout.steps": 4, "rollout.block_length": 8, "parallel.micro_batch_size": 4,
+            "checkpoint.save_every": 0, "steps": 2, "optim.lr": 0.05, "optim.clip_grad": 1.0,
+            "algo.loss": "stabledrl"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.rl.trainer import train
+
+    cfg = load_config(CONFIG, overrides(run_dir, **extra))
+    setup = train(cfg, resume=resume, stop_after=stop_after)
+    state = {k: v.detach().clone() for k, v in setup.model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
+    rank = torch.distributed.get_rank()
+    if out_name:
+        torch.save(state, os.path.join(run_dir, f"{out_name}.rank{rank}.pt"))
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    drop = ("time", "step_s")
+    return [{k: v for k, v in r.items() if k not in drop and not k.startswith(("time/", "tokens_per_s"))}
+            for r in rows]
+
+
+@pytest.mark.multiprocess
+def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
+    sgd = {"optim.name": "sgd", "optim.weight_decay": 0.0}
+    single, dp2, tp2 = (str(tmp_path / n) for n in ("dp1", "dp2", "tp2"))
+    spawn(_train_worker, 1, (single, sgd, "final"), timeout=300)
+    spawn(_train_worker, 2, (dp2, sgd, "final"), timeout=300)
+    spawn(_train_worker, 2, (tp2, dict(sgd, **{"parallel.tensor_parallel": 2}), "final"), timeout=300)
+    ref = torch.load(os.path.join(single, "final.rank0.pt"))
+    init_dir = str(tmp_path / "init")
+    spawn(_train_worker, 1, (init_dir, dict(sgd, steps=0), "final"), timeout=300)
+    init = torch.load(os.path.join(init_dir, "final.rank0.pt"))
+    moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
+    assert moved > 1e-4, "weights did not move"
+    for rank in (0, 1):
+        got = torch.load(os.path.join(dp2, f"final.rank{rank}.pt"))
+        diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-5, f"DP=2 rank {rank} differs from DP=1 by {diff}"
+    assert _metrics(dp2)[-1]["reward_mean"] == pytest.approx(_metrics(single)[-1]["reward_mean"])
+    tp_state = torch.load(os.path.join(tp2, "final.rank0.pt"))
+    tp_init = [k for k in tp_state if k.endswith("linear_fc2.weight")][0]
+    assert all(torch.isfinite(v).all() for v in tp_state.values())
+    assert tp_state[tp_init].shape[1] * 2 == ref[tp_init].shape[1], "TP=2 should hold half of fc2"
+    last = _metrics(tp2)[-1]
+    assert last["grad_norm"] > 0 and last["skipped_updates"] == 0
+
+
+@pytest.mark.multiprocess
+def test_exact_resume_bitwise(tmp_path):
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    extra = {"steps": 4, "checkpoint.save_every": 2, "optim.lr": 1e-3}
+    spawn(_train_worker, 1, (straight, extra, "final"), timeout=300)
+    spawn(_train_worker, 1, (resumed, extra, None, 2), timeout=300)  # stops (process exits) after step 2
+    spawn(_train_worker, 1, (resumed, extra, "final", None, "auto"), timeout=300)
+    a, b = _metrics(straight), _metrics(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a == b, "metrics differ after resume"
+    sa = torch.load(os.path.join(straight, "final.rank0.pt"))
+    sb = torch.load(os.path.join(resumed, "final.rank0.pt"))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "parameters are not bitwise equal"
+
+
+def _kill_tree(proc):
+    """SIGKILL the training process and every process it started (by PID)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    for pid in [proc.pid] + [c.pid for c in children]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_checkpoint_save_resumes_from_last_complete(tmp_path):
+    run_dir = str(tmp_path / "run")
+    ckpt = os.path.join(run_dir, "checkpoints")
+    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", CONFIG,
+           *overrides(run_dir, **{"rollout.task": "sudoku", "checkpoint.save_every": 1, "steps": 3})]
+    env = dict(os.environ, STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT="2", PYTHONPATH=ROOT)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.isdir(os.path.join(ckpt, "step_00000001")) and \
+                    os.path.isdir(os.path.join(ckpt, ".tmp-step_00000002")):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "training ended before the second save: " + proc.stderr.read().decode()
+    finally:
+        _kill_tree(proc)
+    assert sorted(os.listdir(ckpt)) == [".tmp-step_00000002", "step_00000001"]
+    from stabledrl_mcore.checkpoint.state import find_latest
+
+    assert find_latest(ckpt).endswith("step_00000001")
+    env.pop("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT")
+    done = subprocess.run(cmd + ["--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]  # keep_last: 2
+    steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert steps[-2:] == [2, 3] and steps.count(2) == 2, steps
