@@ -32,7 +32,12 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .config import load_config, save_config, to_dict
 
-    cfg = load_config(args.config, args.overrides)
+    if not args.print_config:
+        from .rl.trainer import install_preemption_handlers
+
+        install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
+    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         import yaml
 
@@ -40,12 +45,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.save_config:
             save_config(cfg, args.save_config)
         return 0
-    try:
-        from .rl.trainer import train  # type: ignore[attr-defined]
-    except ImportError:
-        return _not_available("train")
-    train(cfg, resume=args.resume)
-    return 0
+    if args.nproc > 1:
+        from .parallel.launch import spawn
+
+        spawn(_train_rank, args.nproc, (args.config, tuple(overrides)),
+              timeout=float("inf"), threads=cfg.parallel.threads)
+        return 0
+    return _train_rank(args.config, overrides)
+
+
+def _train_rank(config: Optional[str], overrides: Sequence[str]) -> int:
+    """One rank of ``stabledrl train``; exit status 75 means pre-empted (checkpoint written)."""
+    from .config import load_config
+    from .rl.trainer import EXIT_PREEMPTED, train
+
+    setup = train(load_config(config, list(overrides)))
+    return EXIT_PREEMPTED if setup.preempted else 0
 
 
 def _not_available(name: str) -> int:
@@ -53,7 +68,17 @@ def _not_available(name: str) -> int:
     return EXIT_USAGE
 
 
-def _build_parser(handlers: Dict[str, Callable]) -> argparse.ArgumentParser:
+def _lazy(module: str, name: str) -> Callable:
+    """Import ``module.name`` only when called (so ``stabledrl --help`` stays fast)."""
+    def call(*args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module(module, __package__), name)(*args, **kwargs)
+
+    return call
+
+
+def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="stabledrl",
                      description="StableDRL post-training of diffusion LMs on Megatron-Core.")
     parser.add_argument("--version", action="version", version=f"stabledrl {__version__}")
@@ -64,18 +89,27 @@ def _build_parser(handlers: Dict[str, Callable]) -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--resume", default=None, metavar="auto|none|PATH",
                        help="resume from the newest complete checkpoint (auto) or PATH")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
     train.add_argument("--print-config", action="store_true",
                        help="validate and print the resolved config, then exit")
     train.add_argument("--save-config", metavar="PATH", help="with --print-config: also write it")
     train.set_defaults(handler=handlers["train"])
 
-    for name, help_text in (("convert", "convert checkpoints between Hugging Face and Megatron"),
-                            ("generate", "generate completions from a checkpoint"),
-                            ("eval", "evaluate a checkpoint on a task"),
-                            ("bench", "measure per-phase throughput and MFU"),
-                            ("plan", "estimate per-GPU memory and throughput of a layout")):
+    for name, help_text, add_arguments, handler in (
+            ("convert", "convert checkpoints between Hugging Face and Megatron",
+             _lazy(".checkpoint.convert", "add_convert_arguments"),
+             _lazy(".checkpoint.convert", "run_convert")),
+            ("generate", "generate completions from a checkpoint",
+             _lazy(".commands", "add_generate_arguments"), _lazy(".commands", "run_generate")),
+            ("eval", "evaluate a checkpoint on a task (sharded over ranks)",
+             _lazy(".commands", "add_eval_arguments"), _lazy(".commands", "run_eval")),
+            ("bench", "measure per-phase throughput and MFU", None, None),
+            ("plan", "estimate per-GPU memory and throughput of a layout", None, None)):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.set_defaults(handler=handlers.get(name, lambda _a, n=name: _not_available(n)))
+        if add_arguments is not None and name == chosen:  # only the chosen command's flags
+            add_arguments(cmd)
+        cmd.set_defaults(handler=handlers.get(name, handler or (lambda _a, n=name: _not_available(n))))
     return parser
 
 
@@ -84,8 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .config import ConfigError
     from .parallel.bootstrap import ParallelLayoutError
 
-    parser = _build_parser({"train": _cmd_train})
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser({"train": _cmd_train}, chosen)
+    args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except (ConfigError, ParallelLayoutError) as err:

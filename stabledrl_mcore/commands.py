@@ -1,0 +1,155 @@
+"""``stabledrl generate`` and ``stabledrl eval``: checkpoint in, completions / accuracy out.
+
+Both take an HF directory, a converted checkpoint or a training checkpoint
+(``step_XXXXXXXX``). ``eval`` runs on the training layout: examples sharded
+over data-parallel ranks, the model under tensor parallelism (``--tp``), one
+command from a laptop (``--nproc``) to a cluster (torchrun / srun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt", required=True, metavar="DIR",
+                        help="HF directory, converted checkpoint or training checkpoint")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer (default: the checkpoint's)")
+    parser.add_argument("--gen-length", type=int, default=256, help="new tokens (default 256)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="diffusion steps: LLaDA total (default gen-length), SDAR per block "
+                             "(default the block size)")
+    parser.add_argument("--block-length", type=int, default=None,
+                        help="LLaDA semi-AR block (default 32); SDAR uses its block size")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="SDAR dynamic confidence threshold, e.g. 0.9")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
+
+
+def _tokenizer(args):
+    from .tokenizer import load_tokenizer
+
+    path = args.tokenizer or (os.path.join(args.ckpt, "hf") if os.path.isdir(os.path.join(args.ckpt, "hf"))
+                              else args.ckpt)
+    return load_tokenizer(path)
+
+
+def _sampling(args, cfg):
+    steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
+    block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
+    return dict(gen_length=args.gen_length, steps=steps, block_length=block,
+                temperature=args.temperature, threshold=args.threshold)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Single process: print (or write as JSONL) one completion per prompt."""
+    import torch
+
+    from .checkpoint.loader import load_model
+    from .diffusion import generate
+    from .rl.rollout import encode_prompts
+
+    prompts: List[str] = list(args.prompt or [])
+    if args.prompts:
+        with open(args.prompts) as handle:
+            prompts += [line.rstrip("\n") for line in handle if line.strip()]
+    if not prompts:
+        print("stabledrl generate: error: give --prompt TEXT or --prompts FILE", file=sys.stderr)
+        return 2
+    model = load_model(args.ckpt)
+    tokenizer = _tokenizer(args)
+    sampling = _sampling(args, model.config)
+    generator = torch.Generator().manual_seed(args.seed)
+    results = []
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start:start + args.batch_size]
+        ids, valid = encode_prompts(tokenizer, chunk)
+        with torch.no_grad():
+            out = generate(model.model, ids, generator=generator, prompt_valid=valid,
+                           progress=not args.no_progress, **sampling)
+        results += [{"prompt": p, "completion": tokenizer.decode(row[ids.shape[1]:].tolist())}
+                    for p, row in zip(chunk, out)]
+    if args.out:
+        with open(args.out, "w") as handle:
+            for record in results:
+                handle.write(json.dumps(record) + "\n")
+    else:
+        for record in results:
+            print(record["completion"])
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Distributed evaluation (``--nproc`` local ranks, or under torchrun/srun)."""
+    options = {key: value for key, value in vars(args).items() if key != "handler"}
+    if args.nproc > 1:
+        from .parallel.launch import spawn
+
+        spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
+        return 0
+    return _eval_rank(options)
+
+
+def _eval_rank(options: dict) -> int:
+    import torch
+
+    from .checkpoint.loader import read_config
+    from .evaluation import evaluate_model
+    from .models import build_model
+    from .parallel import bootstrap
+    from .rl.setup import load_initial_weights
+    from .tasks import get_task, write_jsonl
+
+    args = argparse.Namespace(**options)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = read_config(args.ckpt)
+    bootstrap.initialize(args.tp, 1, seed=args.seed, model_shape=dict(
+        num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups))
+    model = build_model(cfg)
+    load_initial_weights(model, args.ckpt)
+    tokenizer = _tokenizer(args)
+    task = get_task(args.task, prompt_style=args.prompt_style)
+    load_kwargs = {"limit": args.limit, "seed": args.seed}
+    if args.data_path:
+        load_kwargs["path"] = args.data_path
+    if args.task in ("countdown", "sudoku"):
+        load_kwargs["n"] = args.limit or 500
+    examples = task.load(args.split, **load_kwargs)
+    result = evaluate_model(model, tokenizer, task, examples, micro_batch=args.batch_size,
+                            seed=args.seed, progress=not args.no_progress, **_sampling(args, cfg))
+    if bootstrap.is_main_rank():
+        out = args.out or os.path.join(args.ckpt, f"eval_{args.task}_{args.split}.jsonl")
+        write_jsonl(out, result.records)
+        print(f"{args.task}/{args.split}: accuracy {result.accuracy:.4f} "
+              f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}")
+    return 0
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_sampling_arguments(parser)
+    parser.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    parser.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    parser.add_argument("--out", metavar="FILE", help="write JSONL instead of printing")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    add_sampling_arguments(parser)
+    parser.add_argument("--task", required=True, help="gsm8k, math500, countdown or sudoku")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=None, help="first N examples")
+    parser.add_argument("--data-path", metavar="PATH", help="local data file/root (GSM8K, MATH500)")
+    parser.add_argument("--prompt-style", default="chat", choices=("chat", "compact"))
+    parser.add_argument("--out", metavar="FILE", help="per-example JSONL (default: beside the checkpoint)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--nproc", type=int, default=1, help="local ranks (DP = nproc / tp)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--no-progress", action="store_true")

@@ -1,0 +1,68 @@
+"""Evaluate a (possibly distributed) model on a task: generate, score, gather over DP ranks.
+
+Examples are sharded contiguously over data-parallel ranks; tensor-parallel
+ranks of one replica generate identical tokens (same inputs, same generator).
+Rank 0 returns the accuracy over all examples and the gathered records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .diffusion import generate
+from .rl.rollout import encode_prompts
+from .tasks.base import Example
+from .tasks.evaluation import evaluate_completions, shard_examples
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    mean_reward: float
+    num_examples: int
+    records: List[Dict[str, Any]]
+
+
+def _dp_group():
+    if not torch.distributed.is_initialized():
+        return None, 0, 1
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return None, torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_length: int, steps: int,
+                   block_length: int, temperature: float = 0.0, threshold: Optional[float] = None,
+                   micro_batch: int = 16, seed: int = 0, progress: bool = False) -> EvalResult:
+    """Greedy (or sampled) completions for ``examples``; accuracy = share with full reward."""
+    group, rank, world = _dp_group()
+    mine = shard_examples(list(examples), rank, world)
+    completions: List[str] = []
+    generator = torch.Generator().manual_seed(seed + rank)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(mine), micro_batch):
+                chunk = mine[start:start + micro_batch]
+                ids, valid = encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in chunk])
+                out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
+                               temperature=temperature, threshold=threshold, generator=generator,
+                               prompt_valid=valid, progress=progress)
+                completions += [tokenizer.decode(row[ids.shape[1]:].tolist()) for row in out]
+    finally:
+        model.train(was_training)
+    _, records = evaluate_completions(task, mine, completions)
+    if world > 1:
+        gathered: List[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, records, group=group)
+        records = [r for part in gathered for r in part]
+    n = len(records)
+    return EvalResult(accuracy=sum(r["correct"] for r in records) / max(n, 1),
+                      mean_reward=sum(r["reward"] for r in records) / max(n, 1),
+                      num_examples=n, records=records)
