@@ -33,7 +33,7 @@ STABLEDRL_ROOT=${STABLEDRL_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd
 STABLEDRL_PYTHON=${STABLEDRL_PYTHON:-python}
 STABLEDRL_DEVICE=${STABLEDRL_DEVICE:-gpu}
 EXIT_PREEMPTED=75   # stabledrl_mcore.rl.trainer.EXIT_PREEMPTED: checkpoint written, requeue me
-SRUN_GRACE_S=300    # srun --wait: end the other ranks this long after the first one exits
+SRUN_GRACE_S=${STABLEDRL_SRUN_GRACE_S:-60}  # srun --wait: end the other ranks this long after the first one exits
 
 sdrl_log() {
     printf '[stabledrl %(%F %T)T job=%s restart=%s] %s\n' -1 "${SLURM_JOB_ID:-none}" \

@@ -80,6 +80,8 @@ def _submit(cluster, run_dir: Path, steps: int) -> str:
                STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable,
                STABLEDRL_DEVICE="cpu", STABLEDRL_OVERRIDES=f"{TINY} steps={steps}")
     env.pop("STABLEDRL_ROOT", None)  # the script finds the repository from the submit dir
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)  # the job derives its own rendezvous from SLURM, not from this shell
     proc = subprocess.run(["sbatch", "--parsable", *SBATCH_CPU,
                            f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", TRAIN_SCRIPT],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

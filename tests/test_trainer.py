@@ -18,7 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
 
-@register_task("test_digits")
 class DigitsTask(SudokuTask):
     """Sudoku prompts with a dense reward a random model already varies on: share of digits."""
 
@@ -40,6 +39,10 @@ def overrides(run_dir, **extra):
 
 
 def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
+    from stabledrl_mcore.tasks import available_tasks
+
+    if "test_digits" not in available_tasks():  # registered in the rank processes only
+        register_task("test_digits")(DigitsTask)
     from stabledrl_mcore.config import load_config
     from stabledrl_mcore.rl.trainer import train
 

@@ -193,8 +193,6 @@ def initialize(
     if not torch.distributed.is_initialized():
         if use_cuda:
             torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         torch.distributed.init_process_group(
             backend=backend or ("nccl" if use_cuda else "gloo"),
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -106,8 +106,12 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
 
 
 def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[TrainingSetup] = None,
-          stop_after: Optional[int] = None) -> TrainingSetup:
+          stop_after: Optional[int] = None,
+          hooks: Sequence[Callable[[TrainingSetup, int], Dict[str, float]]] = ()) -> TrainingSetup:
     """Run ``cfg.steps`` StableDRL steps (``stop_after`` ends early, e.g. for tests).
+
+    ``hooks(setup, step)`` run on every rank after each step; the metrics they
+    return (e.g. a held-out evaluation) are logged with the step's.
 
     On SIGUSR1 or SIGTERM (SLURM's pre-emption warning) every rank finishes the
     current step, a checkpoint is written, and ``setup.preempted`` is set; the
@@ -139,6 +143,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
             with timer("update"):
                 update = policy_update(s, batch, spec, step)
             metrics = step_metrics(s, batch, update, timer.seconds)
+            for hook in hooks:
+                metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
             bar.update(1)
             stop = preemption_agreed()
