@@ -69,7 +69,7 @@ def run_sft(model, tokenizer, task, labelled, validation, *, steps: int, batch: 
     return {"sft_steps": step, "sft_validation_accuracy": accuracy, "gen_length": gen_length}
 
 
-def plot_curves(metrics_path: str, out_png: str) -> None:
+def plot_curves(metrics_path: str, out_png: str, start_accuracy: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,9 +79,8 @@ def plot_curves(metrics_path: str, out_png: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     steps = [r["step"] for r in rows]
     axes[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward")
-    evals = [(r["step"], r["test_accuracy"]) for r in rows if "test_accuracy" in r]
-    if evals:
-        axes[0].plot(*zip(*evals), "o-", label="held-out accuracy")
+    evals = [(0, start_accuracy)] + [(r["step"], r["test_accuracy"]) for r in rows if "test_accuracy" in r]
+    axes[0].plot(*zip(*evals), "o-", label="held-out accuracy (0 = SFT start)")
     axes[0].set_xlabel("RL step")
     axes[0].legend()
     axes[1].plot(steps, [r.get("grad_norm", float("nan")) for r in rows])
@@ -163,7 +162,7 @@ def run_demo(args) -> int:
 
     setup = train(cfg, hooks=[eval_hook])
     final_accuracy = test_accuracy(setup.model)
-    plot_curves(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "curves.png"))
+    plot_curves(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "curves.png"), start_accuracy)
     summary = {"seed": args.seed, "start_accuracy": start_accuracy, "final_accuracy": final_accuracy,
                "gain": final_accuracy - start_accuracy, "wall_seconds": round(time.time() - start, 1),
                "test_puzzles": len(test), "labelled_puzzles": len(labelled), "rl_steps": cfg.steps, **sft}
