@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,6 @@
 
 import json
 
-import torch
 
 from stabledrl_mcore.demo import _sft_batches, plot_curves
 from stabledrl_mcore.tasks import get_task
