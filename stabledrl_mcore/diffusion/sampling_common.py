@@ -130,3 +130,17 @@ def check_prompt(prompt_ids: Tensor, prompt_valid: Optional[Tensor]) -> None:
         raise ValueError(f"prompt_ids must be a [B, P] LongTensor, got {tuple(prompt_ids.shape)} {prompt_ids.dtype}")
     if prompt_valid is not None and prompt_valid.shape != prompt_ids.shape:
         raise ValueError("prompt_valid must have the shape of prompt_ids")
+
+
+def commit_transfer(x: Tensor, s: int, e: int, x0: Tensor, transfer: Tensor, step: int, bar,
+                    on_step=None) -> int:
+    """Commit ``x0`` where ``transfer`` inside block ``[s, e)`` of ``x`` (in place), advance the
+    progress bar, report ``on_step(step, committed [B, S], x)``; returns the new step count."""
+    x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
+    step += 1
+    bar.update(1)
+    if on_step is not None:
+        full = torch.zeros_like(x, dtype=torch.bool)
+        full[:, s:e] = transfer
+        on_step(step, full, x)
+    return step

@@ -27,6 +27,7 @@ from torch import Tensor
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.masking import uniform
 from stabledrl_mcore.diffusion.sampling_common import (
+    commit_transfer,
     check_prompt,
     fill_after_eos,
     first_eos_settled,
@@ -108,13 +109,7 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
                 conf = uniform(x0.shape, generator, device)
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
             transfer = select_transfer(conf, schedule[:, i], threshold)
-            x[:, s:e] = torch.where(transfer, x0, cur)
-            step += 1
-            bar.update(1)
-            if on_step is not None:
-                full = torch.zeros_like(x, dtype=torch.bool)
-                full[:, s:e] = transfer
-                on_step(step, full, x)
+            step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
             if stop_at_eos and bool(first_eos_settled(x[:, P:], mask_id, eos_id)[0].all()):
                 done = True
                 break

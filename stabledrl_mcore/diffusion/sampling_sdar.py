@@ -26,6 +26,7 @@ from torch import Tensor
 
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.sampling_common import (
+    commit_transfer,
     check_prompt,
     fill_after_eos,
     num_transfer_tokens,
@@ -112,13 +113,7 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
             x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
             conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
             transfer = select_transfer(conf, schedule[i].expand(B), threshold)
-            x[:, s:e] = torch.where(transfer, x0, cur)
-            step += 1
-            bar.update(1)
-            if on_step is not None:
-                full = torch.zeros_like(x, dtype=torch.bool)
-                full[:, s:e] = transfer
-                on_step(step, full, x)
+            step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
         finished = stop_at_eos and bool((x[:, P:e] == eos_id).any(-1).all())
         if use_cache and blk < num_blocks - 1 and not finished:
             with cache.storing():

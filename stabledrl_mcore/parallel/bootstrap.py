@@ -21,11 +21,12 @@ import datetime
 import os
 import random
 import re
-import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+
+from .launch import free_port
 
 
 class ParallelLayoutError(ValueError):
@@ -68,12 +69,6 @@ def expand_slurm_nodelist(nodelist: str) -> List[str]:
     return hosts
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the environment."""
     env = os.environ if environ is None else environ
@@ -99,7 +94,7 @@ def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
             master_port=port,
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
 
 
 def validate_parallel_layout(
@@ -229,3 +224,16 @@ def destroy() -> None:
 def is_main_rank() -> bool:
     """Rank 0 of the job (or a process that never initialised distributed)."""
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def comm_device() -> str:
+    """Where tensors for collectives live: CUDA under NCCL, CPU under gloo."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank if ``flag`` is True on any rank (all-reduce MAX)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)

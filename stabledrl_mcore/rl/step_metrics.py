@@ -11,8 +11,11 @@ def _dp_sum(values: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
 
-        values = values.clone()
+        from ..parallel.bootstrap import comm_device
+
+        values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
+        values = values.cpu()
     return values
 
 

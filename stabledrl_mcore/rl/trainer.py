@@ -21,6 +21,7 @@ import torch
 from ..checkpoint.state import (TrainState, find_latest, load_checkpoint, save_checkpoint)
 from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger
+from ..parallel.bootstrap import any_rank
 from .noise import RatioNoise
 from .rollout import generate_rollouts, score_rollouts
 from .setup import TrainingSetup, build_training, phase_generator
@@ -49,10 +50,7 @@ def install_preemption_handlers() -> None:
 
 def preemption_agreed() -> bool:
     """True on every rank once any rank caught a pre-emption signal."""
-    flag = torch.tensor([1.0 if _PREEMPTION["caught"] else 0.0])
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return any_rank(_PREEMPTION["caught"])
 
 
 class PhaseTimer:

@@ -24,6 +24,7 @@ import torch
 from ..diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
 from ..diffusion.masking import MaskPlan, build_plan
 from ..models.masks import padding_mask, staircase_mask, staircase_position_ids
+from ..parallel.bootstrap import any_rank
 from .losses import sequence_policy_loss, spg_select_bound
 from .noise import RatioNoise
 from .rollout import RolloutBatch
@@ -157,26 +158,19 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
 
 def grads_finite(model) -> bool:
     """All local gradients finite, agreed over every rank (so all ranks skip together)."""
-    bad = torch.zeros(1)
+    bad = False
     for param in model.parameters():
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
         if grad is not None and not torch.isfinite(grad).all():
-            bad.fill_(1.0)
+            bad = True
             break
-    return not _any_rank(bad)
-
-
-def _any_rank(flag: torch.Tensor) -> bool:
-    if torch.distributed.is_initialized():
-        flag = flag.to("cuda" if torch.cuda.is_available() else "cpu")
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return not any_rank(bad)
 
 
 def agree_ok(ok: bool) -> bool:
     """True only if ``ok`` holds on every rank."""
-    return not _any_rank(torch.tensor([0.0 if ok else 1.0]))
+    return not any_rank(not ok)
 
 
 def finite_or_nan(value) -> float:
