@@ -46,6 +46,27 @@ def _allowed_mask(layout: AttentionLayout, sq: int, sk: int, device: str) -> Opt
     return None if blocked is None else ~blocked
 
 
+_last_descriptor: list = [None, -1, None]  # (descriptor, its _version, its layout)
+
+
+def _layout_of(attention_mask) -> Optional[AttentionLayout]:
+    """The :class:`AttentionLayout` of a descriptor tensor (None for masks / no mask).
+
+    All layers of one forward receive the same descriptor object, so it is decoded
+    once (``is_descriptor``/``from_tensor`` read tensor elements from Python).
+    """
+    if attention_mask is None or attention_mask.dtype != torch.int64:
+        return None
+    tensor, version, layout = _last_descriptor
+    if attention_mask is tensor and attention_mask._version == version:
+        return layout
+    if not AttentionLayout.is_descriptor(attention_mask):
+        return None
+    layout = AttentionLayout.from_tensor(attention_mask)
+    _last_descriptor[:] = [attention_mask, attention_mask._version, layout]
+    return layout
+
+
 class SDPACoreAttention(MegatronModule):
     """Attention over one tensor-parallel partition of heads (SDPA, or flex on GPU).
 
@@ -100,8 +121,8 @@ class SDPACoreAttention(MegatronModule):
         gqa = self.heads_per_partition != self.groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
 
-        if AttentionLayout.is_descriptor(attention_mask):
-            layout = AttentionLayout.from_tensor(attention_mask)
+        layout = _layout_of(attention_mask)
+        if layout is not None:
             if flex.use_flex(self.backend, layout, sq, q.device):
                 if dropout_p > 0:
                     raise ValueError("flex attention path does not implement attention dropout")

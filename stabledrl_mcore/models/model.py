@@ -104,7 +104,8 @@ class DLLMModel(LanguageModule):
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, input has {seq_len}")
 
         hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
-        rotary = rotary_angles(position_ids, self.config.kv_channels, self.dllm_config.rope_theta)
+        rotary = rotary_angles(_shared_rows(position_ids), self.config.kv_channels,
+                               self.dllm_config.rope_theta)
         mask = _decoder_mask(attention_mask)
 
         attentions = self.core_attentions() if kv_cache is not None else []
@@ -152,6 +153,22 @@ class DLLMModel(LanguageModule):
         start = parallel_state.get_tensor_model_parallel_rank() * width
         padded = torch.arange(start, start + width, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def _shared_rows(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[1, S]`` when every row of ``[B, S]`` position ids is the same, else unchanged.
+
+    RoPE angles are then ``[S, 1, 1, d]`` instead of ``[S, B, 1, d]``: Megatron's
+    ``apply_rotary_pos_emb`` takes cos/sin of them in every layer, for q and k.
+    Rows expanded from one (stride 0) are shared anywhere; on CPU equal rows are
+    also detected by value (on GPU that check would synchronise, so it is skipped).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[0] <= 1:
+        return position_ids
+    if position_ids.stride(0) == 0 or (position_ids.device.type == "cpu"
+                                       and bool((position_ids == position_ids[:1]).all())):
+        return position_ids[:1]
+    return position_ids
 
 
 def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
