@@ -1,0 +1,264 @@
+"""``stabledrl bench``: per-phase throughput, MFU, baseline speed-up and weak scaling of a config.
+
+Runs on however many ranks it is launched with (one process, ``torchrun`` or
+``srun``: ``slurm/bench_throughput.sh``); ``--dp-scaling`` additionally starts 2
+local data-parallel ranks (gloo on CPU) with twice the prompts, i.e. the same
+work per rank, and reports weak-scaling efficiency = per-rank tokens/s at 2
+ranks / tokens/s at 1 rank.
+
+JSON top level (``--json PATH``): ``mfu`` (training forward+backward model FLOP/s
+over ``matmul_peak_flops`` x TP x PP), ``matmul_peak_flops`` (GPU: rated dense
+bf16 peak; CPU: bf16 matmul rate measured in this run), ``step_tokens_per_s``
+(prompt + completion tokens of one step's sequences, all ranks, per second of
+the median whole step), ``train_tokens_per_s``, ``speedup_vs_baseline`` (per
+phase, ours over the baseline's tokens/s, or seconds for ``optimizer``; only
+when the baseline ran; ``speedup_vs_baseline_cpu_time`` is the same from process
+CPU time), ``weak_scaling_efficiency`` (with ``--dp-scaling``),
+``phases`` / ``baseline.phases`` (median, quartiles, IQR, min/max seconds,
+tokens/s, model FLOP/s, MFU per phase), ``model``, ``layout``, ``workload``,
+``peak``, ``config``, ``load_average``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..config import ConfigError, RunConfig, load_config, to_dict
+from .phases import PHASES, StableDRLPhases, VocabGuard, log, measure
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML run config (see examples/configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, e.g. model.preset=llada-100m rollout.gen_length=32")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON here")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs per phase (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="timed runs per phase (default 3)")
+    parser.add_argument("--phases", default="all", metavar="LIST",
+                        help=f"comma-separated subset of {','.join(PHASES)} (default all)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the side-by-side plain-PyTorch baseline (default: only in a one-process run)")
+    parser.add_argument("--dp-scaling", action="store_true",
+                        help="also run 2 local data-parallel ranks and report weak-scaling efficiency")
+    parser.add_argument("--scaling-phases", default="step", metavar="LIST",
+                        help="phases measured at 1 and 2 ranks (default: step)")
+    parser.add_argument("--peak-tflops", type=float, default=None, metavar="X",
+                        help="peak to take MFU against (TFLOP/s), e.g. for a GPU missing from the table")
+    parser.add_argument("--keep-tokenizer-vocab", action="store_true",
+                        help="size the embedding to the tokenizer (default: keep the preset's vocabulary)")
+
+
+def parse_phases(text: str, allowed: Sequence[str] = PHASES) -> List[str]:
+    if text.strip() == "all":
+        return list(allowed)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in allowed]
+    if bad or not names:
+        raise ConfigError(f"unknown bench phase(s) {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}")
+    return [p for p in allowed if p in names]
+
+
+def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokenizer_vocab: bool = False) -> RunConfig:
+    """The run config of a benchmark: the given one, keeping the preset's vocabulary by default
+    (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
+    cfg = load_config(config, list(overrides))
+    if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
+        from ..models import get_preset
+        from ..models.presets import ModelConfigError
+
+        try:
+            cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
+        except ModelConfigError as err:
+            raise ConfigError(f"model.preset: {err}") from None
+    if cfg.parallel.pipeline_parallel > 1:
+        raise ConfigError("the RL loop (and so the benchmark) does not support pipeline parallelism yet; "
+                          "use `stabledrl plan` for PP layouts")
+    return cfg
+
+
+def _load() -> Optional[List[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repeats: int,
+                     baseline: Optional[bool] = None, peak_tflops: Optional[float] = None,
+                     measure_peak: bool = True) -> Dict[str, Any]:
+    """Build the training set-up of ``cfg`` on this process's ranks and time ``phases``.
+
+    Returns the result dict (the same on every rank); everything built is freed
+    and the process group destroyed before returning.
+    """
+    from ..parallel import bootstrap
+    from ..rl.setup import build_training
+    from .flops import FlopCounter, matmul_params
+    from .peak import device_peak
+
+    load_before = _load()
+    log(f"building {cfg.model.preset} ({cfg.model.dtype}) and the training set-up")
+    try:
+        s = build_training(cfg)
+    except ValueError as err:  # layouts, model shapes, batch splits: a config problem, one line
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err).splitlines()[0]) from err
+    s.tokenizer = VocabGuard(s.tokenizer)
+    ours = base = None
+    try:
+        world = torch.distributed.get_world_size()
+        if baseline is None:
+            baseline = world == 1
+        peak = device_peak(override_tflops=peak_tflops) if measure_peak else None
+        log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
+        ours = StableDRLPhases(s)
+        if baseline:
+            from .baseline import BaselineStep
+
+            log("building the baseline (transformers model, torch AdamW)")
+            base = BaselineStep(ours)
+        dcfg = s.model.dllm_config
+        jobs, counters = {}, {}
+        ours_counter = FlopCounter(s.model, dcfg)
+        base_counter = FlopCounter(base.model, dcfg) if base else None
+        for name, fn in ours.jobs(phases).items():
+            jobs[name], counters[name] = fn, ours_counter
+        if base:
+            for name, fn in base.jobs(phases).items():
+                jobs["baseline/" + name], counters["baseline/" + name] = fn, base_counter
+        with ours_counter:
+            if base_counter:
+                base_counter.__enter__()
+            try:
+                results = _measure_by_phase(jobs, counters, phases, warmup, repeats)
+            finally:
+                if base_counter:
+                    base_counter.__exit__(None, None, None)
+        if peak:
+            log("measuring the matmul peak again (the best of both measurements is kept)")
+            peak = device_peak(override_tflops=peak_tflops, previous=peak)
+        mp = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+        peak_flops = peak["peak_flops"] if peak else None
+        out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
+                        matmul_params(dcfg), with_baseline=base is not None)
+        out["load_average"] = {"before": load_before, "after": _load()}
+        return out
+    finally:
+        s = ours = base = None  # noqa: F841 - free both models before any scaling run starts
+        gc.collect()
+        bootstrap.destroy()
+
+
+def _measure_by_phase(jobs, counters, phases, warmup, repeats):
+    """Ours and the baseline interleaved phase by phase (so both see the same machine load)."""
+    results = {}
+    for p in phases:
+        group = {k: v for k, v in jobs.items() if k in (p, "baseline/" + p)}
+        results.update(measure(group, warmup=warmup, repeats=repeats, counters=counters))
+    return results
+
+
+def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world, n_mm, *,
+              with_baseline):
+    dcfg = s.model.dllm_config
+    batch = ours.batch
+    phase_out = {p: results[p].summary(peak_flops, mp) for p in phases}
+    fp32 = peak.get("fp32_matmul_flops") if peak else None
+    out: Dict[str, Any] = {
+        "mfu": None, "matmul_peak_flops": peak_flops, "step_tokens_per_s": None, "train_tokens_per_s": None,
+        "model": {"name": cfg.model.preset, "arch": dcfg.arch, "params": dcfg.num_parameters(),
+                  "matmul_params": n_mm, "dtype": cfg.model.dtype, "vocab_size": dcfg.vocab_size,
+                  "recompute": cfg.model.recompute},
+        "layout": {"world_size": world, "tp": cfg.parallel.tensor_parallel, "pp": cfg.parallel.pipeline_parallel,
+                   "dp": s.dp_size, "threads": torch.get_num_threads(),
+                   "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None},
+        "workload": {"sequences": batch.size, "seq_len": batch.sequences.shape[1], "prompt_len": batch.prompt_len,
+                     "generated": batch.sequences.shape[1] - batch.prompt_len, "num_mc": batch.plan.num_mc,
+                     "inner_iterations": cfg.algo.inner_iterations, "micro_batch": cfg.parallel.micro_batch_size,
+                     "likelihood": cfg.algo.likelihood, "staircase_block": ours.block,
+                     "rollout_steps": cfg.rollout.steps, "block_length": cfg.rollout.block_length},
+        "peak": peak, "warmup": warmup, "repeats": repeats, "phases": phase_out,
+        "host": socket.gethostname(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": to_dict(cfg),
+    }
+    key = "train" if "train" in phase_out else ("step" if "step" in phase_out else None)
+    if key and phase_out[key].get("mfu") is not None:
+        out["mfu"] = phase_out[key]["mfu"]
+        out["mfu_phase"] = key
+        out["mfu_cpu_time"] = phase_out[key].get("mfu_cpu_time")
+        if fp32:
+            out["mfu_vs_fp32"] = phase_out[key]["model_flops_per_s"] / (fp32 * mp)
+    if "step" in phase_out:
+        out["step_tokens_per_s"] = phase_out["step"]["tokens_per_s"]
+        out["step_mfu"] = phase_out["step"].get("mfu")
+    if "train" in phase_out:
+        out["train_tokens_per_s"] = phase_out["train"]["tokens_per_s"]
+    if with_baseline:
+        base = {p: results["baseline/" + p].summary(peak_flops, mp) for p in phases}
+        out["baseline"] = {"implementation": "transformers " + ("LlamaForCausalLM" if dcfg.arch == "llada"
+                                                                 else "Qwen3ForCausalLM") + ", torch AdamW",
+                           "phases": base}
+        out["speedup_vs_baseline"] = {p: speedup(phase_out[p], base[p]) for p in phases}
+        out["speedup_vs_baseline_cpu_time"] = {p: speedup_cpu(phase_out[p], base[p]) for p in phases}
+    return out
+
+
+def speedup_cpu(ours: Dict[str, Any], base: Dict[str, Any]) -> Optional[float]:
+    """The same ratio from process CPU time: on a shared machine with one thread per rank
+    it is much less disturbed by other jobs than wall time (both clocks agree when idle)."""
+    if ours.get("cpu_median_s") and base.get("cpu_median_s"):
+        return base["cpu_median_s"] / ours["cpu_median_s"]
+    return None
+
+
+def speedup(ours: Dict[str, Any], base: Dict[str, Any]) -> Optional[float]:
+    """Ours over the baseline: ratio of tokens/s, or of seconds when a phase has no tokens."""
+    if ours.get("tokens_per_s") and base.get("tokens_per_s"):
+        return ours["tokens_per_s"] / base["tokens_per_s"]
+    if ours["median_s"] > 0:
+        return base["median_s"] / ours["median_s"]
+    return None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The ``stabledrl bench`` command."""
+    from .report import format_table, write_json
+
+    phases = parse_phases(args.phases)
+    if args.warmup < 0 or args.repeats < 1:
+        raise ConfigError(f"--warmup must be >= 0 and --repeats >= 1 (got {args.warmup}, {args.repeats})")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    scaling_phases = parse_phases(args.scaling_phases) if args.dp_scaling else []
+    cfg = bench_config(args.config, args.overrides, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
+    if cfg.parallel.threads:
+        torch.set_num_threads(cfg.parallel.threads)
+    from ..parallel.bootstrap import detect_launch_env
+
+    launch = detect_launch_env()
+    if args.dp_scaling and launch.world_size > 1:
+        raise ConfigError("--dp-scaling starts its own local ranks: run it as one process, not under torchrun/srun")
+    result = bench_in_process(cfg, phases, warmup=args.warmup, repeats=args.repeats, baseline=args.baseline,
+                              peak_tflops=args.peak_tflops)
+    if launch.rank != 0:
+        return 0
+    if args.dp_scaling:
+        from .scaling import weak_scaling
+
+        result["scaling"] = weak_scaling(args.config, list(args.overrides), scaling_phases, warmup=args.warmup,
+                                         repeats=args.repeats, reference=result,
+                                         keep_tokenizer_vocab=args.keep_tokenizer_vocab)
+        result["weak_scaling_efficiency"] = result["scaling"]["headline"]
+    print(format_table(result), flush=True)
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}", flush=True)
+    return 0

@@ -1,0 +1,102 @@
+"""Weak scaling over data-parallel ranks: the same work per rank at 1 and 2 ranks.
+
+The 2-rank run starts local ranks with :func:`stabledrl_mcore.parallel.launch.spawn`
+(gloo on CPU, NCCL when CUDA is present) and doubles ``rollout.prompts_per_step``
+so every rank holds the same sequences as the 1-rank run. Per phase
+
+    efficiency = (tokens/s of the 2-rank job / 2) / tokens/s of the 1-rank job
+
+(seconds ratio ``t_1 / t_2`` for ``optimizer``, which has no tokens). 1.0 means
+perfect weak scaling; gradient all-reduce, stragglers and, on a small machine,
+ranks competing for the same cores all lower it. The 1-rank figures are taken
+from the main run when it measured the same phases in one process.
+``efficiency_cpu_time`` repeats the ratio with process CPU time, which ignores time spent
+waiting (for the other rank or for a core taken by another job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+
+def _rank_main(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], warmup: int,
+               repeats: int, out_path: str, keep_tokenizer_vocab: bool) -> None:
+    """One rank of a scaling run (module level, so ``spawn`` can import it)."""
+    from .run import bench_config, bench_in_process
+
+    cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
+    result = bench_in_process(cfg, phases, warmup=warmup, repeats=repeats, baseline=False, measure_peak=False)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out_path, "w") as handle:
+            json.dump(result, handle)
+
+
+def run_ranks(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], ranks: int, *,
+              warmup: int, repeats: int, keep_tokenizer_vocab: bool = False,
+              timeout: float = 3600.0) -> Dict[str, Any]:
+    """The benchmark on ``ranks`` local data-parallel ranks, ``prompts_per_step`` scaled by ``ranks``."""
+    from ..parallel.launch import spawn
+    from .run import bench_config
+
+    cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
+    extra = [f"rollout.prompts_per_step={cfg.rollout.prompts_per_step * ranks}"]
+    fd, out_path = tempfile.mkstemp(prefix="stabledrl-scaling-", suffix=".json")
+    os.close(fd)
+    try:
+        spawn(_rank_main, ranks, (config, list(overrides) + extra, list(phases), warmup, repeats, out_path,
+                                  keep_tokenizer_vocab),
+              timeout=timeout, threads=cfg.parallel.threads or torch.get_num_threads())
+        with open(out_path) as handle:
+            return json.load(handle)
+    finally:
+        os.unlink(out_path)
+
+
+def efficiency(one: Dict[str, Any], many: Dict[str, Any], ranks: int) -> Optional[float]:
+    """Per-rank throughput at ``ranks`` over throughput at 1 rank (phase summaries)."""
+    if one.get("tokens_per_s") and many.get("tokens_per_s"):
+        return many["tokens_per_s"] / ranks / one["tokens_per_s"]
+    if many.get("median_s"):
+        return one["median_s"] / many["median_s"]
+    return None
+
+
+def efficiency_cpu(one: Dict[str, Any], many: Dict[str, Any], ranks: int) -> Optional[float]:
+    """The same from process CPU time (slowest rank): blind to waiting in collectives, so only
+    a hint of how much of a wall-clock loss comes from other jobs on a shared machine."""
+    if one.get("tokens_per_cpu_s") and many.get("tokens_per_cpu_s"):
+        return many["tokens_per_cpu_s"] / ranks / one["tokens_per_cpu_s"]
+    if many.get("cpu_median_s"):
+        return one["cpu_median_s"] / many["cpu_median_s"]
+    return None
+
+
+def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[str], *, warmup: int,
+                 repeats: int, reference: Optional[Dict[str, Any]] = None,
+                 keep_tokenizer_vocab: bool = False) -> Dict[str, Any]:
+    """1 vs 2 data-parallel ranks; ``reference`` = a 1-rank result that may already hold the phases."""
+    from .phases import log
+
+    have = reference and reference["layout"]["world_size"] == 1 and all(p in reference["phases"] for p in phases)
+    if have:
+        one = reference
+    else:
+        log(f"weak scaling: 1 rank ({', '.join(phases)})")
+        one = run_ranks(config, overrides, phases, 1, warmup=warmup, repeats=repeats,
+                        keep_tokenizer_vocab=keep_tokenizer_vocab)
+    log(f"weak scaling: 2 data-parallel ranks ({', '.join(phases)})")
+    two = run_ranks(config, overrides, phases, 2, warmup=warmup, repeats=repeats,
+                    keep_tokenizer_vocab=keep_tokenizer_vocab)
+    eff = {p: efficiency(one["phases"][p], two["phases"][p], 2) for p in phases}
+    cpu = {p: efficiency_cpu(one["phases"][p], two["phases"][p], 2) for p in phases}
+    headline = eff.get("step", next(iter(eff.values()), None))
+    return {"ranks": [1, 2], "backend": two["layout"]["backend"], "threads_per_rank": two["layout"]["threads"],
+            "phases": list(phases), "efficiency": eff, "efficiency_cpu_time": cpu, "headline": headline,
+            "one_rank": {p: one["phases"][p] for p in phases}, "two_ranks": {p: two["phases"][p] for p in phases},
+            "one_rank_from_main_run": bool(have), "load_average": two.get("load_average"),
+            "cpu_count": os.cpu_count()}

@@ -1,0 +1,340 @@
+"""``stabledrl plan``: per-GPU memory and throughput of a layout, and which layouts fit.
+
+Memory of the most loaded pipeline stage of one GPU (bytes; ``b_w`` = 2 for bf16
+weights, 4 for fp32; ``b_a`` the activation dtype, the same):
+
+- **weights** ``P_stage * b_w`` with ``P_stage = (L/pp) * P_layer + [first] V_p*H/tp + [last] (V_p*H/tp + H)``,
+  ``P_layer = (H*hd*(nh + 2ng) + nh*hd*H + 3*H*F)/tp + 2H (+ 2hd qk-norm)`` (norms are replicated),
+  ``V_p`` = vocabulary padded to a multiple of ``tp`` (Megatron's rule);
+- **gradients** ``4 * P_stage``: Megatron DDP keeps fp32 ``main_grad`` buffers (``grad_reduce_in_fp32``);
+- **optimizer** Adam: ``12 * P_stage`` with bf16 weights (fp32 master copy + m + v), ``8 * P_stage`` with
+  fp32 weights; SGD: ``4 * P_stage`` (bf16 master copy) or 0; divided by DP with the distributed optimizer;
+- **activations** of one micro-batch of ``T = micro_batch * seq_len`` tokens (``2 seq_len`` for the
+  staircase layout), per token and layer (tensors autograd keeps for the backward)::
+
+      te    : b_a * (4H + ((2nh + 2ng)*hd + 3F [+ (nh + ng)*hd qk-norm]) / tp)
+      local : b_a * (6H + ((3nh + 2ng)*hd + 5F [+ (2nh + 5ng)*hd qk-norm]) / tp)
+
+  ``te`` (GPU, Transformer Engine: fused norm+linear and SwiGLU, flash attention keeps q, k, v, out)
+  is derived from what those kernels save; ``local`` (Megatron's local spec that CPU runs use) was
+  counted with saved-tensor hooks and is checked against measured peaks by ``tests/test_plan.py``.
+  Full recompute keeps ``b_a * H`` per token and layer, plus the larger of the LM head's tensors
+  and one recomputed layer's activations (they are not alive at the same time); selective
+  recompute drops the core-attention tensors. With 1F1B pipelining the first stage holds
+  ``min(pp, m)`` micro-batches (``m`` = micro-batches per update); **head**: the LM head's
+  logits ``b_a * T * V * (1 + 1/tp)`` (gathered over TP), ``12 * V * f * T`` for the float32
+  log-softmax of the scored rows and its gradient (``f`` = scored fraction of tokens) and
+  ``3 * b_a * H * T`` (final norm, head input);
+- **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
+  plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block for SDAR, the whole
+  sequence for LLaDA) and ``28 * V`` bytes per decoded position of a block (float64 Gumbel/softmax work);
+- total = weights + gradients + optimizer + max(training peak, rollout KV cache + transient) +
+  ``overhead`` (CUDA context, communication buffers, fragmentation); training peak = activations
+  + head (recompute: see above). Not modelled: the optimizer step's own temporaries (they do not
+  coincide with activations) and allocator fragmentation beyond ``overhead``.
+
+Throughput: with ``R = gpus * peak * mfu`` model FLOP/s (FLOPs per token from
+:mod:`stabledrl_mcore.bench.flops`) and the 1F1B bubble ``m / (m + pp - 1)``, training
+(forward+backward) tokens/s = ``R * bubble / (3 F_fwd)``; rollouts at ``rollout_mfu``
+cost ``steps/gen * S * F_fwd(S)`` per generated token for LLaDA (the whole sequence each
+step) and ``(steps_per_block + 1) * F_fwd(S/2)`` for SDAR (KV cache); the step adds
+``num_mc`` likelihood passes and ``inner`` updates (the second and later also re-score).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .config import ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class PlanSpec:
+    """Everything the estimate depends on (the CLI flags)."""
+
+    model: Any                      # DLLMConfig
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 2
+    seq_len: int = 512
+    gen_length: int = 256
+    global_batch: int = 1024        # sequences per step (prompts x group size)
+    recompute: str = "none"         # none | full | selective
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+    distributed_optimizer: bool = True
+    likelihood: str = "elbo"        # elbo | staircase (2x tokens per training pass)
+    impl: str = "te"                # te | local
+    scored_fraction: Optional[float] = None
+    overhead_gib: float = 4.0
+    peak_tflops: float = 989.0
+    mfu: float = 0.40
+    rollout_mfu: float = 0.10
+    rollout_steps: Optional[int] = None
+    num_mc: int = 2
+    inner_iterations: int = 2
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def validate(self) -> "PlanSpec":
+        for name in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "seq_len", "gen_length",
+                     "global_batch", "num_mc", "inner_iterations"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.gen_length > self.seq_len:
+            raise ConfigError(f"--gen-length ({self.gen_length}) cannot exceed --seq-len ({self.seq_len})")
+        for name, allowed in (("recompute", ("none", "full", "selective")), ("dtype", ("bf16", "fp32")),
+                              ("optimizer", ("adam", "sgd")), ("likelihood", ("elbo", "staircase")),
+                              ("impl", ("te", "local"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.gpu_memory_gib <= 0 or self.peak_tflops <= 0 or not 0 < self.mfu <= 1 or not 0 < self.rollout_mfu <= 1:
+            raise ConfigError("--gpu-memory and --gpu-tflops must be > 0, --mfu and --rollout-mfu in (0, 1]")
+        return self
+
+
+def check_layout(spec: PlanSpec, tp: int, pp: int) -> Optional[str]:
+    """Why ``tp x pp`` cannot hold the model on ``spec.gpus`` GPUs (None if it can)."""
+    m = spec.model
+    if spec.gpus % (tp * pp):
+        return f"{spec.gpus} GPUs are not divisible by TP x PP = {tp * pp}"
+    if tp > spec.gpus_per_node:
+        return f"TP {tp} spans nodes (gpus per node {spec.gpus_per_node})"
+    if m.num_attention_heads % tp or m.num_query_groups % tp:
+        return f"heads ({m.num_attention_heads}) / query groups ({m.num_query_groups}) not divisible by TP {tp}"
+    if m.num_layers % pp:
+        return f"layers ({m.num_layers}) not divisible by PP {pp}"
+    return None
+
+
+def layer_params(m, tp: int) -> float:
+    """Parameters of one transformer layer on one TP rank (matmul weights split, norms replicated)."""
+    h, hd = m.hidden_size, m.kv_channels
+    matmul = h * hd * (m.num_attention_heads + 2 * m.num_query_groups) + m.num_attention_heads * hd * h \
+        + 3 * h * m.ffn_hidden_size
+    return matmul / tp + 2 * h + (2 * hd if m.qk_layernorm else 0)
+
+
+def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optional[str] = None) -> float:
+    """Bytes autograd keeps per token and layer (see the module doc), no recompute."""
+    m, b = spec.model, (2 if spec.dtype == "bf16" else 4)
+    h, hd, nh, ng, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
+    if spec.impl == "te":
+        rep, attn, mlp, qk = 4 * h, (2 * nh + 2 * ng) * hd, 3 * f, (nh + ng) * hd
+    else:
+        rep, attn, mlp, qk = 6 * h, (3 * nh + 2 * ng) * hd, 5 * f, (2 * nh + 5 * ng) * hd
+    if (recompute or spec.recompute) == "selective":
+        attn -= (2 * nh + 2 * ng) * hd  # q, k, v, out of the core attention are recomputed
+    return b * (rep + (attn + mlp + (qk if m.qk_layernorm else 0)) / tp)
+
+
+def _scored_fraction(spec: PlanSpec) -> float:
+    if spec.scored_fraction is not None:
+        return spec.scored_fraction
+    return 0.5 * spec.gen_length / spec.seq_len  # half the completion is masked on average
+
+
+def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
+             recompute: Optional[str] = None) -> Dict[str, Any]:
+    """Per-GPU memory (bytes, worst pipeline stage) and job throughput of one layout."""
+    tp, pp = tp or spec.tp, pp or spec.pp
+    recompute = recompute or spec.recompute
+    why = check_layout(spec, tp, pp)
+    if why:
+        from .parallel.bootstrap import ParallelLayoutError
+
+        raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}: {why}")
+    m = spec.model
+    dp = spec.gpus // (tp * pp)
+    bw = 2 if spec.dtype == "bf16" else 4
+    vpad = m.padded_vocab_size(tp)
+    emb = vpad * m.hidden_size / tp
+    per_stage_layers = m.num_layers // pp
+    body = per_stage_layers * layer_params(m, tp)
+    stages = {"first": body + emb + (emb + m.hidden_size if pp == 1 else 0)}
+    if pp > 1:
+        stages["last"] = body + emb + m.hidden_size
+    opt_bytes = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 4, ("sgd", "fp32"): 0}[
+        (spec.optimizer, spec.dtype)]
+    shard = dp if spec.distributed_optimizer else 1
+    tokens = spec.micro_batch * spec.seq_len * (2 if spec.likelihood == "staircase" else 1)
+    per_rank_seqs = max(spec.global_batch // dp, 1)
+    micro_batches = max(per_rank_seqs // spec.micro_batch, 1)
+    full = activation_bytes_per_token_layer(spec, tp, recompute)
+    if recompute == "full":
+        per_layer_kept, extra_layer = bw * m.hidden_size, full * tokens
+    else:
+        per_layer_kept, extra_layer = full, 0.0
+    frac = _scored_fraction(spec)
+    head = bw * tokens * m.vocab_size * (1 + (1 / tp if tp > 1 else 0)) + 12 * m.vocab_size * frac * tokens \
+        + 3 * bw * m.hidden_size * tokens
+    kv = 0.0
+    block = m.block_size or 32
+    if m.arch == "sdar":
+        kv = 2 * per_stage_layers * (m.num_query_groups / tp) * m.kv_channels * bw * spec.seq_len * spec.micro_batch
+        q = block
+    else:
+        q = spec.seq_len
+    rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * min(block, spec.gen_length))
+    worst = None
+    for name, params in stages.items():
+        in_flight = min(pp, micro_batches) if name == "first" else 1
+        act = in_flight * per_stage_layers * per_layer_kept * tokens
+        stage_head = head if (name == "last" or pp == 1) else 0.0
+        row = {"stage": name, "params": params, "weights": params * bw, "gradients": params * 4.0,
+               "optimizer": params * opt_bytes / shard, "activations": act + extra_layer, "head": stage_head,
+               "rollout_kv_cache": kv, "rollout_transient": rollout_tmp if (name == "last" or pp == 1) else 0.0,
+               "overhead": spec.overhead_gib * GIB}
+        # the recomputed layer lives only while its backward runs, after the head's tensors are gone
+        row["training_peak"] = act + max(stage_head, extra_layer) if extra_layer else act + stage_head
+        row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
+        row["total"] = (row["weights"] + row["gradients"] + row["optimizer"]
+                        + max(row["training_peak"], row["rollout_peak"]) + row["overhead"])
+        if worst is None or row["total"] > worst["total"]:
+            worst = row
+    out = dict(worst, tp=tp, pp=pp, dp=dp, recompute=recompute, micro_batches=micro_batches,
+               fits=worst["total"] <= spec.gpu_memory_gib * GIB)
+    out.update(_throughput(spec, pp, micro_batches))
+    return out
+
+
+def _throughput(spec: PlanSpec, pp: int, micro_batches: int) -> Dict[str, float]:
+    from .bench.flops import forward_flops_per_token
+
+    m, s = spec.model, spec.seq_len
+    t_train = s * (2 if spec.likelihood == "staircase" else 1)
+    f_train = forward_flops_per_token(m, t_train) * t_train  # one pass over one sequence
+    bubble = micro_batches / (micro_batches + pp - 1)
+    rate = spec.gpus * spec.peak_tflops * 1e12 * spec.mfu * bubble
+    rollout_rate = spec.gpus * spec.peak_tflops * 1e12 * spec.rollout_mfu
+    if m.arch == "llada":
+        steps = spec.rollout_steps or max(spec.gen_length // 2, 1)
+        per_gen = steps / spec.gen_length * s * forward_flops_per_token(m, s)
+    else:
+        steps = spec.rollout_steps or 4
+        per_gen = (steps + 1) * forward_flops_per_token(m, s // 2)
+    inner, mc = spec.inner_iterations, spec.num_mc
+    update = mc * f_train * (1 + 3 * inner + (inner - 1))  # old-policy pass, fwd+bwd, re-scoring
+    seconds_per_seq = spec.gen_length * per_gen / rollout_rate + update / rate
+    return {"train_tokens_per_s": rate / (3 * f_train) * s, "rollout_tokens_per_s": rollout_rate / per_gen,
+            "step_tokens_per_s": s / seconds_per_seq, "bubble_efficiency": bubble}
+
+
+def all_layouts(spec: PlanSpec) -> List[Dict[str, Any]]:
+    """Every valid (TP, PP) on ``spec.gpus`` GPUs, with and without full recompute."""
+    rows = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= spec.gpus_per_node]
+    pps = [p for p in range(1, spec.model.num_layers + 1) if spec.model.num_layers % p == 0]
+    for tp in tps:
+        for pp in pps:
+            if check_layout(spec, tp, pp):
+                continue
+            est = estimate(spec, tp, pp)
+            alt = "full" if spec.recompute != "full" else "none"
+            other = estimate(spec, tp, pp, alt)
+            rows.append(dict(est, alternative={"recompute": alt, "total": other["total"], "fits": other["fits"]}))
+    return rows
+
+
+def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
+    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    m = spec.model
+    lines = [f"{m.arch} {m.num_parameters() / 1e9:.2f}B params, {spec.nodes} node(s) x {spec.gpus_per_node} GPUs "
+             f"({spec.gpu_memory_gib:g} GiB), {spec.dtype}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens"
+             f" ({spec.likelihood}), recompute {spec.recompute}, {spec.impl} kernels, optimizer {spec.optimizer}"
+             f"{' (distributed)' if spec.distributed_optimizer else ''}",
+             f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']} -- per GPU ({chosen['stage']} "
+             f"stage), GiB:",
+             f"  weights {g(chosen['weights'])}  gradients {g(chosen['gradients'])}  optimizer "
+             f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
+             f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient)  "
+             f"overhead {g(chosen['overhead'])}",
+             f"  total {g(chosen['total'])} GiB of {spec.gpu_memory_gib:g}: "
+             f"{'fits' if chosen['fits'] else 'does NOT fit'}",
+             f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
+             f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "
+             f"{chosen['rollout_tokens_per_s']:.0f} generated, whole step {chosen['step_tokens_per_s']:.0f}",
+             "", f"{'TP':>3}{'PP':>4}{'DP':>5}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
+             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}"]
+    for r in rows:
+        alt = r["alternative"]
+        mark = " <" if (r["tp"], r["pp"]) == (chosen["tp"], chosen["pp"]) else ""
+        lines.append(f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}{g(r['weights']):>9}{g(r['gradients']):>8}"
+                     f"{g(r['optimizer']):>8}{g(r['training_peak']):>8}{g(r['total']):>8}"
+                     f"{'yes' if r['fits'] else 'no':>6}{g(alt['total']) + ('*' if alt['fits'] else ''):>11}"
+                     f"{r['step_tokens_per_s']:>12.0f}{mark}")
+    alt = rows[0]["alternative"]["recompute"] if rows else "full"
+    lines.append(f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout)")
+    return "\n".join(lines)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", required=True, metavar="PRESET", help="llada-8b, sdar-8b or any model preset")
+    a("--nodes", type=int, default=1)
+    a("--gpus-per-node", type=int, default=8)
+    a("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory per GPU (GiB)")
+    a("--tp", type=int, default=1)
+    a("--pp", type=int, default=1)
+    a("--micro-batch", type=int, default=2, help="sequences per forward/backward micro-batch")
+    a("--seq-len", type=int, default=512, help="prompt + completion tokens")
+    a("--gen-length", type=int, default=None, help="completion tokens (default: half of --seq-len)")
+    a("--global-batch", type=int, default=1024, help="sequences per step (prompts x group size)")
+    a("--recompute", default="none", choices=["none", "full", "selective"])
+    a("--dtype", default="bf16", choices=["bf16", "fp32"])
+    a("--optimizer", default="adam", choices=["adam", "sgd"])
+    a("--no-distributed-optimizer", action="store_true", help="replicate optimizer states over DP")
+    a("--likelihood", default=None, choices=["elbo", "staircase"],
+      help="training layout (default: elbo for LLaDA, staircase for SDAR)")
+    a("--impl", default="te", choices=["te", "local"], help="kernels whose saved activations to count")
+    a("--overhead", type=float, default=4.0, metavar="GIB", help="CUDA context, buffers, fragmentation")
+    a("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (989 = H100/H200)")
+    a("--mfu", type=float, default=0.40, help="assumed training MFU")
+    a("--rollout-mfu", type=float, default=0.10, help="assumed rollout MFU")
+    a("--rollout-steps", type=int, default=None, help="LLaDA: total denoising steps; SDAR: steps per block")
+    a("--num-mc", type=int, default=2)
+    a("--inner", type=int, default=2, help="policy updates per rollout batch")
+    a("--json", metavar="PATH", help="also write the estimates as JSON")
+
+
+def spec_from_args(args: argparse.Namespace) -> PlanSpec:
+    from .models import get_preset
+    from .models.presets import ModelConfigError
+
+    try:
+        model = get_preset(args.model)
+    except ModelConfigError as err:
+        raise ConfigError(f"--model: {err}") from None
+    return PlanSpec(model=model, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
+                    tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                    gen_length=args.gen_length or max(args.seq_len // 2, 1), global_batch=args.global_batch,
+                    recompute=args.recompute, dtype=args.dtype, optimizer=args.optimizer,
+                    distributed_optimizer=not args.no_distributed_optimizer,
+                    likelihood=args.likelihood or ("staircase" if model.arch == "sdar" else "elbo"),
+                    impl=args.impl, overhead_gib=args.overhead, peak_tflops=args.gpu_tflops, mfu=args.mfu,
+                    rollout_mfu=args.rollout_mfu, rollout_steps=args.rollout_steps, num_mc=args.num_mc,
+                    inner_iterations=args.inner).validate()
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """The ``stabledrl plan`` command: the requested layout in detail, then every layout."""
+    spec = spec_from_args(args)
+    chosen = estimate(spec)
+    rows = all_layouts(spec)
+    print(format_plan(spec, chosen, rows))
+    if args.json:
+        from .bench.report import write_json
+
+        plain = dataclasses.asdict(dataclasses.replace(spec, model=None))
+        write_json({"spec": dict(plain, model=args.model), "chosen": chosen, "layouts": rows}, args.json)
+    return 0

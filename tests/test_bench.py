@@ -1,0 +1,156 @@
+"""``stabledrl bench``: timing statistics, FLOP counting, peaks, the JSON report and weak scaling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stabledrl_mcore.bench.flops import FlopCounter, forward_flops, forward_flops_per_token
+from stabledrl_mcore.bench.peak import gpu_peak_flops, measure_matmul_flops
+from stabledrl_mcore.bench.phases import PhaseResult, fill_flat_groups
+from stabledrl_mcore.bench.run import parse_phases, speedup
+from stabledrl_mcore.bench.scaling import efficiency
+from stabledrl_mcore.config import ConfigError
+from stabledrl_mcore.models import get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "parallel.micro_batch_size=4",
+         "rollout.gen_length=8", "rollout.steps=4", "rollout.block_length=8", "logging.wandb_mode=disabled"]
+
+
+def run_cli(*args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "stabledrl_mcore.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_phase_statistics():
+    res = PhaseResult("train", seconds=[4.0, 1.0, 2.0, 3.0, 5.0], cpu_seconds=[1.0] * 5, tokens=100.0, flops=1e9)
+    s = res.summary(peak_flops=1e9, model_parallel=2)
+    assert s["median_s"] == 3.0 and s["q1_s"] == 2.0 and s["q3_s"] == 4.0 and s["iqr_s"] == 2.0
+    assert s["min_s"] == 1.0 and s["max_s"] == 5.0 and s["repeats"] == 5
+    assert s["tokens_per_s"] == pytest.approx(100 / 3) and s["model_flops_per_s"] == pytest.approx(1e9 / 3)
+    assert s["mfu"] == pytest.approx(1 / 6)  # FLOP/s over peak x TP x PP
+    assert s["mfu_cpu_time"] == pytest.approx(0.5) and s["tokens_per_cpu_s"] == pytest.approx(100.0)
+    one = PhaseResult("optimizer", seconds=[0.5]).summary()
+    assert one["iqr_s"] == 0 and one["tokens_per_s"] is None and "mfu" not in one
+    assert speedup({"tokens_per_s": 30.0, "median_s": 1}, {"tokens_per_s": 10.0, "median_s": 3}) == 3.0
+    assert speedup({"tokens_per_s": None, "median_s": 0.5}, {"tokens_per_s": None, "median_s": 1.0}) == 2.0
+    assert efficiency({"tokens_per_s": 100.0}, {"tokens_per_s": 180.0}, 2) == pytest.approx(0.9)
+
+
+def test_parse_phases():
+    assert parse_phases("all")[0] == "rollout" and parse_phases("step,train") == ["train", "step"]
+    with pytest.raises(ConfigError, match="unknown bench phase"):
+        parse_phases("train,warp")
+
+
+def test_flop_counter_counts_forward_and_backward():
+    cfg = get_preset("llada-tiny")
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
+            return self.w * input_ids.float()
+
+    model = Stub()
+    with FlopCounter(model, cfg) as counter:
+        with torch.no_grad():
+            model(torch.zeros(2, 10, dtype=torch.long))
+        assert counter.flops == forward_flops(cfg, 2, 10) == 20 * forward_flops_per_token(cfg, 10)
+        counter.reset()
+        model(torch.zeros(3, 8, dtype=torch.long)).sum().backward()
+        assert counter.flops == 3 * 24 * forward_flops_per_token(cfg, 8) and counter.tokens == 24
+
+        class Cache:
+            length = 12
+        counter.reset()
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long), kv_cache=Cache())
+        assert counter.flops == 4 * forward_flops_per_token(cfg, 16)  # keys = cached + current
+    model(torch.zeros(1, 4, dtype=torch.long))  # hook removed
+    assert counter.tokens == 4
+
+
+def test_peaks():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("Some Future GPU") is None
+    got = measure_matmul_flops(torch.bfloat16, device="cpu", sizes=(64, 128), repeats=1, min_seconds=0.01)
+    assert got["flops"] > 0 and got["size"] in (64, 128)
+
+
+def test_fill_flat_groups():
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(advantages=torch.tensor([0.0, 0.0, 0.0, 0.5, -0.5, 0.0, 0.0, 0.0]),
+                            group_index=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))
+    fill_flat_groups(batch)
+    assert batch.advantages.tolist() == [1.0, -1.0, 0.0, 0.5, -0.5, 1.0, -1.0, 0.0]
+
+
+def test_bench_cli_json(tmp_path):
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
+                                   "--warmup", "0", "--repeats", "1", "--json", str(out))
+    assert code == 0, stderr[-3000:]
+    data = json.loads(out.read_text())
+    for key in ("mfu", "matmul_peak_flops", "step_tokens_per_s", "speedup_vs_baseline"):
+        assert data[key], key
+    assert set(data["phases"]) == {"rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer",
+                                   "step"}
+    assert set(data["speedup_vs_baseline"]) == set(data["phases"])
+    assert data["peak"]["kind"] == "measured" and data["matmul_peak_flops"] == data["peak"]["bf16_matmul_flops"]
+    w = data["workload"]
+    assert w["sequences"] == 8 and w["generated"] == 8
+    cfg = get_preset("llada-tiny")
+    assert data["model"]["vocab_size"] == cfg.vocab_size  # the preset's vocabulary is kept
+    train = data["phases"]["train"]
+    # forward + backward of num_mc draws of every sequence: 3 F_fwd(S) per token, counted by the hook
+    assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
+    assert train["model_flops"] == pytest.approx(3 * train["tokens"] * forward_flops_per_token(cfg, w["seq_len"]))
+    assert data["baseline"]["phases"]["train"]["model_flops"] == pytest.approx(train["model_flops"])
+    assert data["mfu"] == pytest.approx(train["model_flops_per_s"] / data["matmul_peak_flops"])
+    step_tokens = w["sequences"] * w["seq_len"]
+    assert data["step_tokens_per_s"] == pytest.approx(step_tokens / data["phases"]["step"]["median_s"])
+    for ph in data["phases"].values():
+        assert ph["median_s"] > 0 and ph["q1_s"] <= ph["median_s"] <= ph["q3_s"]
+    assert "MFU" in stdout and "speedup" in stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phases", "warp"], "unknown bench phase"),
+    (["--repeats", "0"], "--repeats"),
+    (["algo.epz=1"], "did you mean algo.eps"),
+])
+def test_bench_bad_input_is_one_line_exit_2(args, message):
+    code, _, err = run_cli("bench", "--config", CONFIG, *args, timeout=120)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.multiprocess
+def test_bench_weak_scaling_two_ranks(tmp_path):
+    out = tmp_path / "scaling.json"
+    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
+                                   "--phases", "train,optimizer", "--no-baseline", "--dp-scaling",
+                                   "--scaling-phases", "train,optimizer", "--warmup", "0", "--repeats", "1",
+                                   "--json", str(out), timeout=600)
+    assert code == 0, stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "speedup_vs_baseline" not in data
+    scaling = data["scaling"]
+    assert scaling["ranks"] == [1, 2] and scaling["backend"] == "gloo" and scaling["one_rank_from_main_run"]
+    # weak scaling: each of the 2 ranks holds as many sequences as the single rank
+    assert scaling["two_ranks"]["train"]["tokens"] == 2 * scaling["one_rank"]["train"]["tokens"]
+    assert 0 < scaling["efficiency"]["train"] < 5
+    assert data["weak_scaling_efficiency"] == scaling["efficiency"]["train"]
+    assert "weak scaling" in stdout

@@ -1,0 +1,131 @@
+"""``stabledrl plan``: hand-computed estimates, the layout table, errors, and measured CPU peaks."""
+
+import json
+import os
+
+import pytest
+
+from stabledrl_mcore.bench.flops import forward_flops_per_token, matmul_params
+from stabledrl_mcore.cli import main
+from stabledrl_mcore.models import get_preset
+from stabledrl_mcore.plan import GIB, PlanSpec, all_layouts, estimate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+
+# llada-tiny: V 256, H 64, L 4, 4 heads = 4 groups of 16, SwiGLU 176.
+LAYER_MATMUL = 64 * 16 * 12 + 4 * 16 * 64 + 3 * 64 * 176     # 50176: QKV, out, fc1 (gate+up), fc2
+PARAMS = 4 * (LAYER_MATMUL + 2 * 64) + 2 * 256 * 64 + 64      # + norms, embedding, head, final norm
+
+
+def tiny_spec(**kw):
+    base = dict(model=get_preset("llada-tiny"), nodes=1, gpus_per_node=2, tp=1, pp=1, micro_batch=2, seq_len=32,
+                gen_length=16, global_batch=4, dtype="fp32", optimizer="adam", distributed_optimizer=False,
+                impl="local", scored_fraction=0.25, overhead_gib=0.0)
+    base.update(kw)
+    return PlanSpec(**base).validate()
+
+
+def test_flops_by_hand():
+    cfg = get_preset("llada-tiny")
+    assert PARAMS == cfg.num_parameters() == 234048
+    assert matmul_params(cfg) == 4 * LAYER_MATMUL + 256 * 64 == 217088
+    # F_fwd(K) = 2 N_mm + 4 L K nh hd
+    assert forward_flops_per_token(cfg, 32) == 2 * 217088 + 4 * 4 * 32 * 4 * 16 == 466944
+
+
+def test_memory_estimate_by_hand():
+    est = estimate(tiny_spec())
+    assert est["params"] == PARAMS
+    assert est["weights"] == est["gradients"] == 4 * PARAMS          # fp32 weights, fp32 main grads
+    assert est["optimizer"] == 8 * PARAMS                             # Adam m, v (no master copy in fp32)
+    per_token_layer = 4 * (6 * 64 + (3 * 4 + 2 * 4) * 16 + 5 * 176)  # local kernels: 6336 bytes
+    tokens = 2 * 32
+    assert est["activations"] == 4 * per_token_layer * tokens == 1622016
+    head = 4 * tokens * 256 + 12 * 256 * 0.25 * tokens + 3 * 4 * 64 * tokens
+    assert est["head"] == head == 163840
+    assert est["rollout_kv_cache"] == 0                               # LLaDA decodes without a cache
+    assert est["rollout_transient"] == 2 * (32 * 256 * 4 + 28 * 256 * 16)
+    assert est["total"] == 2 * 4 * PARAMS + 8 * PARAMS + 1622016 + 163840 == 5530624
+    assert est["dp"] == 2 and est["fits"]
+
+
+def test_tp_dp_sharding_recompute_and_kv_cache_by_hand():
+    tp2 = estimate(tiny_spec(tp=2))
+    assert tp2["params"] == 4 * (LAYER_MATMUL / 2 + 128) + 2 * 256 * 64 / 2 + 64
+    dist = estimate(tiny_spec(distributed_optimizer=True))
+    assert dist["optimizer"] == 8 * PARAMS / 2                         # sharded over DP = 2
+    bf16 = estimate(tiny_spec(dtype="bf16", distributed_optimizer=True))
+    assert bf16["weights"] == 2 * PARAMS and bf16["optimizer"] == 12 * PARAMS / 2
+    full = estimate(tiny_spec(recompute="full"))
+    kept, layer = 4 * 64 * 4 * 64, 6336 * 64                          # layer inputs; one recomputed layer
+    assert full["activations"] == kept + layer
+    assert full["training_peak"] == kept + max(163840, layer)
+    sdar = estimate(tiny_spec(model=get_preset("sdar-tiny"), likelihood="staircase"))
+    assert sdar["rollout_kv_cache"] == 2 * 4 * 2 * 16 * 4 * 32 * 2   # 2 x L x groups x hd x bytes x S x B
+
+
+def test_layout_table_and_fit():
+    spec = PlanSpec(model=get_preset("sdar-8b"), nodes=1, gpus_per_node=8, gpu_memory_gib=80, tp=2, pp=1,
+                    likelihood="staircase", seq_len=1024).validate()
+    rows = all_layouts(spec)
+    layouts = {(r["tp"], r["pp"]) for r in rows}
+    assert (2, 1) in layouts and (8, 1) in layouts and (1, 4) in layouts
+    assert all(spec.gpus % (tp * pp) == 0 and 36 % pp == 0 for tp, pp in layouts)
+    # more model parallelism -> less memory per GPU
+    by = {(r["tp"], r["pp"]): r for r in rows}
+    assert by[(8, 1)]["total"] < by[(2, 1)]["total"] < by[(1, 1)]["total"]
+    assert not by[(1, 1)]["fits"] and by[(8, 1)]["fits"]
+    assert by[(1, 1)]["alternative"]["recompute"] == "full"
+    small = PlanSpec(model=get_preset("llada-8b"), gpu_memory_gib=16, tp=1, pp=1).validate()
+    assert not estimate(small)["fits"] and estimate(small)["total"] > 16 * GIB
+
+
+def test_plan_cli(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llada-8b", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory", "80",
+                 "--tp", "2", "--pp", "1", "--recompute", "full", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layout TP 2 x PP 1 x DP 8" in text and "fits" in text
+    data = json.loads(out.read_text())
+    assert data["chosen"]["tp"] == 2 and data["chosen"]["fits"] is True and len(data["layouts"]) > 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "sdar-8b", "--tp", "3"], "not divisible"),
+    (["--model", "sdar-8b", "--tp", "16", "--nodes", "2"], "spans nodes"),
+    (["--model", "no-such-model"], "unknown preset"),
+    (["--model", "llada-8b", "--seq-len", "64", "--gen-length", "128"], "cannot exceed"),
+])
+def test_plan_bad_input_is_one_line_exit_2(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+SHAPE = dict(num_layers=2, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1024, vocab_size=4096)
+
+
+@pytest.mark.parametrize("preset, shape, extra, likelihood, recompute", [
+    ("llada-100m", dict(SHAPE, num_query_groups=6), [], "elbo", "none"),
+    ("sdar-100m", dict(SHAPE, num_query_groups=2, head_dim=64),
+     ["algo.likelihood=staircase", "model.recompute=true"], "staircase", "full"),
+])
+def test_estimate_matches_measured_cpu_peak(tmp_path, preset, shape, extra, likelihood, recompute):
+    """The planner's total vs the measured peak RSS growth of build + 2 real update iterations (15%)."""
+    from stabledrl_mcore.bench.memory import measure_in_subprocess
+
+    overrides = [f"logging.run_dir={tmp_path}", f"model.preset={preset}", "rollout.prompts_per_step=2",
+                 "rollout.group_size=4", "parallel.micro_batch_size=4", "algo.num_mc=2"]
+    overrides += [f"model.overrides.{k}={v}" for k, v in shape.items()] + extra
+    measured = measure_in_subprocess(CONFIG, overrides, seq_len=96, prompt_len=32)
+    assert measured["peak_reset"]
+    spec = PlanSpec(model=get_preset(preset, mask_token_id=3, **shape), gpus_per_node=1, micro_batch=4,
+                    seq_len=96, gen_length=64, global_batch=8, recompute=recompute, dtype="fp32",
+                    distributed_optimizer=False, likelihood=likelihood, impl="local",
+                    scored_fraction=measured["scored_fraction"], overhead_gib=0).validate()
+    est = estimate(spec)
+    assert est["params"] == measured["params"]
+    # weights + gradient buffers are all that exists after the build
+    assert abs(measured["after_build_bytes"] / (est["weights"] + est["gradients"]) - 1) < 0.05
+    assert abs(est["total"] / measured["peak_bytes"] - 1) < 0.15, (est["total"], measured)
