@@ -11,11 +11,15 @@ __version__ = "0.1.0"
 
 
 def _quiet_cpu_warnings() -> None:
-    """megatron-core warns at import that TE/apex are absent; on CPU that is expected."""
+    """megatron-core warns at import that TE/apex are absent (expected on CPU), and its
+    checkpoint loader uses torch.distributed.checkpoint APIs that torch marks deprecated;
+    neither is actionable for a user, so both are silenced."""
     import warnings
 
     for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         warnings.filterwarnings("ignore", message=text, category=UserWarning)
+    for text in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
+        warnings.filterwarnings("ignore", message=text, category=FutureWarning)
 
 
 _quiet_cpu_warnings()

@@ -48,19 +48,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from .parallel.launch import spawn
 
-        spawn(_train_rank, args.nproc, (args.config, tuple(overrides)),
+        from .rl.trainer import train_rank
+
+        spawn(train_rank, args.nproc, (args.config, tuple(overrides)),
               timeout=float("inf"), threads=cfg.parallel.threads)
         return 0
-    return _train_rank(args.config, overrides)
+    from .rl.trainer import train_rank
 
-
-def _train_rank(config: Optional[str], overrides: Sequence[str]) -> int:
-    """One rank of ``stabledrl train``; exit status 75 means pre-empted (checkpoint written)."""
-    from .config import load_config
-    from .rl.trainer import EXIT_PREEMPTED, train
-
-    setup = train(load_config(config, list(overrides)))
-    return EXIT_PREEMPTED if setup.preempted else 0
+    return train_rank(args.config, overrides)
 
 
 def _not_available(name: str) -> int:
@@ -104,8 +99,12 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
              _lazy(".commands", "add_generate_arguments"), _lazy(".commands", "run_generate")),
             ("eval", "evaluate a checkpoint on a task (sharded over ranks)",
              _lazy(".commands", "add_eval_arguments"), _lazy(".commands", "run_eval")),
-            ("bench", "measure per-phase throughput and MFU", None, None),
-            ("plan", "estimate per-GPU memory and throughput of a layout", None, None)):
+            ("stress", "GRPO vs StableDRL with and without ratio noise (stability experiment)",
+             _lazy(".commands", "add_stress_arguments"), _lazy(".commands", "run_stress")),
+            ("bench", "measure per-phase throughput and MFU (and a baseline, weak scaling)",
+             _lazy(".bench.run", "add_bench_arguments"), _lazy(".bench.run", "run_bench")),
+            ("plan", "estimate per-GPU memory and throughput of a layout",
+             _lazy(".plan", "add_plan_arguments"), _lazy(".plan", "run_plan"))):
         cmd = sub.add_parser(name, help=help_text)
         if add_arguments is not None and name == chosen:  # only the chosen command's flags
             add_arguments(cmd)

@@ -71,6 +71,8 @@ class RolloutSection:
     """Task name (``stabledrl_mcore.tasks.available_tasks()``)."""
     data_path: Optional[str] = None
     """Local data file or root for file-backed tasks (GSM8K, MATH500)."""
+    data_seed: Optional[int] = None
+    """Seed of generated prompt pools (Sudoku, Countdown); None = ``parallel.seed``."""
     prompt_style: str = "chat"
     """``chat`` (system prompt + the tokenizer's chat template) or ``compact`` (bare puzzle, tiny models)."""
     task_options: Dict[str, Any] = field(default_factory=dict)
@@ -158,6 +160,22 @@ class CheckpointSection:
 
 
 @dataclass
+class EvalSection:
+    """Held-out evaluation during training (greedy decoding, sharded over data-parallel ranks)."""
+
+    every: int = 0
+    """Evaluate every N steps, before the first step and after the last (0 = never)."""
+    split: str = "test"
+    """Task split to evaluate on."""
+    num_examples: int = 200
+    """Examples of that split (generated tasks draw this many; file tasks take the first N)."""
+    seed: int = 0
+    """Seed of generated evaluation sets (Sudoku, Countdown)."""
+    micro_batch_size: int = 128
+    """Prompts decoded together per rank."""
+
+
+@dataclass
 class LoggingSection:
     """One logger: console, JSONL metrics and wandb, silent on non-zero ranks."""
 
@@ -184,6 +202,7 @@ class RunConfig:
     optim: OptimizerSection = field(default_factory=OptimizerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     steps: int = 10
     """Optimizer steps to run."""
 
@@ -202,15 +221,16 @@ class RunConfig:
         for name in ("parallel.tensor_parallel", "parallel.pipeline_parallel",
                      "parallel.micro_batch_size", "rollout.prompts_per_step", "rollout.group_size",
                      "rollout.gen_length", "rollout.steps", "rollout.block_length",
-                     "algo.inner_iterations", "algo.num_mc", "checkpoint.keep_last"):
+                     "algo.inner_iterations", "algo.num_mc", "checkpoint.keep_last",
+                     "eval.num_examples", "eval.micro_batch_size"):
             if get_dotted(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {get_dotted(self, name)}")
         if not 0.0 < self.algo.eps < 1.0:
             raise ConfigError(f"algo.eps must be in (0, 1), got {self.algo.eps}")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
-        if self.steps < 0 or self.checkpoint.save_every < 0:
-            raise ConfigError("steps and checkpoint.save_every must be >= 0")
+        if self.steps < 0 or self.checkpoint.save_every < 0 or self.eval.every < 0:
+            raise ConfigError("steps, checkpoint.save_every and eval.every must be >= 0")
         return self
 
 

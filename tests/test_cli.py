@@ -8,7 +8,7 @@ import pytest
 
 from stabledrl_mcore.cli import main
 
-SUBCOMMANDS = ("train", "convert", "generate", "eval", "bench", "plan")
+SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "bench", "plan")
 
 
 def run_cli(*args):
@@ -53,3 +53,10 @@ def test_print_config_resolves_overrides(tmp_path, capsys):
                  "--save-config", str(out_path)]) == 0
     assert "eps: 0.3" in capsys.readouterr().out
     assert "eps: 0.3" in out_path.read_text()
+
+
+def test_stress_bad_override_is_one_line_exit_2(tmp_path, capsys):
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny_cpu.yaml")
+    assert main(["stress", "--config", config, "algo.epz=0.1", "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean algo.eps" in err and len(err.strip().splitlines()) == 1

@@ -1,11 +1,21 @@
-"""Pieces of the README's main job that are cheap to check: SFT batches and the plot."""
+"""The README's main job and the stress experiment: the pieces that are cheap to check."""
 
 import json
+import math
+import sys
 
+import numpy as np
+import pytest
 
-from stabledrl_mcore.demo import _sft_batches, plot_curves
+from stabledrl_mcore.experiments.plots import plot_demo_curves, plot_stress
+from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, run_side_by_side
+from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, percentile, summarise_arm
+from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, rl_overrides, sft_batches
+from stabledrl_mcore.config import load_config
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tokenizer import train_sentencepiece
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_sft_batches_mark_the_answer_and_eos(tmp_path):
@@ -13,7 +23,7 @@ def test_sft_batches_mark_the_answer_and_eos(tmp_path):
     examples = task.load("train", n=8, seed=0)
     tok = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in examples],
                               str(tmp_path / "tok"), vocab_size=16)
-    ids, completion, gen_length = _sft_batches(tok, task, examples)
+    ids, completion, gen_length = sft_batches(tok, task, examples)
     answer = len(tok.encode(examples[0].reference["solution"])) + 1  # the digits (+ word piece) + EOS
     assert gen_length == answer >= 17
     assert completion.sum(1).tolist() == [answer] * 8
@@ -23,11 +33,66 @@ def test_sft_batches_mark_the_answer_and_eos(tmp_path):
     assert not completion[:, : ids.shape[1] - answer].any(), "prompt tokens must never be trained on"
 
 
-def test_plot_curves_writes_png(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "reward_mean": 0.5 + 0.01 * s, "grad_norm": 0.1} for s in range(1, 6)]
+def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):
+    sft = {"checkpoint": str(tmp_path / "ckpt"), "tokenizer": str(tmp_path / "tok"), "gen_length": 18}
+    cfg = load_config(None, rl_overrides(sft, str(tmp_path / "run"), seed=3, steps=7, nproc=2, eval_every=5,
+                                         eval_examples=40, rollout_steps=6))
+    assert (cfg.rollout.data_seed, cfg.parallel.seed, cfg.eval.seed) == (1003, 3, 3)
+    assert cfg.parallel.micro_batch_size == 64 and cfg.rollout.steps == 6 and cfg.eval.every == 5
+    labelled = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=3)}
+    pool = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=1003)}
+    assert len(labelled & pool) < 5, "the RL pool should not replay the labelled set"
+    stress = load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1)
+                         + arm_overrides("grpo", True, StressOptions(sigma=2.0)))
+    assert (stress.algo.loss, stress.algo.ratio_noise, stress.algo.ratio_noise_sigma) == ("grpo", "lognormal", 2.0)
+
+
+def test_percentile_matches_numpy():
+    values = list(np.random.default_rng(0).standard_cauchy(101))
+    for q in (0, 50, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert math.isnan(percentile([], 99))
+
+
+def test_summarise_arm_flags_collapse_and_spikes():
+    steps = range(1, 41)
+    falling = [{"step": s, "reward_mean": 0.6 if s <= 10 else 0.05, "grad_norm": 50.0 if s == 20 else 0.5,
+                "clip_frac_high": 0.25} for s in steps]
+    summary = summarise_arm(falling, algo="grpo", noisy=True, opts=StressOptions())
+    assert summary["max_grad_norm"] == 50.0 and summary["median_grad_norm"] == 0.5
+    assert summary["reward_start"] == pytest.approx(0.6) and summary["reward_end"] == pytest.approx(0.05)
+    assert summary["collapsed"] and summary["clip_frac_high"] == pytest.approx(0.25)
+    steady = [dict(r, reward_mean=0.6 + 0.001 * r["step"], grad_norm=0.1) for r in falling]
+    assert not summarise_arm(steady, algo="stabledrl", noisy=True, opts=StressOptions())["collapsed"]
+
+
+def test_eval_history_and_final_mean():
+    rows = [{"step": 0, "test_accuracy": 0.2}, {"step": 1, "reward_mean": 0.5},
+            {"step": 5, "reward_mean": 0.5, "test_accuracy": 0.3}, {"step": 10, "test_accuracy": 0.5}]
+    assert eval_history(rows) == [(0, 0.2), (5, 0.3), (10, 0.5)]
+    assert mean_of_last([0.2, 0.3, 0.5], 2) == pytest.approx(0.4)
+    assert mean_of_last([0.7], 3) == pytest.approx(0.7)
+
+
+def test_plots_write_png(tmp_path):
+    rows = [{"step": 0, "test_accuracy": 0.2}] + [
+        {"step": s, "reward_mean": 0.5 + 0.01 * s, "grad_norm": 0.1} for s in range(1, 6)]
     rows[-1]["test_accuracy"] = 0.3
-    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = tmp_path / "curves.png"
-    plot_curves(str(metrics), str(out), start_accuracy=0.2)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot_demo_curves(rows, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
+    arm = summarise_arm(rows[1:], algo="stabledrl", noisy=False, opts=StressOptions())
+    plot_stress([arm, dict(arm, noise=True, algo="grpo")], str(tmp_path / "stress.png"))
+    assert (tmp_path / "stress.png").read_bytes()[:8] == PNG
+
+
+def test_side_by_side_runs_report_exit_codes_and_logs(tmp_path):
+    configs = []
+    for name, code in (("ok", 0), ("bad", 3), ("ok2", 0)):
+        (tmp_path / name).mkdir()
+        configs.append(str(tmp_path / name / "rl_config.yaml"))
+        (tmp_path / name / "rl_config.yaml").write_text(str(code))
+    script = "import sys; c = open(sys.argv[-1]).read(); print('ran', c); sys.exit(int(c))"
+    codes = run_side_by_side(configs, parallel=2, poll=0.05,
+                             command=lambda path: [sys.executable, "-c", script, path])
+    assert codes == [0, 3, 0]
+    assert (tmp_path / "bad" / "train.log").read_text().strip() == "ran 3"

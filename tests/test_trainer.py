@@ -19,13 +19,14 @@ CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
 
 class DigitsTask(SudokuTask):
-    """Sudoku prompts with a dense reward a random model already varies on: share of digits."""
+    """Sudoku prompts with a dense reward a random model already varies on: share of digits
+    plus variety (so greedy decoding of a random model scores above 0 too)."""
 
     name = "test_digits"
 
     def _reward(self, completion, reference):
         text = completion[:16]
-        return sum(ch.isdigit() for ch in text) / 16.0
+        return 0.5 * sum(ch.isdigit() for ch in text) / 16.0 + 0.5 * len(set(text)) / 16.0
 
 
 def overrides(run_dir, **extra):
@@ -64,7 +65,8 @@ def _metrics(run_dir):
 
 @pytest.mark.multiprocess
 def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
-    sgd = {"optim.name": "sgd", "optim.weight_decay": 0.0}
+    sgd = {"optim.name": "sgd", "optim.weight_decay": 0.0, "eval.every": 1, "eval.num_examples": 6,
+           "eval.micro_batch_size": 2}
     single, dp2, tp2 = (str(tmp_path / n) for n in ("dp1", "dp2", "tp2"))
     spawn(_train_worker, 1, (single, sgd, "final"), timeout=300)
     spawn(_train_worker, 2, (dp2, sgd, "final"), timeout=300)
@@ -80,6 +82,12 @@ def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
         diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
         assert diff < 1e-5, f"DP=2 rank {rank} differs from DP=1 by {diff}"
     assert _metrics(dp2)[-1]["reward_mean"] == pytest.approx(_metrics(single)[-1]["reward_mean"])
+    # held-out evaluation (eval.every): before step 1 and after every step, sharded over DP ranks
+    evals = [[(r["step"], r["test_reward"]) for r in _metrics(d) if "test_reward" in r] for d in (single, dp2)]
+    assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]] == [0, 1, 2]
+    assert any(r > 0 for _, r in evals[0]), "the held-out reward should not be trivially 0"
+    assert [r for _, r in evals[1]] == pytest.approx([r for _, r in evals[0]]), \
+        "held-out evaluation differs between DP=1 and DP=2"
     tp_state = torch.load(os.path.join(tp2, "final.rank0.pt"))
     tp_init = [k for k in tp_state if k.endswith("linear_fc2.weight")][0]
     assert all(torch.isfinite(v).all() for v in tp_state.values())

@@ -196,4 +196,5 @@ def _train_examples(cfg: RunConfig, task) -> List[Example]:
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
     if cfg.rollout.task in ("countdown", "sudoku"):
         kwargs["n"] = max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
-    return task.load("train", seed=cfg.parallel.seed, **kwargs)
+    seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
+    return task.load("train", seed=seed, **kwargs)

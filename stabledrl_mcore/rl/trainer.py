@@ -22,6 +22,7 @@ from ..checkpoint.state import (TrainState, find_latest, load_checkpoint, save_c
 from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger
 from ..parallel.bootstrap import any_rank
+from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .rollout import generate_rollouts, score_rollouts
 from .setup import TrainingSetup, build_training, phase_generator
@@ -121,7 +122,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
     logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
                            wandb_project=cfg.logging.wandb_project,
-                           console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s"))
+                           console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s",
+                                         "test_accuracy"))
     if torch.distributed.get_rank() == 0:
         save_config(cfg, f"{cfg.logging.run_dir}/config.yaml")
         if start:
@@ -129,7 +131,10 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = _progress(cfg, start, end)
     install_preemption_handlers()
+    evaluate = make_heldout_evaluator(cfg, s.task, s.tokenizer)
     with logger:
+        if evaluate and start == 0:
+            logger.log(0, evaluate(s.model))
         for step in range(start, end):
             timer.seconds.clear()
             with timer("rollout"):
@@ -141,6 +146,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
             with timer("update"):
                 update = policy_update(s, batch, spec, step)
             metrics = step_metrics(s, batch, update, timer.seconds)
+            if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
+                metrics.update(evaluate(s.model))
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
@@ -154,6 +161,17 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
                 break
     bar.close()
     return s
+
+
+def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
+    """One rank of a run from a config file plus dotted overrides; 75 = pre-empted (checkpoint written).
+
+    Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
+    """
+    from ..config import load_config
+
+    setup = train(load_config(config, list(overrides)))
+    return EXIT_PREEMPTED if setup.preempted else 0
 
 
 def _first_chunk(s: TrainingSetup) -> int:

@@ -1,0 +1,178 @@
+"""The embedded tiny setting: 4x4 Sudoku, an own tokenizer, a 0.86M-parameter LLaDA-style model.
+
+``prepare_sft_checkpoint`` does everything before RL:
+
+1. labelled puzzles (with solutions) for SFT and a validation set, from the
+   ``train`` split with the run's seed (held-out ``test`` grids never occur);
+2. a character sentencepiece tokenizer trained on them;
+3. masked-diffusion SFT from scratch (LLaDA eq. 3, SFT variant) until the
+   validation accuracy *first* reaches ``sft_target``: the RL start point is
+   chosen by accuracy, not by time, because SFT on this task goes through a
+   sharp phase transition (0% -> 90%+ within a few hundred steps);
+4. a converted-format checkpoint (``sft_checkpoint/``) that ``stabledrl train``
+   loads through ``model.checkpoint``.
+
+``rl_overrides`` is the matching RL recipe (dotted overrides of ``RunConfig``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..tasks import get_task
+from ..tasks.base import Example
+
+
+@dataclass
+class TinySudoku:
+    """Every knob of the embedded setting (the demo and stress CLIs expose the important ones)."""
+
+    seed: int = 0
+    labelled: int = 2000          # SFT puzzles with solutions
+    validation: int = 100         # puzzles that pick the SFT stopping point
+    sft_steps: int = 800          # upper bound; SFT stops at sft_target
+    sft_target: float = 0.15      # validation accuracy that ends SFT
+    sft_batch: int = 64
+    sft_lr: float = 1e-3
+    sft_eval_every: int = 25
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_hidden_size: int = 384
+
+
+def sft_batches(tokenizer, task, examples: List[Example]):
+    """``[prompt | solution | EOS]`` rows, the completion mask, and the completion length."""
+    rows = [tokenizer.encode(task.prompt(ex)) + tokenizer.encode(ex.reference["solution"])
+            + [tokenizer.eos_token_id] for ex in examples]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    prompt_len = len(tokenizer.encode(task.prompt(examples[0])))
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        completion[i, prompt_len:len(row)] = True
+    return ids, completion, width - prompt_len
+
+
+def run_sft(model, tokenizer, task, labelled: List[Example], validation: List[Example], *,
+            setting: TinySudoku) -> Dict[str, float]:
+    """Masked-diffusion SFT until validation accuracy first reaches ``setting.sft_target``."""
+    from ..diffusion.pretrain import masked_diffusion_loss
+    from ..evaluation import evaluate_model
+
+    ids, completion, gen_length = sft_batches(tokenizer, task, labelled)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setting.sft_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(setting.seed)
+    from tqdm import tqdm
+
+    accuracy, step = 0.0, 0
+    bar = tqdm(total=setting.sft_steps, desc="sft", unit="step", dynamic_ncols=True)
+    for step in range(1, setting.sft_steps + 1):
+        rows = torch.randint(0, ids.shape[0], (setting.sft_batch,), generator=generator)
+        loss = masked_diffusion_loss(model, ids[rows], completion[rows], generator=generator,
+                                     mask_id=tokenizer.mask_token_id)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        bar.update(1)
+        if step % setting.sft_eval_every == 0:
+            accuracy = evaluate_model(model, tokenizer, task, validation, gen_length=gen_length,
+                                      steps=gen_length, block_length=gen_length,
+                                      micro_batch=len(validation)).accuracy
+            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{accuracy:.2f}")
+            bar.write(f"sft step {step:4d} | loss {loss.item():.3f} | validation accuracy {accuracy:.3f}")
+            if accuracy >= setting.sft_target:
+                break
+    bar.close()
+    return {"sft_steps": step, "sft_validation_accuracy": accuracy, "gen_length": gen_length}
+
+
+def prepare_sft_checkpoint(out: str, setting: TinySudoku,
+                           log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Data, tokenizer and SFT under ``out``; returns ``sft.json``'s content (also written there).
+
+    Runs in this process on one rank (gloo). Reuses ``out/sft_checkpoint`` when
+    ``out/sft.json`` says it was made with the same setting.
+    """
+    from ..checkpoint.mcore_io import save_model_checkpoint
+    from ..models import build_model
+    from ..parallel import bootstrap
+    from ..tokenizer import train_sentencepiece
+
+    record_path = os.path.join(out, "sft.json")
+    if os.path.exists(record_path):
+        with open(record_path) as handle:
+            record = json.load(handle)
+        if record.get("setting") == asdict(setting) and os.path.isdir(record["checkpoint"]):
+            log(f"[sft] reusing {record['checkpoint']} (same setting)")
+            return record
+    start = time.time()
+    torch.set_num_threads(1)
+    os.makedirs(out, exist_ok=True)
+    task = get_task("sudoku", prompt_style="compact")
+    labelled = task.load("train", n=setting.labelled + setting.validation, seed=setting.seed)
+    labelled, validation = labelled[:setting.labelled], labelled[setting.labelled:]
+    tok_dir = os.path.join(out, "tokenizer")
+    tokenizer = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in labelled],
+                                    tok_dir, vocab_size=16)
+    bootstrap.initialize(1, 1, seed=setting.seed)
+    try:
+        model = build_model(tiny_model_config(tokenizer, setting))
+        log(f"[sft] {sum(p.numel() for p in model.parameters()):,}-parameter model, "
+            f"{len(labelled)} labelled puzzles, {len(validation)} for validation")
+        result = run_sft(model, tokenizer, task, labelled, validation, setting=setting)
+        checkpoint = os.path.join(out, "sft_checkpoint")
+        save_model_checkpoint(model, checkpoint, hf_assets=tok_dir, overwrite=True)
+    finally:
+        bootstrap.destroy()
+    record = {"setting": asdict(setting), "checkpoint": checkpoint, "tokenizer": tok_dir,
+              "sft_seconds": round(time.time() - start, 1), **result}
+    tmp = record_path + ".tmp"
+    with open(tmp, "w") as handle:
+        json.dump(record, handle, indent=2)
+    os.replace(tmp, record_path)
+    return record
+
+
+def tiny_model_config(tokenizer, setting: TinySudoku):
+    """``llada-tiny`` resized to the setting, with the tokenizer's special ids."""
+    from ..models import get_preset
+
+    return get_preset("llada-tiny", vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
+                      num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
+                      num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
+                      mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+
+
+def rl_overrides(sft: Dict[str, object], run_dir: str, *, seed: int, steps: int, nproc: int,
+                 eval_every: int, eval_examples: int, loss: str = "stabledrl",
+                 rollout_steps: Optional[int] = None, lr: float = 3e-5,
+                 extra: Optional[List[str]] = None) -> List[str]:
+    """The RL recipe of the tiny setting as dotted overrides.
+
+    StableDRL, 16 unlabelled puzzles x G=8 per step, eps 0.2, 2 Monte-Carlo masks
+    shared by the old and new policy, 2 inner iterations, Adam lr 3e-5. The
+    unlabelled puzzles come from ``rollout.data_seed = 1000 + seed``, a pool
+    drawn independently of the labelled set.
+    """
+    gen = int(sft["gen_length"])
+    rows_per_rank = 16 // nproc * 8
+    return [
+        f"model.checkpoint={sft['checkpoint']}", f"model.tokenizer={sft['tokenizer']}",
+        "rollout.task=sudoku", "rollout.prompt_style=compact", f"rollout.data_seed={1000 + seed}",
+        "rollout.prompts_per_step=16", "rollout.group_size=8", f"rollout.gen_length={gen}",
+        f"rollout.steps={rollout_steps or gen}", f"rollout.block_length={gen}", "rollout.temperature=1.0",
+        f"parallel.micro_batch_size={rows_per_rank}", "parallel.threads=1", f"parallel.seed={seed}",
+        f"algo.loss={loss}", "algo.eps=0.2", "algo.num_mc=2", "algo.inner_iterations=2",
+        f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"steps={steps}",
+        f"eval.every={eval_every}", f"eval.num_examples={eval_examples}", f"eval.seed={seed}",
+        f"logging.run_dir={run_dir}", "checkpoint.save_every=0", "checkpoint.keep_last=1",
+        *(extra or [])]
