@@ -104,7 +104,7 @@ def _eval_rank(options: dict) -> int:
     from .models import build_model
     from .parallel import bootstrap
     from .rl.setup import load_initial_weights
-    from .tasks import get_task, write_jsonl
+    from .tasks import GENERATED_TASKS, get_task, write_jsonl
 
     args = argparse.Namespace(**options)
     if args.threads:
@@ -120,7 +120,7 @@ def _eval_rank(options: dict) -> int:
     load_kwargs = {"limit": args.limit, "seed": args.seed}
     if args.data_path:
         load_kwargs["path"] = args.data_path
-    if args.task in ("countdown", "sudoku"):
+    if args.task in GENERATED_TASKS:
         load_kwargs["n"] = args.limit or 500
     examples = task.load(args.split, **load_kwargs)
     result = evaluate_model(model, tokenizer, task, examples, micro_batch=args.batch_size,

@@ -294,7 +294,6 @@ class BaselineStep:
         return float(batch.sequences.numel())
 
     def jobs(self, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
-        table = {"rollout": self.rollout, "train": self.train, "optimizer": self.optimizer, "step": self.step,
-                 "likelihood_full": lambda: self.likelihood("likelihood_full"),
-                 "likelihood_staircase": lambda: self.likelihood("likelihood_staircase")}
-        return {p: table[p] for p in phases}
+        from .phases import phase_jobs
+
+        return phase_jobs(self, phases)

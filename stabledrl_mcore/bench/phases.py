@@ -236,7 +236,13 @@ class StableDRLPhases:
         return float(batch.sequences.numel())
 
     def jobs(self, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
-        table = {"rollout": self.rollout, "train": self.train, "optimizer": self.optimizer, "step": self.step,
-                 "likelihood_full": lambda: self.likelihood("likelihood_full"),
-                 "likelihood_staircase": lambda: self.likelihood("likelihood_staircase")}
-        return {p: table[p] for p in phases}
+        return phase_jobs(self, phases)
+
+
+def phase_jobs(runner, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
+    """Phase name -> callable of a runner (ours or the baseline: same method names)."""
+    table = {"rollout": runner.rollout, "train": runner.train, "optimizer": runner.optimizer,
+             "step": runner.step,
+             "likelihood_full": lambda: runner.likelihood("likelihood_full"),
+             "likelihood_staircase": lambda: runner.likelihood("likelihood_staircase")}
+    return {p: table[p] for p in phases}

@@ -45,11 +45,12 @@ def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
     evals = eval_history(rows)
     plot_demo_curves(rows, os.path.join(opts.out, "curves.png"))
     accuracies = [a for _, a in evals]
+    final = mean_of_last(accuracies[1:], opts.final_evals)
     summary = {
         "seed": opts.setting.seed,
         "start_accuracy": accuracies[0],
-        "final_accuracy": mean_of_last(accuracies[1:], opts.final_evals),
-        "gain": mean_of_last(accuracies[1:], opts.final_evals) - accuracies[0],
+        "final_accuracy": final,
+        "gain": final - accuracies[0],
         "last_eval_accuracy": accuracies[-1],
         "evaluations": [{"step": s, "test_accuracy": a} for s, a in evals],
         "final_accuracy_is": f"mean of the last {opts.final_evals} held-out evaluations",

@@ -18,11 +18,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ..config import load_config, save_config
 
 
-def write_run_config(run_dir: str, overrides: Sequence[str]) -> str:
-    """Resolve ``overrides`` into ``run_dir/rl_config.yaml`` (validated) and return its path."""
+def write_run_config(run_dir: str, overrides: Sequence[str], config: Optional[str] = None) -> str:
+    """Resolve ``config`` (or the defaults) plus ``overrides`` into ``run_dir/rl_config.yaml``
+    (validated) and return its path."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "rl_config.yaml")
-    save_config(load_config(None, list(overrides)), path)
+    save_config(load_config(config, list(overrides)), path)
     return path
 
 

@@ -96,15 +96,7 @@ def run_stress(opts: StressOptions, log=print) -> List[Dict]:
         run_dir = os.path.join(opts.out, f"{algo}_{'noise' if noisy else 'clean'}")
         overrides = [*base, *opts.overrides, *arm_overrides(algo, noisy, opts),
                      f"logging.run_dir={run_dir}", "parallel.threads=1"]
-        if opts.config is not None:
-            from ..config import load_config, save_config
-
-            os.makedirs(run_dir, exist_ok=True)
-            path = os.path.join(run_dir, "rl_config.yaml")
-            save_config(load_config(opts.config, overrides), path)
-        else:
-            path = write_run_config(run_dir, overrides)
-        configs.append(path)
+        configs.append(write_run_config(run_dir, overrides, config=opts.config))
     log(f"[stress] {len(arms)} arms x {opts.steps} steps, {opts.parallel} at a time; "
         f"noise {opts.noise} sigma {opts.sigma}; logs in <arm>/train.log")
     codes = run_side_by_side(configs, parallel=opts.parallel)

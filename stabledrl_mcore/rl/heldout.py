@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional
 
 from ..config import RunConfig
+from ..tasks import GENERATED_TASKS
 from ..tasks.base import Example
-
-GENERATED_TASKS = ("countdown", "sudoku")
 
 
 def heldout_examples(cfg: RunConfig, task) -> List[Example]:

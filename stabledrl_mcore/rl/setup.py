@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 import torch
 
 from ..config import RunConfig
-from ..tasks import get_task
+from ..tasks import GENERATED_TASKS, get_task
 from ..tasks.base import Example
 
 
@@ -194,7 +194,7 @@ def load_initial_weights(model, path: str) -> None:
 
 def _train_examples(cfg: RunConfig, task) -> List[Example]:
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
-    if cfg.rollout.task in ("countdown", "sudoku"):
+    if cfg.rollout.task in GENERATED_TASKS:
         kwargs["n"] = max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
     seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
     return task.load("train", seed=seed, **kwargs)

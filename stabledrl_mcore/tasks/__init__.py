@@ -17,8 +17,12 @@ from stabledrl_mcore.tasks.math_tasks import Gsm8kTask, Math500Task, resolve_dat
 from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, build_prompt
 from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions, solve as solve_sudoku
 
+GENERATED_TASKS = ("countdown", "sudoku")
+"""Tasks whose examples are generated (``load(split, n=..., seed=...)``) rather than read from files."""
+
 __all__ = [
-    "REWARD_RANGE", "Example", "Task", "TaskProtocol", "available_tasks", "get_task", "register_task",
+    "GENERATED_TASKS", "REWARD_RANGE", "Example", "Task", "TaskProtocol", "available_tasks", "get_task",
+    "register_task",
     "CountdownTask", "evaluate_expression", "solve_countdown",
     "SHARD_MODES", "evaluate_completions", "shard_examples", "shard_indices", "write_jsonl",
     "answer_tag", "last_boxed", "parse_number", "math_equal",
