@@ -171,6 +171,9 @@ def add_stress_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigma", type=float, default=d.sigma, help=f"noise scale (default {d.sigma})")
     parser.add_argument("--parallel", type=int, default=d.parallel,
                         help="arms running at once, one CPU thread each (default 2)")
+    parser.add_argument("--likelihood", default=d.likelihood, choices=("elbo", "mean_field", "spg"),
+                        help=f"likelihood estimator of the embedded setting (default {d.likelihood}; "
+                             "ignored with --config)")
 
 
 def run_stress(args: argparse.Namespace) -> int:
@@ -179,7 +182,7 @@ def run_stress(args: argparse.Namespace) -> int:
 
     opts = StressOptions(out=args.out, setting=TinySudoku(seed=args.seed), config=args.config,
                          overrides=tuple(args.overrides), steps=args.steps, noise=args.noise,
-                         sigma=args.sigma, parallel=args.parallel)
+                         sigma=args.sigma, parallel=args.parallel, likelihood=args.likelihood)
     print(format_stress(run(opts, log=lambda m: print(m, flush=True))))
     print(f"\nwritten: {args.out}/stress_summary.json, {args.out}/stress.png")
     return 0

@@ -61,6 +61,10 @@ class ParallelSection:
     """torch intra-op threads per rank (None = torch's default). 1 is fastest for tiny CPU models."""
     seed: int = 1234
     """Base seed; pipeline stages offset it, TP ranks get distinct dropout streams."""
+    retain_update_graph: bool = False
+    """Inner iterations after the first keep their scoring forward's graph for the backward
+    instead of scoring without gradients and running the forward again: one forward less per
+    iteration, but activations of the whole rank batch x ``algo.num_mc`` are held at once."""
 
 
 @dataclass
@@ -109,6 +113,9 @@ class AlgorithmSection:
     """Sequence log-likelihood proxy: ``elbo``, ``mean_field``, ``spg`` (ELBO/EUBO), ``staircase`` (SDAR)."""
     num_mc: int = 2
     """Monte-Carlo masks per sequence, shared between old and new policy."""
+    coupled_masks: bool = False
+    """Draw masks in complementary pairs (DiffuCoder's coupled sampling): every completion
+    token is scored exactly once per pair, a lower-variance ELBO; needs an even ``num_mc``."""
     length_normalize: bool = True
     """Divide sequence log-likelihoods by completion length (as released)."""
     kl_coef: float = 0.0
@@ -225,6 +232,9 @@ class RunConfig:
                      "eval.num_examples", "eval.micro_batch_size"):
             if get_dotted(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {get_dotted(self, name)}")
+        if self.algo.coupled_masks and (self.algo.num_mc % 2 or self.algo.likelihood == "mean_field"):
+            raise ConfigError(f"algo.coupled_masks needs an even algo.num_mc (got {self.algo.num_mc}) "
+                              f"and a masked estimator, not {self.algo.likelihood!r}")
         if not 0.0 < self.algo.eps < 1.0:
             raise ConfigError(f"algo.eps must be in (0, 1), got {self.algo.eps}")
         if self.optim.lr <= 0:

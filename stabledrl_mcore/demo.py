@@ -31,11 +31,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rollout-steps", type=int, default=d.rollout_steps,
                         help="denoising steps per rollout")
     parser.add_argument("--lr", type=float, default=d.lr, help="RL learning rate (Adam)")
+    parser.add_argument("--likelihood", default=d.likelihood, choices=("elbo", "mean_field", "spg"),
+                        help=f"sequence likelihood estimator of the RL loss (default {d.likelihood})")
     args = parser.parse_args(argv)
     setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target)
     opts = DemoOptions(out=args.out, setting=setting, rl_steps=args.rl_steps, eval_every=args.eval_every,
                        eval_examples=args.test, nproc=args.nproc, rollout_steps=args.rollout_steps,
-                       lr=args.lr)
+                       lr=args.lr, likelihood=args.likelihood)
     print(format_summary(run_demo(opts, log=lambda m: print(m, flush=True))))
     return 0
 

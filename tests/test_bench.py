@@ -154,3 +154,8 @@ def test_bench_weak_scaling_two_ranks(tmp_path):
     assert 0 < scaling["efficiency"]["train"] < 5
     assert data["weak_scaling_efficiency"] == scaling["efficiency"]["train"]
     assert "weak scaling" in stdout
+    ceiling = scaling["machine_ceiling"]
+    assert 0 < ceiling["ceiling"] < 1.5 and ceiling["one_process_flops"] > 0
+    assert scaling["efficiency_vs_ceiling"]["train"] == pytest.approx(
+        scaling["efficiency"]["train"] / ceiling["ceiling"])
+    assert "machine ceiling" in stdout

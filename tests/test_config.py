@@ -54,6 +54,11 @@ def test_value_checks():
         load_config(None, ["rollout.group_size=0"])
     with pytest.raises(ConfigError, match="not of the form"):
         load_config(None, ["algo.eps"])
+    with pytest.raises(ConfigError, match=r"algo\.coupled_masks needs an even algo\.num_mc \(got 3\)"):
+        load_config(None, ["algo.coupled_masks=true", "algo.num_mc=3"])
+    with pytest.raises(ConfigError, match=r"coupled_masks.*not 'mean_field'"):
+        load_config(None, ["algo.coupled_masks=true", "algo.likelihood=mean_field"])
+    assert load_config(None, ["algo.coupled_masks=true", "algo.num_mc=4"]).algo.coupled_masks
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -39,6 +39,9 @@ def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):
                                          eval_examples=40, rollout_steps=6))
     assert (cfg.rollout.data_seed, cfg.parallel.seed, cfg.eval.seed) == (1003, 3, 3)
     assert cfg.parallel.micro_batch_size == 64 and cfg.rollout.steps == 6 and cfg.eval.every == 5
+    assert cfg.algo.likelihood == "elbo" and cfg.algo.num_mc == 2 and cfg.parallel.retain_update_graph
+    assert load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1,
+                                          likelihood="mean_field")).algo.likelihood == "mean_field"
     labelled = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=3)}
     pool = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=1003)}
     assert len(labelled & pool) < 5, "the RL pool should not replay the labelled set"

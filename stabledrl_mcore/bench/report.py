@@ -77,6 +77,12 @@ def format_table(result: Dict[str, Any]) -> str:
                         if v is not None)
         lines.append(f"weak scaling 1 -> {scaling['ranks'][-1]} data-parallel ranks ({scaling['backend']}, "
                      f"{scaling['threads_per_rank']} thread(s)/rank): {eff}" + (f" (CPU time: {cpu})" if cpu else ""))
+        if scaling.get("machine_ceiling"):
+            ceil = scaling["machine_ceiling"]["ceiling"]
+            rel = ", ".join(f"{k} {v * 100:.0f}%" for k, v in scaling["efficiency_vs_ceiling"].items()
+                            if v is not None)
+            lines.append(f"machine ceiling (fp32 matmuls, 2 processes vs 1, no communication): "
+                         f"{ceil * 100:.0f}%; efficiency relative to it: {rel}")
     return "\n".join(lines)
 
 

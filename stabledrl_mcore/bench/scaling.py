@@ -12,6 +12,12 @@ ranks competing for the same cores all lower it. The 1-rank figures are taken
 from the main run when it measured the same phases in one process.
 ``efficiency_cpu_time`` repeats the ratio with process CPU time, which ignores time spent
 waiting (for the other rank or for a core taken by another job).
+
+On CPU, ``machine_ceiling`` measures what the machine itself allows: the fp32 matmul
+rate of each of ``ranks`` processes running at once over the rate of one alone (no
+communication at all). Shared caches, memory bandwidth, clock boost and vCPUs that
+are hyper-threads of one core put it below 1.0; ``efficiency_vs_ceiling`` divides
+the measured efficiency by it, i.e. the part of the loss our code is responsible for.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -76,6 +83,49 @@ def efficiency_cpu(one: Dict[str, Any], many: Dict[str, Any], ranks: int) -> Opt
     return None
 
 
+def _ceiling_worker(barrier, queue, size: int, seconds: float, threads: int) -> None:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    for _ in range(3):
+        torch.mm(a, b)  # warm-up
+    barrier.wait()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    queue.put(2.0 * size ** 3 * count / (time.perf_counter() - start))
+
+
+def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, seconds: float = 2.0,
+                    timeout: float = 120.0) -> Dict[str, float]:
+    """Per-process fp32 matmul rate with ``ranks`` processes at once over one process alone.
+
+    Returns ``{"ceiling", "one_process_flops", "per_process_flops"}``. Processes are
+    started with ``spawn`` and joined (killed by PID on timeout).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rates = {}
+    for n in (1, ranks):
+        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_ceiling_worker, args=(barrier, queue, size, seconds, threads))
+                 for _ in range(n)]
+        for proc in procs:
+            proc.start()
+        try:
+            got = [queue.get(timeout=timeout) for _ in procs]
+        finally:
+            for proc in procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
+        rates[n] = sum(got) / len(got)
+    return {"ceiling": rates[ranks] / rates[1], "one_process_flops": rates[1],
+            "per_process_flops": rates[ranks]}
+
+
 def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[str], *, warmup: int,
                  repeats: int, reference: Optional[Dict[str, Any]] = None,
                  keep_tokenizer_vocab: bool = False) -> Dict[str, Any]:
@@ -95,8 +145,15 @@ def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[s
     eff = {p: efficiency(one["phases"][p], two["phases"][p], 2) for p in phases}
     cpu = {p: efficiency_cpu(one["phases"][p], two["phases"][p], 2) for p in phases}
     headline = eff.get("step", next(iter(eff.values()), None))
+    ceiling = None if torch.cuda.is_available() else machine_ceiling(
+        2, threads=two["layout"]["threads"] or 1)
+    if ceiling:
+        log(f"machine ceiling: 2 processes at once run fp32 matmuls at {ceiling['ceiling']:.2f}x "
+            "the per-process rate of one alone")
     return {"ranks": [1, 2], "backend": two["layout"]["backend"], "threads_per_rank": two["layout"]["threads"],
             "phases": list(phases), "efficiency": eff, "efficiency_cpu_time": cpu, "headline": headline,
             "one_rank": {p: one["phases"][p] for p in phases}, "two_ranks": {p: two["phases"][p] for p in phases},
             "one_rank_from_main_run": bool(have), "load_average": two.get("load_average"),
-            "cpu_count": os.cpu_count()}
+            "cpu_count": os.cpu_count(), "machine_ceiling": ceiling,
+            "efficiency_vs_ceiling": ({p: (v / ceiling["ceiling"] if v is not None else None)
+                                       for p, v in eff.items()} if ceiling else None)}

@@ -29,6 +29,7 @@ class DemoOptions:
     nproc: int = 2                # data-parallel RL ranks (one thread each)
     rollout_steps: int = 8        # denoising steps per rollout (evaluation decodes one token per step)
     lr: float = 3e-5
+    likelihood: str = "elbo"        # algo.likelihood of the RL run (see tiny_sudoku.rl_overrides)
 
 
 def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
@@ -38,7 +39,7 @@ def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
     config = write_run_config(opts.out, rl_overrides(
         sft, opts.out, seed=opts.setting.seed, steps=opts.rl_steps, nproc=opts.nproc,
         eval_every=opts.eval_every, eval_examples=opts.eval_examples, rollout_steps=opts.rollout_steps,
-        lr=opts.lr))
+        lr=opts.lr, likelihood=opts.likelihood))
     log(f"[rl] StableDRL, {opts.rl_steps} steps on {opts.nproc} rank(s); config {config}")
     run_in_process_ranks(config, opts.nproc)
     rows = read_metrics(opts.out)
@@ -56,7 +57,7 @@ def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
         "final_accuracy_is": f"mean of the last {opts.final_evals} held-out evaluations",
         "wall_seconds": round(time.time() - start, 1),
         "test_puzzles": opts.eval_examples, "labelled_puzzles": opts.setting.labelled,
-        "rl_steps": opts.rl_steps, "rl_ranks": opts.nproc,
+        "rl_steps": opts.rl_steps, "rl_ranks": opts.nproc, "likelihood": opts.likelihood,
         "sft_steps": sft["sft_steps"], "sft_validation_accuracy": sft["sft_validation_accuracy"],
         "sft_seconds": sft["sft_seconds"],
     }

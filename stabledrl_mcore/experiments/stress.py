@@ -40,6 +40,7 @@ class StressOptions:
     parallel: int = 2                   # arms running at once (one thread each)
     window: int = 10                    # steps averaged for reward_start / reward_end
     collapse_drop: float = 0.1          # collapsed: reward_end < reward_start - drop (absolute)
+    likelihood: str = "elbo"            # algo.likelihood of the embedded setting (as the demo)
 
 
 def arm_overrides(algo: str, noisy: bool, opts: StressOptions) -> List[str]:
@@ -87,7 +88,7 @@ def run_stress(opts: StressOptions, log=print) -> List[Dict]:
     if opts.config is None:
         sft = prepare_sft_checkpoint(opts.out, opts.setting, log=log)
         base = rl_overrides(sft, "", seed=opts.setting.seed, steps=opts.steps, nproc=1, eval_every=0,
-                            eval_examples=1, rollout_steps=8)
+                            eval_examples=1, rollout_steps=8, likelihood=opts.likelihood)
     else:
         base = []
     arms = [(algo, noisy) for noisy in (False, True) for algo in ALGOS]

@@ -144,16 +144,41 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
 
 
 def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef: torch.Tensor, *,
-                         micro_batch: int, mask_id: int) -> None:
-    """Back-propagate ``sum(coef * token_logp_theta)`` micro-batch by micro-batch."""
+                         micro_batch: int, mask_id: int,
+                         retained: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> None:
+    """Back-propagate ``sum(coef * token_logp_theta)`` micro-batch by micro-batch.
+
+    ``retained`` (from :func:`token_logp_with_graph`) reuses forward graphs instead
+    of running the forward again; the gradient is the same.
+    """
     for draw in range(batch.plan.num_mc):
         for start in range(0, batch.size, micro_batch):
             rows = slice(start, start + micro_batch)
             weights = coef[draw, rows]
+            tok = retained.pop((draw, start)) if retained is not None else None
             if not bool(weights.any()):
                 continue
-            tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+            if tok is None:
+                tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
             (weights.to(tok.dtype) * tok).sum().backward()
+
+
+def token_logp_with_graph(model, batch: RolloutBatch, spec: LikelihoodSpec, *, micro_batch: int,
+                          mask_id: int) -> Tuple[torch.Tensor, Dict[Tuple[int, int], torch.Tensor]]:
+    """Like :func:`all_token_logp`, but keeps every forward graph for the backward.
+
+    Saves one forward per inner iteration after the first, at the cost of holding
+    activations for the whole rank batch x ``num_mc`` (``parallel.retain_update_graph``).
+    """
+    out = torch.zeros(batch.plan.masked.shape, dtype=torch.float32)
+    graphs: Dict[Tuple[int, int], torch.Tensor] = {}
+    for draw in range(batch.plan.num_mc):
+        for start in range(0, batch.size, micro_batch):
+            rows = slice(start, start + micro_batch)
+            tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+            out[draw, rows] = tok.detach().float()
+            graphs[(draw, start)] = tok
+    return out, graphs
 
 
 def grads_finite(model) -> bool:
