@@ -40,7 +40,8 @@ class StressOptions:
     parallel: int = 2                   # arms running at once (one thread each)
     window: int = 10                    # steps averaged for reward_start / reward_end
     collapse_drop: float = 0.1          # collapsed: reward_end < reward_start - drop (absolute)
-    likelihood: str = "elbo"            # algo.likelihood of the embedded setting (as the demo)
+    likelihood: str = "mean_field"      # algo.likelihood of the embedded setting: 1.6x cheaper
+                                        # per step than "elbo", so 60 steps fit in 15 min on 2 cores
 
 
 def arm_overrides(algo: str, noisy: bool, opts: StressOptions) -> List[str]:
