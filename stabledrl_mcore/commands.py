@@ -157,6 +157,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_stress_arguments(parser: argparse.ArgumentParser) -> None:
     from .experiments.stress import StressOptions
+    from .experiments.tiny_sudoku import LIKELIHOODS
 
     d = StressOptions()
     parser.add_argument("--config", metavar="FILE",
@@ -171,7 +172,7 @@ def add_stress_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigma", type=float, default=d.sigma, help=f"noise scale (default {d.sigma})")
     parser.add_argument("--parallel", type=int, default=d.parallel,
                         help="arms running at once, one CPU thread each (default 2)")
-    parser.add_argument("--likelihood", default=d.likelihood, choices=("elbo", "mean_field", "spg"),
+    parser.add_argument("--likelihood", default=d.likelihood, choices=LIKELIHOODS,
                         help=f"likelihood estimator of the embedded setting (default {d.likelihood}; "
                              "ignored with --config)")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from .experiments.demo import DemoOptions, format_summary, run_demo
-from .experiments.tiny_sudoku import TinySudoku
+from .experiments.tiny_sudoku import LIKELIHOODS, TinySudoku
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rollout-steps", type=int, default=d.rollout_steps,
                         help="denoising steps per rollout")
     parser.add_argument("--lr", type=float, default=d.lr, help="RL learning rate (Adam)")
-    parser.add_argument("--likelihood", default=d.likelihood, choices=("elbo", "mean_field", "spg"),
+    parser.add_argument("--likelihood", default=d.likelihood, choices=LIKELIHOODS,
                         help=f"sequence likelihood estimator of the RL loss (default {d.likelihood})")
     args = parser.parse_args(argv)
     setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target)

@@ -152,6 +152,9 @@ def tiny_model_config(tokenizer, setting: TinySudoku):
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
 
 
+LIKELIHOODS = ("elbo", "mean_field", "spg")  # the estimators the tiny setting's CLIs offer
+
+
 def rl_overrides(sft: Dict[str, object], run_dir: str, *, seed: int, steps: int, nproc: int,
                  eval_every: int, eval_examples: int, loss: str = "stabledrl",
                  rollout_steps: Optional[int] = None, lr: float = 3e-5, likelihood: str = "elbo",

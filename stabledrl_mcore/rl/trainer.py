@@ -28,7 +28,7 @@ from .rollout import generate_rollouts, score_rollouts
 from .setup import TrainingSetup, build_training, phase_generator
 from .step_metrics import step_metrics
 from .update import (LikelihoodSpec, accumulate_gradients, agree_ok, all_token_logp,
-                     grads_finite, loss_coefficients, old_policy_likelihood, token_logp_with_graph)
+                     grads_finite, loss_coefficients, old_policy_likelihood)
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -69,8 +69,8 @@ class PhaseTimer:
 
 def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
     block = model.dllm_config.block_size if cfg.algo.likelihood == "staircase" else None
-    return LikelihoodSpec(kind=cfg.algo.likelihood, num_mc=cfg.algo.num_mc,
-                          coupled=cfg.algo.coupled_masks, length_normalize=cfg.algo.length_normalize, block_size=block)
+    return LikelihoodSpec(kind=cfg.algo.likelihood, num_mc=cfg.algo.num_mc, coupled=cfg.algo.coupled_masks,
+                          length_normalize=cfg.algo.length_normalize, block_size=block)
 
 
 def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, float]:
@@ -81,13 +81,10 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     metrics: Dict[str, float] = {"skipped_updates": 0.0}
     micro = cfg.parallel.micro_batch_size
     for inner in range(cfg.algo.inner_iterations):
-        retained = None
-        if inner == 0:
-            current = batch.old_token_logp
-        elif cfg.parallel.retain_update_graph:
-            current, retained = token_logp_with_graph(s.ddp, batch, spec, micro_batch=micro, mask_id=mask_id)
-        else:
-            current = all_token_logp(s.model, batch, batch.plan, spec, micro_batch=micro, mask_id=mask_id)
+        retained = {} if cfg.parallel.retain_update_graph and inner > 0 else None
+        current = batch.old_token_logp if inner == 0 else all_token_logp(
+            s.ddp if retained is not None else s.model, batch, batch.plan, spec, micro_batch=micro,
+            mask_id=mask_id, graphs=retained)
         coef, loss_metrics = loss_coefficients(
             current, batch, spec, loss=cfg.algo.loss, eps=cfg.algo.eps, ratio_noise=noise,
             noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise"))

@@ -87,16 +87,30 @@ def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
     return gather_log_probs(logits, ids, scored)
 
 
+def chunks(num_mc: int, size: int, micro_batch: int):
+    """``(draw, start, rows)`` of every draw x micro-batch, in the order the update visits them."""
+    for draw in range(num_mc):
+        for start in range(0, size, micro_batch):
+            yield draw, start, slice(start, start + micro_batch)
+
+
 def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
-                   micro_batch: int, mask_id: int) -> torch.Tensor:
-    """``[M, N, S]`` token log-probs of the whole rank batch, without gradients."""
+                   micro_batch: int, mask_id: int,
+                   graphs: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> torch.Tensor:
+    """``[M, N, S]`` token log-probs of the whole rank batch, without gradients.
+
+    With ``graphs`` (a dict, ``parallel.retain_update_graph``) the forwards record
+    autograd and each micro-batch's log-probs are kept under ``(draw, start)`` for
+    :func:`accumulate_gradients`: one forward less per inner iteration, at the cost
+    of holding activations for the whole rank batch x ``num_mc``.
+    """
     out = torch.zeros(plan.masked.shape, dtype=torch.float32)
-    with torch.no_grad():
-        for draw in range(plan.num_mc):
-            for start in range(0, batch.size, micro_batch):
-                rows = slice(start, start + micro_batch)
-                out[draw, rows] = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id,
-                                             draw=draw).float()
+    with torch.set_grad_enabled(graphs is not None):
+        for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
+            tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+            out[draw, rows] = tok.detach().float()
+            if graphs is not None:
+                graphs[(draw, start)] = tok
     return out
 
 
@@ -148,37 +162,17 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
                          retained: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> None:
     """Back-propagate ``sum(coef * token_logp_theta)`` micro-batch by micro-batch.
 
-    ``retained`` (from :func:`token_logp_with_graph`) reuses forward graphs instead
-    of running the forward again; the gradient is the same.
+    ``retained`` (the ``graphs`` of :func:`all_token_logp`) reuses forward graphs
+    instead of running the forward again; the gradient is the same.
     """
-    for draw in range(batch.plan.num_mc):
-        for start in range(0, batch.size, micro_batch):
-            rows = slice(start, start + micro_batch)
-            weights = coef[draw, rows]
-            tok = retained.pop((draw, start)) if retained is not None else None
-            if not bool(weights.any()):
-                continue
-            if tok is None:
-                tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-            (weights.to(tok.dtype) * tok).sum().backward()
-
-
-def token_logp_with_graph(model, batch: RolloutBatch, spec: LikelihoodSpec, *, micro_batch: int,
-                          mask_id: int) -> Tuple[torch.Tensor, Dict[Tuple[int, int], torch.Tensor]]:
-    """Like :func:`all_token_logp`, but keeps every forward graph for the backward.
-
-    Saves one forward per inner iteration after the first, at the cost of holding
-    activations for the whole rank batch x ``num_mc`` (``parallel.retain_update_graph``).
-    """
-    out = torch.zeros(batch.plan.masked.shape, dtype=torch.float32)
-    graphs: Dict[Tuple[int, int], torch.Tensor] = {}
-    for draw in range(batch.plan.num_mc):
-        for start in range(0, batch.size, micro_batch):
-            rows = slice(start, start + micro_batch)
+    for draw, start, rows in chunks(batch.plan.num_mc, batch.size, micro_batch):
+        weights = coef[draw, rows]
+        tok = retained.pop((draw, start)) if retained is not None else None
+        if not bool(weights.any()):
+            continue
+        if tok is None:
             tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-            out[draw, rows] = tok.detach().float()
-            graphs[(draw, start)] = tok
-    return out, graphs
+        (weights.to(tok.dtype) * tok).sum().backward()
 
 
 def grads_finite(model) -> bool:
