@@ -159,3 +159,13 @@ def test_bench_weak_scaling_two_ranks(tmp_path):
     assert scaling["efficiency_vs_ceiling"]["train"] == pytest.approx(
         scaling["efficiency"]["train"] / ceiling["ceiling"])
     assert "machine ceiling" in stdout
+
+
+def test_machine_ceiling_is_the_median_of_alternating_rounds():
+    from stabledrl_mcore.bench.scaling import machine_ceiling
+
+    result = machine_ceiling(2, size=64, seconds=0.1, rounds=3, timeout=120)
+    assert result["rounds"] == 3 and len(result["per_round"]) == 3
+    assert all(r > 0 for r in result["per_round"])
+    assert result["ceiling"] == sorted(result["per_round"])[1]
+    assert result["one_process_flops"] > 0 and result["per_process_flops"] > 0

@@ -83,47 +83,65 @@ def efficiency_cpu(one: Dict[str, Any], many: Dict[str, Any], ranks: int) -> Opt
     return None
 
 
-def _ceiling_worker(barrier, queue, size: int, seconds: float, threads: int) -> None:
+def _matmul_window(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2.0 * a.shape[0] ** 3 * count / (time.perf_counter() - start)
+
+
+def _ceiling_worker(rank: int, barrier, queue, size: int, seconds: float, threads: int, rounds: int) -> None:
+    """Each round: rank 0 runs a window alone (the others wait), then all ranks run one together."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
     for _ in range(3):
         torch.mm(a, b)  # warm-up
-    barrier.wait()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        count += 1
-    queue.put(2.0 * size ** 3 * count / (time.perf_counter() - start))
+    for round_ in range(rounds):
+        barrier.wait()
+        if rank == 0:
+            queue.put(("alone", round_, _matmul_window(a, b, seconds)))
+        barrier.wait()
+        queue.put(("together", round_, _matmul_window(a, b, seconds)))
 
 
 def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, seconds: float = 2.0,
-                    timeout: float = 120.0) -> Dict[str, float]:
+                    rounds: int = 3, timeout: float = 300.0) -> Dict[str, Any]:
     """Per-process fp32 matmul rate with ``ranks`` processes at once over one process alone.
 
-    Returns ``{"ceiling", "one_process_flops", "per_process_flops"}``. Processes are
-    started with ``spawn`` and joined (killed by PID on timeout).
+    One set of ``ranks`` spawned processes runs ``rounds`` alternating windows of
+    ``seconds``: rank 0 alone, then all at once. The ceiling is the median over
+    rounds of (mean per-process rate together) / (rate alone): a single short
+    window is easily disturbed on a shared machine (readings of 0.78-1.21 were
+    seen for one window). Returns ``{"ceiling", "one_process_flops",
+    "per_process_flops", "rounds", "per_round"}``; processes are joined, or
+    killed by PID after ``timeout``.
     """
     import multiprocessing as mp
+    import statistics
 
     ctx = mp.get_context("spawn")
-    rates = {}
-    for n in (1, ranks):
-        barrier, queue = ctx.Barrier(n), ctx.Queue()
-        procs = [ctx.Process(target=_ceiling_worker, args=(barrier, queue, size, seconds, threads))
-                 for _ in range(n)]
+    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_ceiling_worker, args=(r, barrier, queue, size, seconds, threads, rounds))
+             for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = [queue.get(timeout=timeout) for _ in range(rounds * (ranks + 1))]
+    finally:
         for proc in procs:
-            proc.start()
-        try:
-            got = [queue.get(timeout=timeout) for _ in procs]
-        finally:
-            for proc in procs:
-                proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.kill()
-        rates[n] = sum(got) / len(got)
-    return {"ceiling": rates[ranks] / rates[1], "one_process_flops": rates[1],
-            "per_process_flops": rates[ranks]}
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    alone = {r: v for kind, r, v in got if kind == "alone"}
+    together = {r: statistics.fmean(v for kind, rr, v in got if kind == "together" and rr == r)
+                for r in range(rounds)}
+    per_round = [together[r] / alone[r] for r in range(rounds)]
+    return {"ceiling": statistics.median(per_round), "one_process_flops": statistics.median(alone.values()),
+            "per_process_flops": statistics.median(together.values()), "rounds": rounds,
+            "per_round": per_round}
 
 
 def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[str], *, warmup: int,
@@ -149,7 +167,8 @@ def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[s
         2, threads=two["layout"]["threads"] or 1)
     if ceiling:
         log(f"machine ceiling: 2 processes at once run fp32 matmuls at {ceiling['ceiling']:.2f}x "
-            "the per-process rate of one alone")
+            f"the per-process rate of one alone (median of {ceiling['rounds']} rounds: "
+            + ", ".join(f"{r:.2f}" for r in ceiling["per_round"]) + ")")
     return {"ranks": [1, 2], "backend": two["layout"]["backend"], "threads_per_rank": two["layout"]["threads"],
             "phases": list(phases), "efficiency": eff, "efficiency_cpu_time": cpu, "headline": headline,
             "one_rank": {p: one["phases"][p] for p in phases}, "two_ranks": {p: two["phases"][p] for p in phases},
