@@ -206,3 +206,55 @@ def test_sharded_state_dict_uses_te_names(megatron_tp1):
                             "decoder.layers.self_attention.k_layernorm.weight"}
     if te_available():  # GPU machines: the TE spec must produce the same checkpoint keys
         assert keys(build_model(get_preset("sdar-tiny"), use_te=True)) == keys(local)
+
+
+def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1):
+    """The local spec's linears (models/linear.py) give Megatron's linear function's
+    outputs and gradients, and defer to it whenever a collective or fusion is in play."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from stabledrl_mcore.models.linear import (AutogradColumnParallelLinear, AutogradRowParallelLinear,
+                                               _plain_matmul_applies)
+
+    model = _model("sdar-tiny")
+    layer = model.decoder.layers[0]
+    assert isinstance(layer.self_attention.linear_qkv, AutogradColumnParallelLinear)
+    assert isinstance(layer.mlp.linear_fc2, AutogradRowParallelLinear)
+    assert isinstance(model.output_layer, AutogradColumnParallelLinear)
+    config = model.config
+    for plain_cls, ours_cls in ((ColumnParallelLinear, AutogradColumnParallelLinear),
+                                (RowParallelLinear, AutogradRowParallelLinear)):
+        kwargs = dict(config=config, init_method=config.init_method, bias=False)
+        kwargs.update(gather_output=False) if plain_cls is ColumnParallelLinear else \
+            kwargs.update(input_is_parallel=True, skip_bias_add=False)
+        reference, ours = plain_cls(64, 48, **kwargs), ours_cls(64, 48, **kwargs)
+        ours.load_state_dict(reference.state_dict())
+        x = torch.randn(5, 3, 64)
+        grads, graphs = [], []
+        for module in (reference, ours):
+            xi = x.clone().requires_grad_(True)
+            out = module(xi)[0]
+            graphs.append(_graph_node_names(out.grad_fn))
+            out.pow(2).sum().backward()
+            grads.append((out.detach(), xi.grad, module.weight.grad))
+        assert any(n.startswith("LinearWithGradAccumulation") for n in graphs[0])
+        assert not any(n.startswith("LinearWithGradAccumulation") for n in graphs[1])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert _plain_matmul_applies(dict(allreduce_dgrad=False, sequence_parallel=False,
+                                      gradient_accumulation_fusion=False, grad_output_buffer=None))
+    for key, value in (("allreduce_dgrad", True), ("sequence_parallel", True),
+                       ("gradient_accumulation_fusion", True), ("grad_output_buffer", [])):
+        assert not _plain_matmul_applies({key: value})
+
+
+def _graph_node_names(fn, seen=None):
+    """Class names of every autograd node reachable from ``fn``."""
+    seen = set() if seen is None else seen
+    if fn is None or fn in seen:
+        return set()
+    seen.add(fn)
+    names = {type(fn).__name__}
+    for child, _ in fn.next_functions:
+        names |= _graph_node_names(child, seen)
+    return names

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import SDPACoreAttention
 from .kv_cache import KVCache
+from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
 from .presets import DLLMConfig, to_transformer_config
 from .rope import rotary_angles
@@ -62,7 +63,7 @@ class DLLMModel(LanguageModule):
         self.decoder = TransformerBlock(config=config, spec=layer_spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection)
         if post_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
+            self.output_layer = AutogradColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, config=config,
                 init_method=config.init_method, bias=False, skip_bias_add=False,
                 gather_output=False, tp_group=self.pg_collection.tp)

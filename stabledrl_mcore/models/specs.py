@@ -17,6 +17,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import SDPACoreAttention
+from .linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
 
 
 def te_available() -> bool:
@@ -37,7 +38,9 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
 
     Megatron's own GPT layer (local or TE flavour) with ``attn_mask_type=arbitrary``
     and :class:`SDPACoreAttention` as core attention (``SelfAttention`` calls the
-    class directly, so its ``backend`` is set by the model after construction).
+    class directly, so its ``backend`` is set by the model after construction). The
+    local flavour's linears are Megatron's with a plain-autograd matmul where nothing
+    is fused into it (:mod:`.linear`); names and checkpoints are unchanged.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -51,4 +54,9 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention
+    if not use_te:  # the local linears, with a plain matmul where nothing is fused (see .linear)
+        mlp = spec.submodules.mlp.submodules
+        attention.submodules.linear_qkv = AutogradColumnParallelLinear
+        attention.submodules.linear_proj = AutogradRowParallelLinear
+        mlp.linear_fc1, mlp.linear_fc2 = AutogradColumnParallelLinear, AutogradRowParallelLinear
     return spec
