@@ -215,7 +215,6 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
 
     from stabledrl_mcore.models.linear import (AutogradColumnParallelLinear, AutogradRowParallelLinear,
                                                _plain_matmul_applies)
-
     from stabledrl_mcore.models.specs import te_available
 
     model = _model("sdar-tiny")

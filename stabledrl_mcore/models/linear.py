@@ -29,20 +29,19 @@ def _plain_matmul_applies(kwargs) -> bool:
                 or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer") is not None)
 
 
-class AutogradColumnParallelLinear(ColumnParallelLinear):
+class _PlainMatmulWhenUnfused:
+    """Mixin for a Megatron parallel linear: ``F.linear`` when nothing is fused into the matmul."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if args or not _plain_matmul_applies(kwargs):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return F.linear(input, weight, kwargs.get("bias"))
+
+
+class AutogradColumnParallelLinear(_PlainMatmulWhenUnfused, ColumnParallelLinear):
     """``ColumnParallelLinear`` whose matmul is ``F.linear`` when nothing is fused into it."""
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if args or not _plain_matmul_applies(kwargs):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return F.linear(input, weight, kwargs.get("bias"))
 
-
-class AutogradRowParallelLinear(RowParallelLinear):
+class AutogradRowParallelLinear(_PlainMatmulWhenUnfused, RowParallelLinear):
     """``RowParallelLinear`` whose matmul is ``F.linear`` when nothing is fused into it
     (the tensor-parallel reduce of its output stays Megatron's)."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if args or not _plain_matmul_applies(kwargs):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        return F.linear(input, weight, kwargs.get("bias"))

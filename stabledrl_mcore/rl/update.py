@@ -97,11 +97,11 @@ def chunks(num_mc: int, size: int, micro_batch: int):
 def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
                    micro_batch: int, mask_id: int,
                    graphs: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> torch.Tensor:
-    """``[M, N, S]`` token log-probs of the whole rank batch, without gradients.
+    """``[M, N, S]`` token log-probs of the whole rank batch, detached.
 
-    With ``graphs`` (a dict, ``parallel.retain_update_graph``) the forwards record
-    autograd and each micro-batch's log-probs are kept under ``(draw, start)`` for
-    :func:`accumulate_gradients`: one forward less per inner iteration, at the cost
+    Without ``graphs`` the forwards run under ``no_grad``. With ``graphs`` (a dict,
+    ``parallel.retain_update_graph``) they record autograd and each micro-batch's
+    log-probs are kept under ``(draw, start)`` for :func:`accumulate_gradients`: one forward less per inner iteration, at the cost
     of holding activations for the whole rank batch x ``num_mc``.
     """
     out = torch.zeros(plan.masked.shape, dtype=torch.float32)
