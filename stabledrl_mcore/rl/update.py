@@ -101,8 +101,9 @@ def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodS
 
     Without ``graphs`` the forwards run under ``no_grad``. With ``graphs`` (a dict,
     ``parallel.retain_update_graph``) they record autograd and each micro-batch's
-    log-probs are kept under ``(draw, start)`` for :func:`accumulate_gradients`: one forward less per inner iteration, at the cost
-    of holding activations for the whole rank batch x ``num_mc``.
+    log-probs are kept under ``(draw, start)`` for :func:`accumulate_gradients`: one
+    forward less per inner iteration, at the cost of holding activations for the
+    whole rank batch x ``num_mc``.
     """
     out = torch.zeros(plan.masked.shape, dtype=torch.float32)
     with torch.set_grad_enabled(graphs is not None):
