@@ -250,6 +250,47 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
         assert not _plain_matmul_applies({key: value})
 
 
+@pytest.mark.parametrize("name", ["llada-tiny", "sdar-tiny"])
+def test_local_attention_rotates_bitwise_like_megatron(megatron_tp1, name):
+    """The local spec's rotation (cos/sin once per forward, heads-major output) gives
+    Megatron's own ``apply_rotary_pos_emb`` results: logits bit for bit, on the
+    staircase layout and with a different position row per sample; gradients bit for
+    bit too, except SDAR's q/k-norm weights, whose gradient sums over a differently
+    laid-out incoming gradient (same values up to fp32 summation order)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
+    from stabledrl_mcore.models.model import DLLMModel
+    from stabledrl_mcore.models.presets import to_transformer_config
+    from stabledrl_mcore.models.specs import dllm_layer_spec, te_available
+
+    if te_available():
+        pytest.skip("the TE spec keeps Megatron's rotation")
+    cfg = get_preset(name, init_std=0.2)
+    ours = build_model(cfg)
+    assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False)
+    spec.submodules.self_attention.module = SelfAttention  # Megatron's rotation from angles
+    reference = DLLMModel(cfg, to_transformer_config(cfg, None, torch.float32, False), spec)
+    reference.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
+    shifted = torch.arange(24)[None] + torch.tensor([[0], [5], [11]])
+    for position_ids, mask in ((staircase_position_ids(12), AttentionLayout.staircase(4)),
+                               (shifted, None)):
+        results = []
+        for model in (reference, ours):
+            model.zero_grad(set_to_none=True)
+            logits = model(ids, position_ids, mask)
+            logits.float().pow(2).mean().backward()
+            results.append([("logits", logits.detach())]
+                           + [(n, p.grad) for n, p in model.named_parameters()])
+        for (label, a), (_, b) in zip(*results):
+            if "_layernorm." in label:  # q_layernorm / k_layernorm weights (SDAR)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            else:
+                assert torch.equal(a, b), label
+
+
 def _graph_node_names(fn, seen=None):
     """Class names of every autograd node reachable from ``fn``."""
     seen = set() if seen is None else seen

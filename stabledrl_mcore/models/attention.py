@@ -31,12 +31,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import flex
 from .masks import AttentionLayout
+from .rope import rotate_heads_major
 
 
 @functools.lru_cache(maxsize=16)
@@ -143,3 +145,42 @@ class SDPACoreAttention(MegatronModule):
                 scale=self.softmax_scale, enable_gqa=gqa,
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+class HeadsMajorRotarySelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` that rotates q/k with precomputed cos/sin (local spec).
+
+    ``rotary_pos_emb`` is :func:`~stabledrl_mcore.models.rope.rotary_cos_sin`'s
+    ``[2, S, B|1, 1, d]`` tensor instead of angles. It is held for the duration
+    of this call only and applied right after the q/k projections (and q/k
+    norms) by :func:`~stabledrl_mcore.models.rope.rotate_heads_major`; Megatron's
+    own rotation is skipped. Same result bitwise; see :mod:`.rope` for what it
+    saves. Full-layer recompute re-runs this forward with the same argument;
+    selective (core-attention) recompute sees already-rotated q/k.
+    """
+
+    _cos_sin: Optional[torch.Tensor] = None
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        if args:
+            raise TypeError("HeadsMajorRotarySelfAttention takes the arguments after "
+                            "attention_mask by keyword")
+        no_rope = bool(self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1])
+        self._cos_sin = None if no_rope else rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
+        finally:
+            self._cos_sin = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
+                                    split_qkv=True):
+        tensors = super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                      output_gate=output_gate, split_qkv=split_qkv)
+        if self._cos_sin is None:
+            return tensors
+        query, key = tensors[0], tensors[1]
+        if self._cos_sin.shape[-1] != query.shape[-1]:
+            raise ValueError(f"rotary cos/sin cover {self._cos_sin.shape[-1]} channels, "
+                             f"heads have {query.shape[-1]} (partial rotary is not supported)")
+        return (rotate_heads_major(query, self._cos_sin), rotate_heads_major(key, self._cos_sin),
+                *tensors[2:])

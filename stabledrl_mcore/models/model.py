@@ -32,12 +32,12 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .attention import SDPACoreAttention
+from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
 from .kv_cache import KVCache
 from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
 from .presets import DLLMConfig, to_transformer_config
-from .rope import rotary_angles
+from .rope import rotary_angles, rotary_cos_sin
 from .specs import dllm_layer_spec
 
 MaskArg = Union[None, torch.Tensor, AttentionLayout]
@@ -62,6 +62,9 @@ class DLLMModel(LanguageModule):
                 position_embedding_type="rope", tp_group=self.pg_collection.tp)
         self.decoder = TransformerBlock(config=config, spec=layer_spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection)
+        # The local spec's attention takes cos/sin, Megatron's (TE spec) takes angles.
+        self._rotary = (rotary_cos_sin if layer_spec.submodules.self_attention.module
+                        is HeadsMajorRotarySelfAttention else rotary_angles)
         if post_process:
             self.output_layer = AutogradColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, config=config,
@@ -105,8 +108,8 @@ class DLLMModel(LanguageModule):
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, input has {seq_len}")
 
         hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
-        rotary = rotary_angles(_shared_rows(position_ids), self.config.kv_channels,
-                               self.dllm_config.rope_theta)
+        rotary = self._rotary(_shared_rows(position_ids), self.config.kv_channels,
+                              self.dllm_config.rope_theta)
         mask = _decoder_mask(attention_mask)
 
         attentions = self.core_attentions() if kv_cache is not None else []
@@ -159,8 +162,8 @@ class DLLMModel(LanguageModule):
 def _shared_rows(position_ids: torch.Tensor) -> torch.Tensor:
     """``[1, S]`` when every row of ``[B, S]`` position ids is the same, else unchanged.
 
-    RoPE angles are then ``[S, 1, 1, d]`` instead of ``[S, B, 1, d]``: Megatron's
-    ``apply_rotary_pos_emb`` takes cos/sin of them in every layer, for q and k.
+    RoPE tables are then ``[S, 1, 1, d]`` instead of ``[S, B, 1, d]`` (with the TE
+    spec Megatron's ``apply_rotary_pos_emb`` takes cos/sin of them in every layer).
     Rows expanded from one (stride 0) are shared anywhere; on CPU equal rows are
     also detected by value (on GPU that check would synchronise, so it is skipped).
     """

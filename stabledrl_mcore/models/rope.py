@@ -8,6 +8,13 @@ computes the angles itself and hands them to ``TransformerBlock`` as
 then rotates ``t * cos + rotate_half(t) * sin`` -- the HF-Llama / NeoX
 convention that LLaDA and SDAR (Qwen3) use -- with cos/sin taken in fp32
 and cast to the activation dtype, as HF does.
+
+The local spec rotates with :func:`rotary_cos_sin` + :func:`rotate_heads_major`
+instead (see :class:`~stabledrl_mcore.models.attention.HeadsMajorRotarySelfAttention`):
+the same arithmetic, bitwise, with cos/sin taken once per forward rather than
+per layer for q and k, without Megatron's slice/concatenate of the
+(here empty) non-rotated part, and with the result already in the
+``[b, heads, s, d]`` memory layout that CPU SDPA wants.
 """
 
 from __future__ import annotations
@@ -34,3 +41,29 @@ def rotary_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> to
     freqs = position_ids.float()[..., None] * inv_freq  # [B, S, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.transpose(0, 1)[:, :, None, :].contiguous()
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """``cos`` and ``sin`` of :func:`rotary_angles`, stacked: ``[2, S, B, 1, head_dim]`` fp32.
+
+    One tensor (not a pair) so that Megatron's activation checkpointing, which
+    saves its tensor arguments, can carry it as ``rotary_pos_emb``.
+    """
+    angles = rotary_angles(position_ids, head_dim, theta)
+    return torch.stack((torch.cos(angles), torch.sin(angles)))
+
+
+def rotate_heads_major(t: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """``t * cos + rotate_half(t) * sin`` for ``t`` of shape ``[s, b, heads, d]``.
+
+    Bitwise equal to Megatron's unfused ``_apply_rotary_pos_emb_bshd`` (cos/sin
+    cast to ``t``'s dtype; fp addition commutes exactly), but the result is a
+    ``[s, b, heads, d]`` view of ``[b, heads, s, d]``-contiguous memory, so
+    the core attention's permute to ``[b, heads, s, d]`` needs no copy.
+    """
+    cos, sin = (c.to(t.dtype).permute(1, 2, 0, 3) for c in cos_sin)  # [B|1, 1, S, d]
+    heads_major = t.permute(1, 2, 0, 3)
+    first, second = heads_major.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)  # contiguous [b, heads, s, d]
+    # The contiguous operand first: the sum takes its layout.
+    return (rotated_half * sin + heads_major * cos).permute(2, 0, 1, 3)

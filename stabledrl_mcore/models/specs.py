@@ -16,7 +16,7 @@ import copy
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .attention import SDPACoreAttention
+from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
 from .linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
 
 
@@ -40,7 +40,10 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
     and :class:`SDPACoreAttention` as core attention (``SelfAttention`` calls the
     class directly, so its ``backend`` is set by the model after construction). The
     local flavour's linears are Megatron's with a plain-autograd matmul where nothing
-    is fused into it (:mod:`.linear`); names and checkpoints are unchanged.
+    is fused into it (:mod:`.linear`), and its self-attention rotates q/k with cos/sin
+    computed once per forward (:class:`HeadsMajorRotarySelfAttention`, which then
+    takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``); names and
+    checkpoints are unchanged.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -55,6 +58,7 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention
     if not use_te:  # the local linears, with a plain matmul where nothing is fused (see .linear)
+        attention.module = HeadsMajorRotarySelfAttention  # rotation with shared cos/sin (see .rope)
         mlp = spec.submodules.mlp.submodules
         attention.submodules.linear_qkv = AutogradColumnParallelLinear
         attention.submodules.linear_proj = AutogradRowParallelLinear
