@@ -228,7 +228,7 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
                                 (RowParallelLinear, AutogradRowParallelLinear)):
         kwargs = dict(config=config, init_method=config.init_method, bias=False)
         kwargs.update(gather_output=False) if plain_cls is ColumnParallelLinear else \
-            kwargs.update(input_is_parallel=True, skip_bias_add=False)
+            kwargs.update(input_is_parallel=True, skip_bias_add=True)  # as in the layer
         reference, ours = plain_cls(64, 48, **kwargs), ours_cls(64, 48, **kwargs)
         ours.load_state_dict(reference.state_dict())
         x = torch.randn(5, 3, 64)
@@ -241,6 +241,11 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
             grads.append((out.detach(), xi.grad, module.weight.grad))
         assert any(n.startswith("LinearWithGradAccumulation") for n in graphs[0])
         assert not any(n.startswith("LinearWithGradAccumulation") for n in graphs[1])
+        # TP=1: no identity tensor-parallel region functions around our matmul either
+        region = "_CopyToModelParallelRegion" if plain_cls is ColumnParallelLinear \
+            else "_ReduceFromModelParallelRegion"
+        assert any(n.startswith(region) for n in graphs[0])
+        assert not any(n.startswith(region) for n in graphs[1]) and ours.explicit_expert_comm
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert _plain_matmul_applies(dict(allreduce_dgrad=False, sequence_parallel=False,
