@@ -256,9 +256,10 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
 
 
 @pytest.mark.parametrize("name", ["llada-tiny", "sdar-tiny"])
-def test_local_attention_rotates_bitwise_like_megatron(megatron_tp1, name):
-    """The local spec's rotation (cos/sin once per forward, heads-major output) gives
-    Megatron's own ``apply_rotary_pos_emb`` results: logits bit for bit, on the
+def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name):
+    """The local spec (its linears, and its rotation: cos/sin once per forward,
+    heads-major output) gives the stock Megatron local layer's results (Megatron's
+    linears, ``SelfAttention`` and ``apply_rotary_pos_emb``): logits bit for bit, on the
     staircase layout and with a different position row per sample; gradients bit for
     bit too, except SDAR's q/k-norm weights, whose gradient sums over a differently
     laid-out incoming gradient (same values up to fp32 summation order)."""
@@ -267,6 +268,7 @@ def test_local_attention_rotates_bitwise_like_megatron(megatron_tp1, name):
     from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
     from stabledrl_mcore.models.model import DLLMModel
     from stabledrl_mcore.models.presets import to_transformer_config
+    from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
     from stabledrl_mcore.models.specs import dllm_layer_spec, te_available
 
     if te_available():
@@ -274,14 +276,17 @@ def test_local_attention_rotates_bitwise_like_megatron(megatron_tp1, name):
     cfg = get_preset(name, init_std=0.2)
     ours = build_model(cfg)
     assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False)
-    spec.submodules.self_attention.module = SelfAttention  # Megatron's rotation from angles
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, stock_local=True)
+    assert spec.submodules.self_attention.module is SelfAttention  # rotation from angles
     reference = DLLMModel(cfg, to_transformer_config(cfg, None, torch.float32, False), spec)
     reference.load_state_dict(ours.state_dict())
     ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
     shifted = torch.arange(24)[None] + torch.tensor([[0], [5], [11]])
-    for position_ids, mask in ((staircase_position_ids(12), AttentionLayout.staircase(4)),
-                               (shifted, None)):
+    # The last case hands our attention Megatron's angles, as a stock GPTModel would.
+    for position_ids, mask, rotary in ((staircase_position_ids(12), AttentionLayout.staircase(4),
+                                        rotary_cos_sin), (shifted, None, rotary_cos_sin),
+                                       (shifted, None, rotary_angles)):
+        ours._rotary = rotary
         results = []
         for model in (reference, ours):
             model.zero_grad(set_to_none=True)

@@ -10,6 +10,10 @@ ratio is the median of per-step-pair CPU-time ratios (transformers / megatron,
 > 1 means Megatron is faster); with one intra-op thread (the default) both
 models run the same kernels on the same core.
 
+``--reference stock-megatron`` times the same backbone built from Megatron's
+stock local layer instead (its own linears and ``SelfAttention``, only the core
+attention ours; same weights): what the local spec's changes buy, in one run.
+
     PYTHONPATH=. .venv/bin/python tools/bench_backbone.py --preset llada-tiny \
         --seq-len 128 --batch 8 --steps 10 --json out.json
 """
@@ -39,6 +43,18 @@ def _hf_model(cfg):
     if cfg.arch == "llada":
         return LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))
+
+
+def _stock_megatron_model(cfg, ours):
+    """The backbone on Megatron's stock local layer, with ``ours``' weights."""
+    from stabledrl_mcore.models.model import DLLMModel
+    from stabledrl_mcore.models.presets import to_transformer_config
+    from stabledrl_mcore.models.specs import dllm_layer_spec
+
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, stock_local=True)
+    model = DLLMModel(cfg, to_transformer_config(cfg, None, torch.float32, False), spec).train()
+    model.load_state_dict(ours.state_dict())
+    return model
 
 
 def _inputs(cfg, mode, batch, seq_len):
@@ -79,6 +95,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 is fastest for small models on few cores)")
+    parser.add_argument("--reference", default="transformers", choices=["transformers", "stock-megatron"],
+                        help="what to time against (see the module docstring)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -92,15 +110,18 @@ def main(argv=None) -> dict:
     mode = args.mode if args.mode != "auto" else ("bidirectional" if cfg.arch == "llada" else "staircase")
     bootstrap.initialize(1, 1, seed=0)
     torch.manual_seed(0)
-    ours, theirs = build_model(cfg).train(), _hf_model(cfg).float().train()
+    ours = build_model(cfg).train()
     ids, pos, layout, hf_mask, targets = _inputs(cfg, mode, args.batch, args.seq_len)
+    stock = args.reference == "stock-megatron"
+    theirs = _stock_megatron_model(cfg, ours) if stock else _hf_model(cfg).float().train()
 
     def step_ours():
         vocab_parallel_log_probs(ours(ids, pos, layout), targets).sum().backward()
         ours.zero_grad(set_to_none=True)
 
     def step_theirs():
-        logits = theirs(input_ids=ids, attention_mask=hf_mask, position_ids=pos).logits
+        logits = (theirs(ids, pos, layout) if stock
+                  else theirs(input_ids=ids, attention_mask=hf_mask, position_ids=pos).logits)
         vocab_parallel_log_probs(logits, targets).sum().backward()
         theirs.zero_grad(set_to_none=True)
 
@@ -123,7 +144,7 @@ def main(argv=None) -> dict:
     result = {
         "preset": args.preset, "mode": mode, "batch": args.batch, "seq_len": ids.shape[1],
         "params": cfg.num_parameters(), "threads": torch.get_num_threads(), "steps": args.steps,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "reference": args.reference,
     }
     for name in wall:
         result[f"{name}_step_s"] = statistics.median(wall[name])
@@ -144,7 +165,10 @@ def main(argv=None) -> dict:
               f"{result[f'{name}_tokens_per_s']:>10.0f} tokens/s  "
               f"(median of {args.steps} fwd+bwd steps: {1e3 * result[f'{name}_cpu_step_s']:.1f} ms CPU, "
               f"{1e3 * result[f'{name}_step_s']:.1f} ms wall)")
-    print(f"  throughput ratio megatron/transformers = {result['ratio']:.3f}x "
+    reference = "stock megatron" if stock else "transformers"
+    if stock:
+        print("  (the 'transformers' line is the stock Megatron-Core local layer)")
+    print(f"  throughput ratio megatron/{reference} = {result['ratio']:.3f}x "
           f"(median of per-step-pair CPU-time ratios; wall-clock {result['ratio_wall']:.3f}x; "
           f"ratio of medians {result['ratio_of_medians']:.3f}x)")
     if args.json:

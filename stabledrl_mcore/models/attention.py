@@ -148,15 +148,19 @@ class SDPACoreAttention(MegatronModule):
 
 
 class HeadsMajorRotarySelfAttention(SelfAttention):
-    """Megatron's ``SelfAttention`` that rotates q/k with precomputed cos/sin (local spec).
+    """Megatron's ``SelfAttention`` that rotates q/k itself, heads-major (local spec).
 
-    ``rotary_pos_emb`` is :func:`~stabledrl_mcore.models.rope.rotary_cos_sin`'s
-    ``[2, S, B|1, 1, d]`` tensor instead of angles. It is held for the duration
-    of this call only and applied right after the q/k projections (and q/k
-    norms) by :func:`~stabledrl_mcore.models.rope.rotate_heads_major`; Megatron's
-    own rotation is skipped. Same result bitwise; see :mod:`.rope` for what it
-    saves. Full-layer recompute re-runs this forward with the same argument;
-    selective (core-attention) recompute sees already-rotated q/k.
+    ``rotary_pos_emb`` may be :func:`~stabledrl_mcore.models.rope.rotary_cos_sin`'s
+    ``[2, S, B|1, 1, d]`` tensor (what :class:`DLLMModel` passes: cos/sin taken once
+    per forward) or Megatron's ``[S, B|1, 1, d]`` angles (what a stock ``GPTModel``
+    passes; cos/sin are then taken here, once for q and k). The rotation is applied
+    right after the q/k projections (and q/k norms) by
+    :func:`~stabledrl_mcore.models.rope.rotate_heads_major`, and Megatron's own is
+    skipped: same result bitwise; see :mod:`.rope` for what it saves. Anything else
+    (a ``(q, k)`` pair, partial, interleaved or YaRN rotary) goes through Megatron's path.
+    The cos/sin are held for the duration of one call only: full-layer recompute
+    re-runs this forward with the same argument, and selective (core-attention)
+    recompute sees already-rotated q/k.
     """
 
     _cos_sin: Optional[torch.Tensor] = None
@@ -165,12 +169,30 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
         if args:
             raise TypeError("HeadsMajorRotarySelfAttention takes the arguments after "
                             "attention_mask by keyword")
-        no_rope = bool(self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1])
-        self._cos_sin = None if no_rope else rotary_pos_emb
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        cos_sin = self._as_cos_sin(rotary_pos_emb)
+        if cos_sin is None and rotary_pos_emb is not None:  # not ours to handle
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                   **kwargs)
+        self._cos_sin = cos_sin
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:
             self._cos_sin = None
+
+    def _as_cos_sin(self, rotary_pos_emb) -> Optional[torch.Tensor]:
+        """``[2, S, B|1, 1, d]`` cos/sin for a full-width rotate-half rotary, else None."""
+        if (not isinstance(rotary_pos_emb, torch.Tensor) or self.config.rotary_interleaved
+                or hasattr(self.config, "yarn_rotary_scaling_factor")):  # YaRN scales cos/sin
+            return None
+        if rotary_pos_emb.shape[-1] != self.config.kv_channels:
+            return None
+        if rotary_pos_emb.dim() == 5:
+            return rotary_pos_emb
+        if rotary_pos_emb.dim() == 4:
+            return torch.stack((torch.cos(rotary_pos_emb), torch.sin(rotary_pos_emb)))
+        return None
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
                                     split_qkv=True):
@@ -179,8 +201,5 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
         if self._cos_sin is None:
             return tensors
         query, key = tensors[0], tensors[1]
-        if self._cos_sin.shape[-1] != query.shape[-1]:
-            raise ValueError(f"rotary cos/sin cover {self._cos_sin.shape[-1]} channels, "
-                             f"heads have {query.shape[-1]} (partial rotary is not supported)")
         return (rotate_heads_major(query, self._cos_sin), rotate_heads_major(key, self._cos_sin),
                 *tensors[2:])

@@ -33,7 +33,8 @@ def te_available() -> bool:
     return True
 
 
-def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -> ModuleSpec:
+def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
+                    stock_local: bool = False) -> ModuleSpec:
     """The transformer-layer spec for LLaDA (``qk_layernorm=False``) and SDAR (``True``).
 
     Megatron's own GPT layer (local or TE flavour) with ``attn_mask_type=arbitrary``
@@ -43,7 +44,9 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
     is fused into it (:mod:`.linear`), and its self-attention rotates q/k with cos/sin
     computed once per forward (:class:`HeadsMajorRotarySelfAttention`, which then
     takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``); names and
-    checkpoints are unchanged.
+    checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local linears
+    and ``SelfAttention`` (only the core attention is ours): the reference that
+    ``tools/bench_backbone.py --reference stock-megatron`` times the local spec against.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -57,7 +60,7 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None) -
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention
-    if not use_te:  # the local linears, with a plain matmul where nothing is fused (see .linear)
+    if not use_te and not stock_local:  # the local linears, with a plain matmul where nothing is fused (see .linear)
         attention.module = HeadsMajorRotarySelfAttention  # rotation with shared cos/sin (see .rope)
         mlp = spec.submodules.mlp.submodules
         attention.submodules.linear_qkv = AutogradColumnParallelLinear
