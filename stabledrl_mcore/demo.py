@@ -16,6 +16,17 @@ from .experiments.demo import DemoOptions, format_summary, run_demo
 from .experiments.tiny_sudoku import LIKELIHOODS, TinySudoku
 
 
+def _blank_range(text: str):
+    """``"3,7"`` -> ``(3, 7)`` (checked by the task: 1 <= MIN <= MAX <= 12)."""
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 3,7), got {text!r}") from None
+    if not 1 <= low <= high <= 12:
+        raise argparse.ArgumentTypeError(f"blank range must satisfy 1 <= MIN <= MAX <= 12, got {text!r}")
+    return (low, high)
+
+
 def main(argv=None) -> int:
     d, s = DemoOptions(), TinySudoku()
     parser = argparse.ArgumentParser(prog="python -m stabledrl_mcore.demo", description=__doc__.split("\n")[0])
@@ -24,6 +35,11 @@ def main(argv=None) -> int:
     parser.add_argument("--labelled", type=int, default=s.labelled, help="labelled SFT puzzles")
     parser.add_argument("--sft-target", type=float, default=s.sft_target,
                         help="stop SFT once validation accuracy first reaches this")
+    parser.add_argument("--sft-blanks", type=_blank_range, default=None, metavar="MIN,MAX",
+                        help="blank range of the labelled SFT puzzles (default: the task's, 6,10)")
+    parser.add_argument("--rl-blanks", type=_blank_range, default=None, metavar="MIN,MAX",
+                        help="blank range of the unlabelled RL pool and the test set (a curriculum: "
+                             "--sft-blanks 3,7 --sft-target 0.5 --rl-blanks 8,11)")
     parser.add_argument("--rl-steps", type=int, default=d.rl_steps, help="StableDRL steps")
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="RL steps between evaluations")
     parser.add_argument("--test", type=int, default=d.eval_examples, help="held-out test puzzles")
@@ -34,7 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--likelihood", default=d.likelihood, choices=LIKELIHOODS,
                         help=f"sequence likelihood estimator of the RL loss (default {d.likelihood})")
     args = parser.parse_args(argv)
-    setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target)
+    setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target,
+                         sft_blanks=args.sft_blanks, rl_blanks=args.rl_blanks)
     opts = DemoOptions(out=args.out, setting=setting, rl_steps=args.rl_steps, eval_every=args.eval_every,
                        eval_examples=args.test, nproc=args.nproc, rollout_steps=args.rollout_steps,
                        lr=args.lr, likelihood=args.likelihood)

@@ -42,6 +42,9 @@ def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):
     assert cfg.algo.likelihood == "elbo" and cfg.algo.num_mc == 2 and cfg.parallel.retain_update_graph
     assert load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1,
                                           likelihood="mean_field")).algo.likelihood == "mean_field"
+    curriculum = load_config(None, rl_overrides({**sft, "setting": {"rl_blanks": [8, 11]}}, "", seed=0,
+                                                steps=5, nproc=1, eval_every=0, eval_examples=1))
+    assert curriculum.rollout.task_options == {"blanks": [8, 11]} and not cfg.rollout.task_options
     labelled = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=3)}
     pool = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=1003)}
     assert len(labelled & pool) < 5, "the RL pool should not replay the labelled set"

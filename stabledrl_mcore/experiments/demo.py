@@ -57,6 +57,8 @@ def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
         "final_accuracy_is": f"mean of the last {opts.final_evals} held-out evaluations",
         "wall_seconds": round(time.time() - start, 1),
         "test_puzzles": opts.eval_examples, "labelled_puzzles": opts.setting.labelled,
+        "sft_blanks": opts.setting.sft_blanks or "task default",
+        "rl_and_test_blanks": opts.setting.rl_blanks or "task default",
         "rl_steps": opts.rl_steps, "rl_ranks": opts.nproc, "likelihood": opts.likelihood,
         "sft_steps": sft["sft_steps"], "sft_validation_accuracy": sft["sft_validation_accuracy"],
         "sft_seconds": sft["sft_seconds"],

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +45,11 @@ class TinySudoku:
     num_layers: int = 4
     num_heads: int = 4
     ffn_hidden_size: int = 384
+    # Blank ranges (None = the task's default, 6-10). A curriculum -- labels only for
+    # easy puzzles, the verifier on hard ones -- is e.g. sft_blanks=(3, 7) with
+    # sft_target=0.5 and rl_blanks=(8, 11); rl_blanks also sets the held-out test set.
+    sft_blanks: Optional[Tuple[int, int]] = None
+    rl_blanks: Optional[Tuple[int, int]] = None
 
 
 def sft_batches(tokenizer, task, examples: List[Example]):
@@ -110,13 +115,15 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     if os.path.exists(record_path):
         with open(record_path) as handle:
             record = json.load(handle)
-        if record.get("setting") == asdict(setting) and os.path.isdir(record["checkpoint"]):
+        if (record.get("setting") == json.loads(json.dumps(asdict(setting)))
+                and os.path.isdir(record["checkpoint"])):
             log(f"[sft] reusing {record['checkpoint']} (same setting)")
             return record
     start = time.time()
     torch.set_num_threads(1)
     os.makedirs(out, exist_ok=True)
-    task = get_task("sudoku", prompt_style="compact")
+    task = get_task("sudoku", prompt_style="compact",
+                    **({"blanks": tuple(setting.sft_blanks)} if setting.sft_blanks else {}))
     labelled = task.load("train", n=setting.labelled + setting.validation, seed=setting.seed)
     labelled, validation = labelled[:setting.labelled], labelled[setting.labelled:]
     tok_dir = os.path.join(out, "tokenizer")
@@ -167,11 +174,14 @@ def rl_overrides(sft: Dict[str, object], run_dir: str, *, seed: int, steps: int,
     but did not improve held-out accuracy here (it trains only the all-masked
     context, while decoding fills cells one at a time). The unlabelled puzzles
     come from ``rollout.data_seed = 1000 + seed``, a pool drawn independently of
-    the labelled set.
+    the labelled set; with the setting's ``rl_blanks`` (recorded in ``sft``) the
+    pool and the held-out test set use that blank range.
     """
     gen = int(sft["gen_length"])
     rows_per_rank = 16 // nproc * 8
-    return [
+    rl_blanks = sft.get("setting", {}).get("rl_blanks")
+    task_options = [f"rollout.task_options={{blanks: [{rl_blanks[0]}, {rl_blanks[1]}]}}"] if rl_blanks else []
+    return [*task_options,
         f"model.checkpoint={sft['checkpoint']}", f"model.tokenizer={sft['tokenizer']}",
         "rollout.task=sudoku", "rollout.prompt_style=compact", f"rollout.data_seed={1000 + seed}",
         "rollout.prompts_per_step=16", "rollout.group_size=8", f"rollout.gen_length={gen}",
