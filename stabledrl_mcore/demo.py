@@ -14,16 +14,19 @@ import argparse
 
 from .experiments.demo import DemoOptions, format_summary, run_demo
 from .experiments.tiny_sudoku import LIKELIHOODS, TinySudoku
+from .tasks import get_task
 
 
 def _blank_range(text: str):
-    """``"3,7"`` -> ``(3, 7)`` (checked by the task: 1 <= MIN <= MAX <= 12)."""
+    """``"3,7"`` -> ``(3, 7)``, validated by the sudoku task itself."""
     try:
         low, high = (int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 3,7), got {text!r}") from None
-    if not 1 <= low <= high <= 12:
-        raise argparse.ArgumentTypeError(f"blank range must satisfy 1 <= MIN <= MAX <= 12, got {text!r}")
+    try:
+        get_task("sudoku", blanks=(low, high))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return (low, high)
 
 

@@ -266,19 +266,16 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     from megatron.core.transformer.attention import SelfAttention
 
     from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
-    from stabledrl_mcore.models.model import DLLMModel
-    from stabledrl_mcore.models.presets import to_transformer_config
     from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
-    from stabledrl_mcore.models.specs import dllm_layer_spec, te_available
+    from stabledrl_mcore.models.specs import te_available
 
     if te_available():
         pytest.skip("the TE spec keeps Megatron's rotation")
     cfg = get_preset(name, init_std=0.2)
     ours = build_model(cfg)
     assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, stock_local=True)
-    assert spec.submodules.self_attention.module is SelfAttention  # rotation from angles
-    reference = DLLMModel(cfg, to_transformer_config(cfg, None, torch.float32, False), spec)
+    reference = build_model(cfg, use_te=False, stock_local=True)
+    assert type(reference.decoder.layers[0].self_attention) is SelfAttention  # rotation from angles
     reference.load_state_dict(ours.state_dict())
     ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
     shifted = torch.arange(24)[None] + torch.tensor([[0], [5], [11]])

@@ -45,18 +45,6 @@ def _hf_model(cfg):
     return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))
 
 
-def _stock_megatron_model(cfg, ours):
-    """The backbone on Megatron's stock local layer, with ``ours``' weights."""
-    from stabledrl_mcore.models.model import DLLMModel
-    from stabledrl_mcore.models.presets import to_transformer_config
-    from stabledrl_mcore.models.specs import dllm_layer_spec
-
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, stock_local=True)
-    model = DLLMModel(cfg, to_transformer_config(cfg, None, torch.float32, False), spec).train()
-    model.load_state_dict(ours.state_dict())
-    return model
-
-
 def _inputs(cfg, mode, batch, seq_len):
     from stabledrl_mcore.models import AttentionLayout, staircase_position_ids
 
@@ -113,7 +101,11 @@ def main(argv=None) -> dict:
     ours = build_model(cfg).train()
     ids, pos, layout, hf_mask, targets = _inputs(cfg, mode, args.batch, args.seq_len)
     stock = args.reference == "stock-megatron"
-    theirs = _stock_megatron_model(cfg, ours) if stock else _hf_model(cfg).float().train()
+    if stock:  # Megatron's stock local layer with our weights
+        theirs = build_model(cfg, use_te=False, stock_local=True).train()
+        theirs.load_state_dict(ours.state_dict())
+    else:
+        theirs = _hf_model(cfg).float().train()
 
     def step_ours():
         vocab_parallel_log_probs(ours(ids, pos, layout), targets).sum().backward()

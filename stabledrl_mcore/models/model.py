@@ -195,13 +195,16 @@ def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
 
 def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
                 post_process: Optional[bool] = None, params_dtype: torch.dtype = torch.float32,
-                recompute: Union[bool, str] = False, use_te: Optional[bool] = None) -> DLLMModel:
+                recompute: Union[bool, str] = False, use_te: Optional[bool] = None,
+                stock_local: bool = False) -> DLLMModel:
     """Build this rank's stage of the backbone (after ``parallel.bootstrap.initialize``).
 
     ``pre_process``/``post_process`` default to whether this rank is the first /
     last pipeline stage. ``use_te``: None = Transformer Engine spec iff TE and
     CUDA are available (same checkpoint keys either way). ``recompute``: see
-    :func:`~stabledrl_mcore.models.presets.to_transformer_config`.
+    :func:`~stabledrl_mcore.models.presets.to_transformer_config`. ``stock_local``:
+    Megatron's stock local layer (see :func:`dllm_layer_spec`), a reference for
+    benchmarks and tests.
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call stabledrl_mcore.parallel.bootstrap.initialize() before build_model()")
@@ -211,5 +214,5 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     config = to_transformer_config(cfg, None, params_dtype, recompute)
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te)
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local)
     return DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)

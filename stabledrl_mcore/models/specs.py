@@ -60,8 +60,9 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention
-    if not use_te and not stock_local:  # the local linears, with a plain matmul where nothing is fused (see .linear)
+    if not use_te and not stock_local:
         attention.module = HeadsMajorRotarySelfAttention  # rotation with shared cos/sin (see .rope)
+        # the local linears, with a plain matmul where nothing is fused (see .linear)
         mlp = spec.submodules.mlp.submodules
         attention.submodules.linear_qkv = AutogradColumnParallelLinear
         attention.submodules.linear_proj = AutogradRowParallelLinear
