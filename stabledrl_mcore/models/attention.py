@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import flex
 from .masks import AttentionLayout
-from .rope import rotate_heads_major
+from .rope import cos_sin_heads_major, rotate_heads_major
 
 
 @functools.lru_cache(maxsize=16)
@@ -151,7 +151,7 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
     """Megatron's ``SelfAttention`` that rotates q/k itself, heads-major (local spec).
 
     ``rotary_pos_emb`` may be :func:`~stabledrl_mcore.models.rope.rotary_cos_sin`'s
-    ``[2, S, B|1, 1, d]`` tensor (what :class:`DLLMModel` passes: cos/sin taken once
+    ``[2, B|1, 1, S, d]`` tensor (what :class:`DLLMModel` passes: cos/sin taken once
     per forward) or Megatron's ``[S, B|1, 1, d]`` angles (what a stock ``GPTModel``
     passes; cos/sin are then taken here, once for q and k). The rotation is applied
     right after the q/k projections (and q/k norms) by
@@ -163,7 +163,7 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
     recompute sees already-rotated q/k.
     """
 
-    _cos_sin: Optional[torch.Tensor] = None
+    _cos_sin: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (cos, signed sin) during a call
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if args:
@@ -175,14 +175,15 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
         if cos_sin is None and rotary_pos_emb is not None:  # not ours to handle
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                    **kwargs)
-        self._cos_sin = cos_sin
+        # cast once per layer (q and k share it); the rotation runs in the activation dtype
+        self._cos_sin = None if cos_sin is None else cos_sin.to(hidden_states.dtype).unbind(0)
         try:
             return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
         finally:
             self._cos_sin = None
 
     def _as_cos_sin(self, rotary_pos_emb) -> Optional[torch.Tensor]:
-        """``[2, S, B|1, 1, d]`` cos/sin for a full-width rotate-half rotary, else None."""
+        """``[2, B|1, 1, S, d]`` cos/signed sin for a full-width rotate-half rotary, else None."""
         if (not isinstance(rotary_pos_emb, torch.Tensor) or self.config.rotary_interleaved
                 or hasattr(self.config, "yarn_rotary_scaling_factor")):  # YaRN scales cos/sin
             return None
@@ -191,7 +192,7 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
         if rotary_pos_emb.dim() == 5:
             return rotary_pos_emb
         if rotary_pos_emb.dim() == 4:
-            return torch.stack((torch.cos(rotary_pos_emb), torch.sin(rotary_pos_emb)))
+            return cos_sin_heads_major(rotary_pos_emb)
         return None
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
@@ -201,5 +202,5 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
         if self._cos_sin is None:
             return tensors
         query, key = tensors[0], tensors[1]
-        return (rotate_heads_major(query, self._cos_sin), rotate_heads_major(key, self._cos_sin),
+        return (rotate_heads_major(query, *self._cos_sin), rotate_heads_major(key, *self._cos_sin),
                 *tensors[2:])

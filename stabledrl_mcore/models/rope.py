@@ -11,10 +11,11 @@ and cast to the activation dtype, as HF does.
 
 The local spec rotates with :func:`rotary_cos_sin` + :func:`rotate_heads_major`
 instead (see :class:`~stabledrl_mcore.models.attention.HeadsMajorRotarySelfAttention`):
-the same arithmetic, bitwise, with cos/sin taken once per forward rather than
-per layer for q and k, without Megatron's slice/concatenate of the
-(here empty) non-rotated part, and with the result already in the
-``[b, heads, s, d]`` memory layout that CPU SDPA wants.
+the same arithmetic, bitwise, with cos/sin taken once per forward (already
+heads-major, the sign of ``rotate_half`` folded into sin) rather than per layer
+for q and k, without Megatron's slice/concatenate of the (here empty)
+non-rotated part, and with the result already in the ``[b, heads, s, d]``
+memory layout that CPU SDPA wants.
 """
 
 from __future__ import annotations
@@ -44,26 +45,38 @@ def rotary_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> to
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """``cos`` and ``sin`` of :func:`rotary_angles`, stacked: ``[2, S, B, 1, head_dim]`` fp32.
+    """:func:`cos_sin_heads_major` of :func:`rotary_angles`: ``[2, B, 1, S, head_dim]`` fp32.
 
     One tensor (not a pair) so that Megatron's activation checkpointing, which
     saves its tensor arguments, can carry it as ``rotary_pos_emb``.
     """
-    angles = rotary_angles(position_ids, head_dim, theta)
-    return torch.stack((torch.cos(angles), torch.sin(angles)))
+    return cos_sin_heads_major(rotary_angles(position_ids, head_dim, theta))
 
 
-def rotate_heads_major(t: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+def cos_sin_heads_major(angles: torch.Tensor) -> torch.Tensor:
+    """``[S, B, 1, d]`` angles -> ``[2, B, 1, S, d]``: cos, and sin with its first half negated.
+
+    ``rotate_half(t) * sin = cat(-t2, t1) * sin`` equals ``cat(t2, t1) * signed_sin``
+    bitwise (a product's sign is the XOR of its factors' signs), so the rotation
+    needs no negation; heads-major so it broadcasts over ``[b, heads, s, d]``.
+    """
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    half = angles.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return torch.stack((cos, signed_sin)).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def rotate_heads_major(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``t * cos + rotate_half(t) * sin`` for ``t`` of shape ``[s, b, heads, d]``.
 
-    Bitwise equal to Megatron's unfused ``_apply_rotary_pos_emb_bshd`` (cos/sin
+    ``cos``/``signed_sin``: :func:`cos_sin_heads_major`'s two halves, in ``t``'s
+    dtype. Bitwise equal to Megatron's unfused ``_apply_rotary_pos_emb_bshd`` (cos/sin
     cast to ``t``'s dtype; fp addition commutes exactly), but the result is a
-    ``[s, b, heads, d]`` view of ``[b, heads, s, d]``-contiguous memory, so
-    the core attention's permute to ``[b, heads, s, d]`` needs no copy.
+    ``[s, b, heads, d]`` view of ``[b, heads, s, d]``-contiguous memory, so the core
+    attention's permute to ``[b, heads, s, d]`` needs no copy.
     """
-    cos, sin = (c.to(t.dtype).permute(1, 2, 0, 3) for c in cos_sin)  # [B|1, 1, S, d]
     heads_major = t.permute(1, 2, 0, 3)
     first, second = heads_major.chunk(2, dim=-1)
-    rotated_half = torch.cat((-second, first), dim=-1)  # contiguous [b, heads, s, d]
+    swapped = torch.cat((second, first), dim=-1)  # contiguous [b, heads, s, d]
     # The contiguous operand first: the sum takes its layout.
-    return (rotated_half * sin + heads_major * cos).permute(2, 0, 1, 3)
+    return (swapped * signed_sin + heads_major * cos).permute(2, 0, 1, 3)
