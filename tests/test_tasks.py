@@ -232,6 +232,15 @@ def test_sudoku_reward():
     assert task.reward("<answer>no idea</answer>", ex.reference) == 0.0
     with pytest.raises(ValueError):
         task.reward(s, {"puzzle": p, "solution": "1" * 16})
+    # solved_bonus b: (fraction + b * solved) / (1 + b), so a solved grid still scores 1
+    bonus = get_task("sudoku", solved_bonus=1.0)
+    assert bonus.reward(f"<answer>{s}</answer>", ex.reference) == 1.0
+    assert bonus.reward(f"<answer>{''.join(wrong)}</answer>", ex.reference) == pytest.approx(
+        (1 - 1 / len(blanks)) / 2)
+    assert bonus.reward("<answer>no idea</answer>", ex.reference) == 0.0
+    for bad in (-0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="solved_bonus"):
+            get_task("sudoku", solved_bonus=bad)
 
 
 # ----------------------------------------------------------------- evaluation helpers

@@ -135,16 +135,24 @@ def format_grid(puzzle: str) -> str:
 
 @register_task("sudoku")
 class SudokuTask(Task):
-    """4x4 Sudoku with unique solutions; reward = fraction of blanks filled right."""
+    """4x4 Sudoku with unique solutions.
+
+    Reward = fraction of blanks filled right (as d1's), or with ``solved_bonus = b > 0``
+    ``(fraction + b * solved) / (1 + b)``: still in [0, 1], and a fully solved grid
+    is worth more than its share of cells (what held-out accuracy counts).
+    """
 
     name = "sudoku"
     system_prompt = SUDOKU_SYSTEM_PROMPT
 
-    def __init__(self, blanks: tuple[int, int] = (6, 10)) -> None:
+    def __init__(self, blanks: tuple[int, int] = (6, 10), solved_bonus: float = 0.0) -> None:
         lo, hi = blanks
         if not 1 <= lo <= hi <= 12:
             raise ValueError(f"blanks must satisfy 1 <= min <= max <= 12, got {blanks!r}")
+        if not 0.0 <= float(solved_bonus) < float("inf"):
+            raise ValueError(f"solved_bonus must be a finite number >= 0, got {solved_bonus!r}")
         self.blanks = (int(lo), int(hi))
+        self.solved_bonus = float(solved_bonus)
 
     def _puzzle(self, rng: random.Random, solution: str) -> str | None:
         target = rng.randint(*self.blanks)
@@ -227,4 +235,6 @@ class SudokuTask(Task):
         blanks = [i for i, c in enumerate(reference["puzzle"]) if c == "0"]
         if not blanks:
             return 1.0
-        return sum(grid[i] == reference["solution"][i] for i in blanks) / len(blanks)
+        fraction = sum(grid[i] == reference["solution"][i] for i in blanks) / len(blanks)
+        solved = float(fraction == 1.0)
+        return (fraction + self.solved_bonus * solved) / (1.0 + self.solved_bonus)
