@@ -262,10 +262,13 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     linears, ``SelfAttention`` and ``apply_rotary_pos_emb``): logits bit for bit, on the
     staircase layout and with a different position row per sample; gradients bit for
     bit too, except SDAR's q/k-norm weights, whose gradient sums over a differently
-    laid-out incoming gradient (same values up to fp32 summation order)."""
+    laid-out incoming gradient (same values up to fp32 summation order). The MLP runs
+    our SwiGLU activation module on fc1's fused output here (fc1's gate/up split is
+    tested against it separately: a different BLAS blocking, not bitwise)."""
     from megatron.core.transformer.attention import SelfAttention
 
     from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
+    from stabledrl_mcore.models.gated_mlp import SwiGLU
     from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
     from stabledrl_mcore.models.specs import te_available
 
@@ -276,6 +279,11 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
     reference = build_model(cfg, use_te=False, stock_local=True)
     assert type(reference.decoder.layers[0].self_attention) is SelfAttention  # rotation from angles
+    assert isinstance(ours.decoder.layers[0].mlp.activation_func, SwiGLU)
+    assert reference.decoder.layers[0].mlp.activation_func is torch.nn.functional.silu
+    assert set(ours.state_dict()) == set(reference.state_dict())
+    for layer in ours.decoder.layers:
+        layer.mlp.linear_fc1.split_gate_up = False
     reference.load_state_dict(ours.state_dict())
     ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
     shifted = torch.arange(24)[None] + torch.tensor([[0], [5], [11]])
@@ -296,6 +304,64 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
             else:
                 assert torch.equal(a, b), label
+
+
+@pytest.mark.parametrize("name", ["llada-tiny", "sdar-tiny"])
+def test_fc1_gate_up_split_matches_the_fused_fc1(megatron_tp1, name):
+    """fc1 hands the SwiGLU module gate and up as two matmuls on its weight's row
+    blocks (the local spec, TP=1): logits and every gradient match fc1's fused output
+    chunked in two (Megatron's layout) to fp32 rounding; the parameter is the same."""
+    from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear
+    from stabledrl_mcore.models.specs import te_available
+
+    if te_available():
+        pytest.skip("the TE spec keeps Megatron's MLP")
+    cfg = get_preset(name, init_std=0.2)
+    split = build_model(cfg)
+    fused = build_model(cfg)
+    fused.load_state_dict(split.state_dict())
+    fc1 = split.decoder.layers[0].mlp.linear_fc1
+    assert isinstance(fc1, GateUpColumnParallelLinear) and split.config.use_te_activation_func
+    x = torch.randn(5, 2, cfg.hidden_size)
+    gate, up = fc1(x)[0]
+    fc1.split_gate_up = False
+    whole = fc1(x)[0]
+    fc1.split_gate_up = True
+    torch.testing.assert_close(torch.cat((gate, up), dim=-1), whole, rtol=1e-6, atol=1e-6)
+    for layer in fused.decoder.layers:
+        layer.mlp.linear_fc1.split_gate_up = False
+    ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(2))
+    results = []
+    for model in (fused, split):
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        results.append([logits.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_swiglu_module_only_with_megatrons_plain_swiglu():
+    """``with_module_activation`` turns the module on only where Megatron's plain
+    (unfused, bias-free) SwiGLU would run; the module accepts fc1's pair or fused output."""
+    from stabledrl_mcore.models.gated_mlp import SwiGLU, with_module_activation
+    from stabledrl_mcore.models.presets import to_transformer_config
+    from stabledrl_mcore.models.specs import dllm_layer_spec
+
+    def config(**overrides):
+        overrides.setdefault("bias_activation_fusion", False)
+        return to_transformer_config(get_preset("llada-tiny"), {"tensor_model_parallel_size": 1},
+                                     **overrides)
+
+    local, stock = dllm_layer_spec(use_te=False), dllm_layer_spec(use_te=False, stock_local=True)
+    assert with_module_activation(config(), local).use_te_activation_func
+    assert not with_module_activation(config(), stock).use_te_activation_func
+    assert not with_module_activation(config(bias_activation_fusion=True), local).use_te_activation_func
+    assert not with_module_activation(config(glu_linear_offset=1.0), local).use_te_activation_func
+    y = torch.randn(3, 2, 10)
+    gate, up = y.chunk(2, dim=-1)
+    module = SwiGLU(config())
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(module(y), expected) and torch.equal(module((gate, up)), expected)
 
 
 def _graph_node_names(fn, seen=None):

@@ -38,6 +38,7 @@ from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
 from .presets import DLLMConfig, to_transformer_config
 from .rope import rotary_angles, rotary_cos_sin
+from .gated_mlp import with_module_activation
 from .specs import dllm_layer_spec
 
 MaskArg = Union[None, torch.Tensor, AttentionLayout]
@@ -48,6 +49,7 @@ class DLLMModel(LanguageModule):
 
     def __init__(self, dllm_config: DLLMConfig, config: TransformerConfig, layer_spec,
                  *, pre_process: bool = True, post_process: bool = True, pg_collection=None):
+        config = with_module_activation(config, layer_spec)  # the local spec's SwiGLU module
         super().__init__(config=config, pg_collection=pg_collection)
         self.dllm_config = dllm_config.validate()
         self.model_type = ModelType.encoder_or_decoder  # Megatron's pipeline schedules read it

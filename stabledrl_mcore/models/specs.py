@@ -17,6 +17,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
+from .gated_mlp import GateUpColumnParallelLinear, SwiGLU
 from .linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
 
 
@@ -43,8 +44,10 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     local flavour's linears are Megatron's with a plain-autograd matmul where nothing
     is fused into it (:mod:`.linear`), and its self-attention rotates q/k with cos/sin
     computed once per forward (:class:`HeadsMajorRotarySelfAttention`, which then
-    takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``); names and
-    checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local linears
+    takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``), and its MLP's fc1
+    returns gate and up as separate tensors to a :class:`~.gated_mlp.SwiGLU` activation
+    module (where Megatron's fused SwiGLU is off; :class:`DLLMModel` switches it on);
+    names and checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local linears
     and ``SelfAttention`` (only the core attention is ours): the reference that
     ``tools/bench_backbone.py --reference stock-megatron`` times the local spec against.
     """
@@ -66,5 +69,6 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
         mlp = spec.submodules.mlp.submodules
         attention.submodules.linear_qkv = AutogradColumnParallelLinear
         attention.submodules.linear_proj = AutogradRowParallelLinear
-        mlp.linear_fc1, mlp.linear_fc2 = AutogradColumnParallelLinear, AutogradRowParallelLinear
+        mlp.linear_fc1, mlp.linear_fc2 = GateUpColumnParallelLinear, AutogradRowParallelLinear
+        mlp.activation_func = SwiGLU  # fc1 hands it gate and up apart (see .gated_mlp)
     return spec
