@@ -80,7 +80,7 @@ class RolloutSection:
     prompt_style: str = "chat"
     """``chat`` (system prompt + the tokenizer's chat template) or ``compact`` (bare puzzle, tiny models)."""
     task_options: Dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the task, e.g. ``{blanks: [6, 10]}`` for sudoku."""
+    """Keyword arguments of the task, e.g. ``{blanks: [6, 10], solved_bonus: 1.0}`` for sudoku."""
     prompts_per_step: int = 16
     """Prompts per optimizer step over the whole job (split over data-parallel ranks)."""
     group_size: int = 8

@@ -33,12 +33,12 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
+from .gated_mlp import with_module_activation
 from .kv_cache import KVCache
 from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
 from .presets import DLLMConfig, to_transformer_config
 from .rope import rotary_angles, rotary_cos_sin
-from .gated_mlp import with_module_activation
 from .specs import dllm_layer_spec
 
 MaskArg = Union[None, torch.Tensor, AttentionLayout]

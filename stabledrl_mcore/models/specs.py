@@ -47,8 +47,8 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``), and its MLP's fc1
     returns gate and up as separate tensors to a :class:`~.gated_mlp.SwiGLU` activation
     module (where Megatron's fused SwiGLU is off; :class:`DLLMModel` switches it on);
-    names and checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local linears
-    and ``SelfAttention`` (only the core attention is ours): the reference that
+    names and checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local
+    linears, ``SelfAttention`` and MLP (only the core attention is ours): the reference that
     ``tools/bench_backbone.py --reference stock-megatron`` times the local spec against.
     """
     from megatron.core.models.gpt import gpt_layer_specs
