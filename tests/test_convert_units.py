@@ -23,6 +23,28 @@ def test_config_round_trip_keeps_every_upstream_key(arch):
     assert hf_to_dllm_config(dllm_to_hf_config(cfg)) == cfg  # template path (no base config)
 
 
+@pytest.mark.parametrize("arch", ["llada", "sdar"])
+def test_learned_positions_and_segments_round_trip_through_config_and_tables(arch):
+    cfg = hf_to_dllm_config(upstream_config(arch)).replace(
+        position_embedding="learned", segment_separator_id=7, num_segments=2)
+    hf = dllm_to_hf_config(cfg)
+    assert hf_to_dllm_config(hf) == cfg
+    if arch == "llada":  # OLMo's own switch: rope false = a learned wpe table
+        assert hf["rope"] is False and "stabledrl_position_embedding" not in hf
+    assert (hf["stabledrl_segment_separator_id"], hf["stabledrl_num_segments"]) == (7, 2)
+    assert "stabledrl_num_segments" not in dllm_to_hf_config(cfg.replace(num_segments=0))
+    engine = MappingEngine(table_for(arch, cfg), cfg)
+    extra = set(engine.expected_hf()) - set(MappingEngine(table_for(arch), cfg).expected_hf())
+    position = "model.transformer.wpe.weight" if arch == "llada" else "model.embed_positions.weight"
+    assert {n: engine.expected_hf()[n] for n in extra}[position] == (cfg.max_position_embeddings, cfg.hidden_size)
+    assert len(extra) == 2
+    source = random_tensors(engine.expected_hf(), seed=3)
+    for _, group in engine.groups():
+        for mapping in group:
+            full = torch.cat(engine.to_megatron(mapping, source.__getitem__))
+            assert all(torch.equal(t, source[n]) for n, t in engine.to_hf(mapping.megatron, full))
+
+
 def test_llada_reads_olmo_field_names():
     cfg = hf_to_dllm_config(upstream_config("llada"))
     assert (cfg.arch, cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads) == ("llada", 32, 4, 4)
@@ -62,7 +84,7 @@ def test_sdar_block_size_and_mask_default_with_warning(tmp_path):
     assert cfg.block_size == 4 and cfg.mask_token_id == 127  # <|MASK|> found in tokenizer.json
 
 
-@pytest.mark.parametrize("arch,key,value", [("llada", "rope", False), ("llada", "include_bias", True),
+@pytest.mark.parametrize("arch,key,value", [("llada", "alibi", True), ("llada", "include_bias", True),
                                             ("llada", "activation_type", "gelu"),
                                             ("sdar", "hidden_act", "gelu"), ("sdar", "attention_bias", True)])
 def test_unsupported_architecture_switch_is_named(arch, key, value):

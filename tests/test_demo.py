@@ -10,7 +10,9 @@ import pytest
 from stabledrl_mcore.experiments.plots import plot_demo_curves, plot_stress
 from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, run_side_by_side
 from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, percentile, summarise_arm
-from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, rl_overrides, sft_batches
+from stabledrl_mcore.experiments.tiny_sudoku import (POSITION_INPUTS, TinySudoku, answer_separator_id,
+                                                     rl_overrides, sft_batches, tiny_model_config)
+from stabledrl_mcore.models import segment_positions
 from stabledrl_mcore.config import load_config
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tokenizer import train_sentencepiece
@@ -31,6 +33,29 @@ def test_sft_batches_mark_the_answer_and_eos(tmp_path):
     assert first[-1] == tok.eos_token_id
     assert tok.decode(first) == examples[0].reference["solution"]
     assert not completion[:, : ids.shape[1] - answer].any(), "prompt tokens must never be trained on"
+
+
+def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path):
+    task = get_task("sudoku", prompt_style="compact")
+    examples = task.load("train", n=8, seed=0)
+    tok = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in examples],
+                              str(tmp_path / "tok"), vocab_size=16)
+    cfg = tiny_model_config(tok, TinySudoku())
+    assert (cfg.position_embedding, cfg.num_segments, cfg.embedding_init_std) == ("learned", 2, 1.0)
+    assert tok.decode([cfg.segment_separator_id]) == "=" == tok.decode([answer_separator_id(tok)])
+    ids, completion, _ = sft_batches(tok, task, examples)
+    positions, segments = segment_positions(ids, cfg.segment_separator_id)
+    digits = [c for c in "1234"]
+    for row in range(ids.shape[0]):
+        pieces = [tok.decode([i]) for i in ids[row].tolist()]
+        puzzle = [p for p, piece, a in zip(positions[row].tolist(), pieces, completion[row]) if not a and piece in digits + ["0"]]
+        answer = [p for p, piece, a in zip(positions[row].tolist(), pieces, completion[row]) if a and piece in digits]
+        assert len(puzzle) == len(answer) == 16 and puzzle == answer, "cell i of puzzle and answer share a position"
+        first_answer = int(completion[row].nonzero()[0])
+        assert set(segments[row][:first_answer].tolist()) == {0}, "the prompt (and its '=') is segment 0"
+        assert set(segments[row][completion[row]].tolist()) == {1}
+    rope = tiny_model_config(tok, TinySudoku(**POSITION_INPUTS["rope"]))
+    assert (rope.position_embedding, rope.segment_separator_id, rope.num_segments) == ("rope", None, 0)
 
 
 def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):

@@ -10,7 +10,7 @@ from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron T
 
 from stabledrl_mcore.models import (AttentionLayout, DLLMConfig, KVCache, ModelConfigError,
                                     available_presets, block_causal_mask, build_model,
-                                    get_preset, staircase_mask, staircase_position_ids,
+                                    get_preset, segment_positions, staircase_mask, staircase_position_ids,
                                     to_transformer_config, vocab_parallel_log_probs)
 
 
@@ -52,6 +52,81 @@ def test_config_validation_and_round_trip():
     with pytest.raises(ModelConfigError, match="unknown preset"):
         get_preset("llada-9b")
     assert get_preset("llada-tiny", make_vocab_size_divisible_by=100).padded_vocab_size(2) == 400
+
+
+# --------------------------------------------------------------------- position schemes
+def test_segment_positions_restart_after_the_separator():
+    sep = 9
+    ids = torch.tensor([[5, 6, 7, sep, 5, 6, 7, 2],
+                        [sep, 1, sep, sep, 4, 4, 4, 4]])
+    positions, segments = segment_positions(ids, sep)
+    assert positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 1, 0, 0, 1, 2, 3]]
+    assert segments.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 2, 3, 3, 3, 3]]
+    no_separator, zero = segment_positions(ids[:1, :3], sep)
+    assert no_separator.tolist() == [[0, 1, 2]] and zero.tolist() == [[0, 0, 0]]
+
+
+def test_position_config_errors_are_named():
+    cfg = get_preset("llada-tiny")
+    with pytest.raises(ModelConfigError, match="position_embedding must be one of"):
+        cfg.replace(position_embedding="alibi")
+    with pytest.raises(ModelConfigError, match="num_segments > 0 needs segment_separator_id"):
+        cfg.replace(num_segments=2)
+    with pytest.raises(ModelConfigError, match="segment_separator_id .* outside the vocabulary"):
+        cfg.replace(segment_separator_id=cfg.vocab_size)
+    with pytest.raises(ModelConfigError, match="embedding_init_std"):
+        cfg.replace(embedding_init_std=0.0)
+
+
+def _learned(name="llada-tiny", **overrides):
+    settings = dict(position_embedding="learned", segment_separator_id=9, num_segments=2,
+                    embedding_init_std=1.0, max_position_embeddings=32)
+    return _model(name, **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("name", ["llada-tiny", "sdar-tiny"])
+def test_learned_positions_add_word_position_and_segment_rows(megatron_tp1, name):
+    model = _learned(name)
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 2, 0], [9, 1, 1, 9, 4, 4, 4, 4, 4]])
+    captured = {}
+    hook = model.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    try:
+        model(ids)
+    finally:
+        hook.remove()
+    table = model.embedding
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 0, 1, 2, 0, 1, 2, 3, 4]])
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1]])  # clamped to 2 rows
+    expected = (table.word_embeddings.weight[ids] + table.position_embeddings.weight[positions]
+                + table.tokentype_embeddings.weight[segments])
+    assert torch.allclose(captured["hidden_states"].transpose(0, 1), expected, atol=1e-6)
+    assert captured["rotary_pos_emb"] is None, "learned positions replace RoPE"
+    assert table.word_embeddings.weight.std() > 0.5, "embedding_init_std=1.0 reaches the tables"
+
+
+def test_learned_positions_carry_all_position_information(megatron_tp1):
+    """With the position and segment rows zeroed, a bidirectional model without RoPE is
+    permutation-equivariant; with them, it is not."""
+    model = _learned(segment_separator_id=None, num_segments=0)
+    ids = torch.randint(10, 200, (2, 10))
+    perm = torch.randperm(10)
+    with torch.no_grad():
+        assert not torch.allclose(model(ids[:, perm]), model(ids)[:, perm], atol=1e-4)
+        model.embedding.position_embeddings.weight.zero_()
+        assert torch.allclose(model(ids[:, perm]), model(ids)[:, perm], atol=1e-5)
+
+
+def test_learned_position_checkpoint_round_trip(megatron_tp1, tmp_path):
+    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+
+    model = _learned()
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 2]])
+    save_model_checkpoint(model, str(tmp_path / "ckpt"))
+    fresh = _learned(seed=1)
+    assert not torch.equal(fresh(ids), model(ids))
+    load_model_weights(fresh, str(tmp_path / "ckpt"))
+    assert torch.equal(fresh(ids), model(ids))
 
 
 # ------------------------------------------------------------------------------- masks

@@ -96,7 +96,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     check_layout(cfg, tp, pp)
     reader = SafetensorsReader(hf_dir)
     tied = hfc.is_tied(raw, arch)
-    engine = MappingEngine(table_for(arch), cfg, tied=tied)
+    engine = MappingEngine(table_for(arch, cfg), cfg, tied=tied)
     engine.check_source(reader)
     first = engine.groups()[0][1][0]
     target = DTYPES[dtype] if dtype else reader.dtype(first.hf_names()[0])
@@ -152,7 +152,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
     base = hfc.read_hf_config(assets) if assets and os.path.isfile(
         os.path.join(assets, "config.json")) else None
     target = DTYPES[dtype] if dtype else info.dtype
-    engine = MappingEngine(table_for(cfg.arch), cfg, tied=info.tied_embeddings)
+    engine = MappingEngine(table_for(cfg.arch, cfg), cfg, tied=info.tied_embeddings)
     tmp = prepare_output(out, overwrite, protect=ckpt)
     owns_megatron, writer = False, None
     try:

@@ -95,7 +95,7 @@ FIELDS: Dict[str, List[Field]] = {
 
 # Switches that must have these values when present (the backbone implements nothing else).
 REQUIRED_VALUES: Dict[str, Dict[str, Tuple[Any, ...]]] = {
-    "llada": {"rope": (True,), "alibi": (False, None), "layer_norm_type": ("rms",),
+    "llada": {"rope": (True, False), "alibi": (False, None), "layer_norm_type": ("rms",),
               "include_bias": (False,), "include_qkv_bias": (False, None),
               "activation_type": ("silu",), "block_type": ("llama",),
               "attention_layer_norm": (False, None), "scale_logits": (False, None),
@@ -208,10 +208,35 @@ def hf_to_dllm_config(hf_cfg: Dict[str, Any], arch: Optional[str] = None, *,
                                   f"< vocab_size ({hf_cfg['vocab_size']})")
     for name in ("rope_theta", "norm_eps"):
         values[name] = float(values[name])
+    values.update(_read_extensions(hf_cfg, arch))
     try:
         return DLLMConfig.from_dict(values)
     except ModelConfigError as err:
         raise ConversionError(f"config.json describes no valid {arch} model: {err}") from None
+
+
+# Our own keys for position schemes upstream configs cannot express (LLaDA/OLMo has
+# learned positions, ``rope: false`` + ``wpe``; nothing upstream has the segment scheme).
+EXTENSION_KEYS = {"position_embedding": "stabledrl_position_embedding",
+                  "segment_separator_id": "stabledrl_segment_separator_id",
+                  "num_segments": "stabledrl_num_segments"}
+
+
+def _read_extensions(hf_cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
+    values = {ours: hf_cfg[theirs] for ours, theirs in EXTENSION_KEYS.items() if hf_cfg.get(theirs) is not None}
+    if arch == "llada" and hf_cfg.get("rope") is False:
+        values["position_embedding"] = "learned"
+    return values
+
+
+def _write_extensions(cfg: DLLMConfig, out: Dict[str, Any]) -> None:
+    for ours, theirs in EXTENSION_KEYS.items():
+        out.pop(theirs, None)
+        if getattr(cfg, ours) != getattr(DLLMConfig, ours):
+            out[theirs] = getattr(cfg, ours)
+    if cfg.arch == "llada":  # OLMo's switch says it
+        out["rope"] = cfg.position_embedding == "rope"
+        out.pop(EXTENSION_KEYS["position_embedding"], None)
 
 
 # ------------------------------------------------------------------------------ writing
@@ -249,6 +274,7 @@ def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
     if cfg.arch == "sdar" and "rope_parameters" in out and "rope_theta" not in (base or {}):
         out.pop("rope_theta", None)
         out["rope_parameters"] = dict(out["rope_parameters"], rope_theta=cfg.rope_theta)
+    _write_extensions(cfg, out)
     if tied is not None:
         out[TIE_KEY[cfg.arch]] = tied
     if dtype is not None:

@@ -89,7 +89,7 @@ def load_hf_weights(model, hf_dir: str) -> None:
     raw = hfc.read_hf_config(hf_dir)
     hfc.detect_arch(raw, cfg.arch)
     reader = SafetensorsReader(hf_dir)
-    engine = MappingEngine(table_for(cfg.arch), cfg, tied=hfc.is_tied(raw, cfg.arch),
+    engine = MappingEngine(table_for(cfg.arch, cfg), cfg, tied=hfc.is_tied(raw, cfg.arch),
                            padded_vocab=model.padded_vocab_size)
     engine.check_source(reader)
     keys = set(reader.keys())

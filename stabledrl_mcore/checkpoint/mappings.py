@@ -40,7 +40,8 @@ def resolve_shape(shape: Shape, cfg: DLLMConfig) -> Tuple[int, ...]:
     """Symbols -> sizes for one config (see the module docstring)."""
     sizes = {"H": cfg.hidden_size, "F": cfg.ffn_hidden_size, "V": cfg.vocab_size,
              "D": cfg.kv_channels, "Q": cfg.num_attention_heads * cfg.kv_channels,
-             "K": cfg.num_query_groups * cfg.kv_channels}
+             "K": cfg.num_query_groups * cfg.kv_channels, "P": cfg.max_position_embeddings,
+             "T": cfg.num_segments}
     return tuple(sizes[s] for s in shape)
 
 
@@ -235,7 +236,20 @@ def canonical_megatron_name(name: str) -> str:
     return name
 
 
-def table_for(arch: str) -> ModelTable:
+# Optional embedding tables (``DLLMConfig.position_embedding="learned"``, ``num_segments``):
+# LLaDA/OLMo's own name for learned positions, ours for the rest.
+POSITION_ROWS = {"llada": "model.transformer.wpe.weight", "sdar": "model.embed_positions.weight"}
+SEGMENT_ROWS = {"llada": "model.transformer.wse.weight", "sdar": "model.embed_segments.weight"}
+
+
+def table_for(arch: str, cfg: Optional[DLLMConfig] = None) -> ModelTable:
+    """The mapping table of ``arch``, with the optional embedding rows ``cfg`` has."""
     if arch not in TABLES:
         raise KeyError(f"no mapping table for {arch!r}; known: {sorted(TABLES)}")
-    return TABLES[arch]
+    table = TABLES[arch]
+    extra: List[Mapping] = []
+    if cfg is not None and cfg.position_embedding == "learned":
+        extra.append(Direct("embedding.position_embeddings.weight", POSITION_ROWS[arch], ("P", "H")))
+    if cfg is not None and cfg.num_segments:
+        extra.append(Direct("embedding.tokentype_embeddings.weight", SEGMENT_ROWS[arch], ("T", "H")))
+    return dataclasses.replace(table, head=[*table.head, *extra]) if extra else table

@@ -41,6 +41,7 @@ class TinySudoku:
     sft_batch: int = 64
     sft_lr: float = 1e-3
     sft_eval_every: int = 25
+    sft_eval_every_rising: int = 5  # once validation accuracy is above 0 (the transition is steep)
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -50,6 +51,19 @@ class TinySudoku:
     # sft_target=0.5 and rl_blanks=(8, 11); rl_blanks also sets the held-out test set.
     sft_blanks: Optional[Tuple[int, int]] = None
     rl_blanks: Optional[Tuple[int, int]] = None
+    # Inputs: learned positions that restart after the prompt's "=" (answer cell i gets
+    # puzzle cell i's position id) plus a puzzle/answer segment embedding, embeddings
+    # initialised N(0, 1). With LLaDA's RoPE ("rope") the same recipe learned far less
+    # from RL (README, "Main job").
+    position_embedding: str = "learned"
+    segment_positions: bool = True
+    embedding_init_std: Optional[float] = 1.0
+
+
+POSITION_INPUTS = {  # the demo's --positions choices, as TinySudoku fields
+    "learned": dict(position_embedding="learned", segment_positions=True, embedding_init_std=1.0),
+    "rope": dict(position_embedding="rope", segment_positions=False, embedding_init_std=None),
+}
 
 
 def sft_batches(tokenizer, task, examples: List[Example]):
@@ -87,7 +101,8 @@ def run_sft(model, tokenizer, task, labelled: List[Example], validation: List[Ex
         loss.backward()
         optimizer.step()
         bar.update(1)
-        if step % setting.sft_eval_every == 0:
+        every = setting.sft_eval_every_rising if accuracy > 0 else setting.sft_eval_every
+        if step % every == 0:
             accuracy = evaluate_model(model, tokenizer, task, validation, gen_length=gen_length,
                                       steps=gen_length, block_length=gen_length,
                                       micro_batch=len(validation)).accuracy
@@ -152,11 +167,24 @@ def tiny_model_config(tokenizer, setting: TinySudoku):
     """``llada-tiny`` resized to the setting, with the tokenizer's special ids."""
     from ..models import get_preset
 
+    separator = {}
+    if setting.segment_positions:
+        separator = dict(segment_separator_id=answer_separator_id(tokenizer), num_segments=2)
     return get_preset("llada-tiny", vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
+                      position_embedding=setting.position_embedding,
+                      embedding_init_std=setting.embedding_init_std, **separator,
                       num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
                       num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
                       mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+
+
+def answer_separator_id(tokenizer, separator: str = "=") -> int:
+    """Id of the token that ends the compact Sudoku prompt (``"2400...0012="``)."""
+    ids = tokenizer.encode(separator)
+    if not ids or tokenizer.decode(ids[-1:]).strip() != separator:
+        raise ValueError(f"the tokenizer has no single token for {separator!r} (got ids {ids})")
+    return ids[-1]
 
 
 LIKELIHOODS = ("elbo", "mean_field", "spg")  # the estimators the tiny setting's CLIs offer

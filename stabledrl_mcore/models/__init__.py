@@ -15,13 +15,13 @@ from .masks import (AttentionLayout, block_causal_mask, padding_mask, staircase_
                     staircase_position_ids)
 from .model import DLLMModel, build_model
 from .presets import (DLLMConfig, ModelConfigError, available_presets, get_preset,
-                      to_transformer_config)
+                      segment_positions, to_transformer_config)
 from .rope import rotary_angles
 from .specs import dllm_layer_spec, te_available
 
 __all__ = [
     "AttentionLayout", "DLLMConfig", "DLLMModel", "KVCache", "ModelConfigError",
     "SDPACoreAttention", "available_presets", "block_causal_mask", "build_model",
-    "dllm_layer_spec", "get_preset", "padding_mask", "rotary_angles", "staircase_mask",
+    "dllm_layer_spec", "get_preset", "padding_mask", "rotary_angles", "segment_positions", "staircase_mask",
     "staircase_position_ids", "te_available", "to_transformer_config", "vocab_parallel_log_probs",
 ]

@@ -1,7 +1,8 @@
 """The diffusion-LM backbone on Megatron-Core: embedding -> TransformerBlock -> LM head.
 
 Read top to bottom it is a GPT: ``VocabParallelEmbedding`` (via
-``LanguageModelEmbedding``, no learned positions), Megatron's
+``LanguageModelEmbedding``; no learned positions unless ``position_embedding="learned"``,
+a segment embedding only with ``num_segments``), Megatron's
 ``TransformerBlock`` built from :func:`~stabledrl_mcore.models.specs.dllm_layer_spec`
 (pre-norm attention + SwiGLU, RMSNorm, final norm on the last stage) and a
 column-parallel, untied output layer. It differs from an autoregressive LM in
@@ -37,7 +38,7 @@ from .gated_mlp import with_module_activation
 from .kv_cache import KVCache
 from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
-from .presets import DLLMConfig, to_transformer_config
+from .presets import DLLMConfig, segment_positions, to_transformer_config
 from .rope import rotary_angles, rotary_cos_sin
 from .specs import dllm_layer_spec
 
@@ -57,11 +58,13 @@ class DLLMModel(LanguageModule):
         self.share_embeddings_and_output_weights = False
         self.vocab_size = dllm_config.vocab_size
         self.padded_vocab_size = dllm_config.padded_vocab_size(config.tensor_model_parallel_size)
+        self.learned_positions = dllm_config.position_embedding == "learned"
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config=config, vocab_size=self.padded_vocab_size,
                 max_sequence_length=dllm_config.max_position_embeddings,
-                position_embedding_type="rope", tp_group=self.pg_collection.tp)
+                position_embedding_type="learned_absolute" if self.learned_positions else "rope",
+                num_tokentypes=dllm_config.num_segments, tp_group=self.pg_collection.tp)
         self.decoder = TransformerBlock(config=config, spec=layer_spec, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection)
         # The local spec's attention takes cos/sin, Megatron's (TE spec) takes angles.
@@ -96,22 +99,40 @@ class DLLMModel(LanguageModule):
         hidden states ``[S, B, H]`` on the other stages.
 
         ``position_ids``: ``[B, S]`` or ``[1, S]``; None = ``0..S-1`` (shifted by
-        ``kv_cache.length`` with a cache). ``attention_mask``: None (bidirectional),
+        ``kv_cache.length`` with a cache), or the separator scheme's ids
+        (:func:`~stabledrl_mcore.models.presets.segment_positions`) when
+        ``segment_separator_id`` is set. ``attention_mask``: None (bidirectional),
         a bool tensor (True = blocked, broadcastable to ``[B, 1, S, S_k]``) or an
         :class:`AttentionLayout`. ``kv_cache``: see :class:`KVCache`.
         """
         seq_len, device = self._seq_len_and_device(input_ids)
         if kv_cache is not None and self.training and self.config.recompute_granularity:
             raise ValueError("a KV cache cannot be combined with activation recompute (inference only)")
+        segment_ids = None
+        separator = self.dllm_config.segment_separator_id
+        # Learned positions are only needed where the embedding is (the first stage); RoPE
+        # needs them on every stage, which the separator scheme cannot give without input ids.
+        if separator is not None and (self.pre_process or not self.learned_positions):
+            if input_ids is None or kv_cache is not None:
+                raise ValueError("segment_separator_id derives positions from the whole input_ids: "
+                                 "it needs them on every stage with RoPE, and no KV cache")
+            derived, segment_ids = segment_positions(input_ids, separator)
+            position_ids = derived if position_ids is None else position_ids
+            segment_ids = segment_ids.clamp(max=max(self.dllm_config.num_segments - 1, 0))
         if position_ids is None:
             start = kv_cache.length if kv_cache is not None else 0
             position_ids = torch.arange(start, start + seq_len, device=device)[None]
         if position_ids.shape[-1] != seq_len:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, input has {seq_len}")
 
-        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else None
-        rotary = self._rotary(_shared_rows(position_ids), self.config.kv_channels,
-                              self.dllm_config.rope_theta)
+        hidden = None
+        if self.pre_process:
+            hidden = self.embedding(
+                input_ids=input_ids,
+                position_ids=position_ids.expand_as(input_ids) if self.learned_positions else None,
+                tokentype_ids=segment_ids if self.dllm_config.num_segments else None)
+        rotary = None if self.learned_positions else self._rotary(
+            _shared_rows(position_ids), self.config.kv_channels, self.dllm_config.rope_theta)
         mask = _decoder_mask(attention_mask)
 
         attentions = self.core_attentions() if kv_cache is not None else []

@@ -23,6 +23,7 @@ import torch
 
 ARCHS = ("llada", "sdar")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+POSITION_EMBEDDINGS = ("rope", "learned")
 
 
 class ModelConfigError(ValueError):
@@ -73,6 +74,20 @@ class DLLMConfig:
     """Std of the normal init of every weight matrix (random-init runs and tests)."""
     attention_backend: str = "auto"
     """``auto`` (SDPA, flex attention on CUDA for long masked layouts), ``sdpa`` or ``flex``."""
+    position_embedding: str = "rope"
+    """``rope`` (LLaDA/SDAR) or ``learned``: a learned absolute table of
+    ``max_position_embeddings`` rows added to the token embedding (BERT/GPT-2 style,
+    Megatron's ``learned_absolute``), and no rotary in attention. Small models trained
+    from scratch on grid tasks use it (see :func:`segment_positions`)."""
+    segment_separator_id: Optional[int] = None
+    """If set, default position ids restart at 0 after every occurrence of this token,
+    so aligned fields (a puzzle cell and its answer cell) share a position id; the
+    segment id (number of separators before a token) selects a learned segment
+    embedding when ``num_segments > 0``. None = positions ``0..S-1``."""
+    num_segments: int = 0
+    """Rows of the learned segment (token-type) embedding; 0 = none."""
+    embedding_init_std: Optional[float] = None
+    """Std of the normal init of the token, position and segment embeddings; None = ``init_std``."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -92,7 +107,8 @@ class DLLMConfig:
         attn = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
         attn += self.num_attention_heads * d * h + (2 * d if self.qk_layernorm else 0)
         mlp = 3 * h * self.ffn_hidden_size
-        return self.num_layers * (attn + mlp + 2 * h) + 2 * self.vocab_size * h + h
+        tables = (self.max_position_embeddings if self.position_embedding == "learned" else 0) + self.num_segments
+        return self.num_layers * (attn + mlp + 2 * h) + 2 * self.vocab_size * h + h + tables * h
 
     # --------------------------------------------------------------- validation
     def validate(self) -> "DLLMConfig":
@@ -125,12 +141,29 @@ class DLLMConfig:
             problems.append("llada is fully bidirectional: block_size must be None")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             problems.append("rope_theta, norm_eps and init_std must be > 0")
+        problems += self._position_problems()
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                             f"got {self.attention_backend!r}")
         if problems:
             raise ModelConfigError("invalid DLLMConfig: " + "; ".join(problems))
         return self
+
+    def _position_problems(self) -> List[str]:
+        problems: List[str] = []
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            problems.append(f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                            f"got {self.position_embedding!r}")
+        sep = self.segment_separator_id
+        if sep is not None and (not isinstance(sep, int) or not 0 <= sep < self.vocab_size):
+            problems.append(f"segment_separator_id ({sep!r}) is outside the vocabulary [0, {self.vocab_size})")
+        if not isinstance(self.num_segments, int) or self.num_segments < 0:
+            problems.append(f"num_segments must be an int >= 0, got {self.num_segments!r}")
+        elif self.num_segments and sep is None:
+            problems.append("num_segments > 0 needs segment_separator_id (segments are counted by it)")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            problems.append(f"embedding_init_std must be > 0 or None, got {self.embedding_init_std!r}")
+        return problems
 
     # ---------------------------------------------------------- serialisation
     def to_dict(self) -> Dict[str, Any]:
@@ -190,6 +223,22 @@ _PRESETS: Dict[str, Dict[str, Any]] = {
 def available_presets() -> List[str]:
     """Names accepted by :func:`get_preset`."""
     return sorted(_PRESETS)
+
+
+def segment_positions(input_ids: torch.Tensor, separator_id: int):
+    """``(position_ids, segment_ids)`` ``[B, S]`` of the separator scheme.
+
+    Positions count from 0 and restart after each ``separator_id`` (the separator
+    itself ends its segment); the segment id is the number of separators before a
+    token. ``"2400..12=" + "2431..12"`` gives puzzle cell i and answer cell i the same
+    position id, in segments 0 and 1.
+    """
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    is_sep = input_ids == separator_id
+    last_sep = torch.where(is_sep, index, torch.full_like(index, -1)).cummax(dim=-1).values
+    before = torch.cat([torch.full_like(last_sep[..., :1], -1), last_sep[..., :-1]], dim=-1)
+    segments = is_sep.long().cumsum(dim=-1) - is_sep.long()
+    return index - before - 1, segments
 
 
 def get_preset(name: str, **overrides: Any) -> DLLMConfig:
@@ -292,7 +341,8 @@ def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any],
         normalization="RMSNorm", layernorm_epsilon=cfg.norm_eps, qk_layernorm=cfg.qk_layernorm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=cfg.init_std, rotary_interleaved=False, apply_rope_fusion=False,
+        init_method_std=cfg.init_std, embedding_init_method_std=cfg.embedding_init_std,
+        rotary_interleaved=False, apply_rope_fusion=False,
         bias_activation_fusion=use_swiglu_fusion(cfg), masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=dtype, pipeline_dtype=dtype,
