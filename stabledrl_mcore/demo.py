@@ -55,10 +55,13 @@ def main(argv=None) -> int:
     parser.add_argument("--positions", default="learned", choices=sorted(POSITION_INPUTS),
                         help="model inputs: learned positions restarting after the prompt's '=' plus a "
                              "segment embedding (default), or LLaDA's RoPE over 0..S-1")
+    parser.add_argument("--init-std", type=float, default=d.setting.init_std,
+                        help=f"std of the normal init of the weight matrices (default {d.setting.init_std}; "
+                             f"with Megatron's usual {s.init_std} RL gained less here)")
     args = parser.parse_args(argv)
     setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target,
                          sft_blanks=args.sft_blanks, rl_blanks=args.rl_blanks,
-                         **POSITION_INPUTS[args.positions])
+                         init_std=args.init_std, **POSITION_INPUTS[args.positions])
     opts = DemoOptions(out=args.out, setting=setting, rl_steps=args.rl_steps, eval_every=args.eval_every,
                        eval_examples=args.test, nproc=args.nproc, rollout_steps=args.rollout_steps,
                        lr=args.lr, likelihood=args.likelihood)

@@ -54,6 +54,10 @@ def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path)
         first_answer = int(completion[row].nonzero()[0])
         assert set(segments[row][:first_answer].tolist()) == {0}, "the prompt (and its '=') is segment 0"
         assert set(segments[row][completion[row]].tolist()) == {1}
+    from stabledrl_mcore.experiments.demo import DemoOptions
+
+    assert tiny_model_config(tok, DemoOptions().setting).init_std == 0.05, "the main job's init"
+    assert cfg.init_std == 0.02 == StressOptions().setting.init_std, "the stress experiment keeps Megatron's"
     rope = tiny_model_config(tok, TinySudoku(**POSITION_INPUTS["rope"]))
     assert (rope.position_embedding, rope.segment_separator_id, rope.num_segments) == ("rope", None, 0)
 

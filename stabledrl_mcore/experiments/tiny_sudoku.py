@@ -58,6 +58,7 @@ class TinySudoku:
     position_embedding: str = "learned"
     segment_positions: bool = True
     embedding_init_std: Optional[float] = 1.0
+    init_std: float = 0.02        # normal init of the weight matrices (Megatron's init_method_std)
 
 
 POSITION_INPUTS = {  # the demo's --positions choices, as TinySudoku fields
@@ -172,7 +173,8 @@ def tiny_model_config(tokenizer, setting: TinySudoku):
         separator = dict(segment_separator_id=answer_separator_id(tokenizer), num_segments=2)
     return get_preset("llada-tiny", vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
                       position_embedding=setting.position_embedding,
-                      embedding_init_std=setting.embedding_init_std, **separator,
+                      embedding_init_std=setting.embedding_init_std, init_std=setting.init_std,
+                      **separator,
                       num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
                       num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
                       mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
