@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=d.lr, help="RL learning rate (Adam)")
     parser.add_argument("--likelihood", default=d.likelihood, choices=LIKELIHOODS,
                         help=f"sequence likelihood estimator of the RL loss (default {d.likelihood})")
-    parser.add_argument("--positions", default="learned", choices=sorted(POSITION_INPUTS),
+    parser.add_argument("--positions", default=s.positions, choices=POSITION_INPUTS,
                         help="model inputs: learned positions restarting after the prompt's '=' plus a "
                              "segment embedding (default), or LLaDA's RoPE over 0..S-1")
     parser.add_argument("--init-std", type=float, default=d.setting.init_std,
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     setting = TinySudoku(seed=args.seed, labelled=args.labelled, sft_target=args.sft_target,
                          sft_blanks=args.sft_blanks, rl_blanks=args.rl_blanks,
-                         init_std=args.init_std, **POSITION_INPUTS[args.positions])
+                         init_std=args.init_std, positions=args.positions)
     opts = DemoOptions(out=args.out, setting=setting, rl_steps=args.rl_steps, eval_every=args.eval_every,
                        eval_examples=args.test, nproc=args.nproc, rollout_steps=args.rollout_steps,
                        lr=args.lr, likelihood=args.likelihood)

@@ -10,7 +10,7 @@ import pytest
 from stabledrl_mcore.experiments.plots import plot_demo_curves, plot_stress
 from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, run_side_by_side
 from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, percentile, summarise_arm
-from stabledrl_mcore.experiments.tiny_sudoku import (POSITION_INPUTS, TinySudoku, answer_separator_id,
+from stabledrl_mcore.experiments.tiny_sudoku import (TinySudoku, answer_separator_id,
                                                      rl_overrides, sft_batches, tiny_model_config)
 from stabledrl_mcore.models import segment_positions
 from stabledrl_mcore.config import load_config
@@ -58,8 +58,10 @@ def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path)
 
     assert tiny_model_config(tok, DemoOptions().setting).init_std == 0.05, "the main job's init"
     assert cfg.init_std == 0.02 == StressOptions().setting.init_std, "the stress experiment keeps Megatron's"
-    rope = tiny_model_config(tok, TinySudoku(**POSITION_INPUTS["rope"]))
+    rope = tiny_model_config(tok, TinySudoku(positions="rope"))
     assert (rope.position_embedding, rope.segment_separator_id, rope.num_segments) == ("rope", None, 0)
+    with pytest.raises(ValueError, match="positions must be one of"):
+        tiny_model_config(tok, TinySudoku(positions="alibi"))
 
 
 def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):

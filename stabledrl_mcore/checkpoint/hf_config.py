@@ -230,13 +230,13 @@ def _read_extensions(hf_cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
 
 
 def _write_extensions(cfg: DLLMConfig, out: Dict[str, Any]) -> None:
+    if cfg.arch == "llada":  # OLMo's own switch says it, not our key
+        out["rope"] = cfg.position_embedding == "rope"
     for ours, theirs in EXTENSION_KEYS.items():
         out.pop(theirs, None)
-        if getattr(cfg, ours) != getattr(DLLMConfig, ours):
+        said_by_olmo = cfg.arch == "llada" and ours == "position_embedding"
+        if getattr(cfg, ours) != getattr(DLLMConfig, ours) and not said_by_olmo:
             out[theirs] = getattr(cfg, ours)
-    if cfg.arch == "llada":  # OLMo's switch says it
-        out["rope"] = cfg.position_embedding == "rope"
-        out.pop(EXTENSION_KEYS["position_embedding"], None)
 
 
 # ------------------------------------------------------------------------------ writing

@@ -51,20 +51,28 @@ class TinySudoku:
     # sft_target=0.5 and rl_blanks=(8, 11); rl_blanks also sets the held-out test set.
     sft_blanks: Optional[Tuple[int, int]] = None
     rl_blanks: Optional[Tuple[int, int]] = None
-    # Inputs: learned positions that restart after the prompt's "=" (answer cell i gets
-    # puzzle cell i's position id) plus a puzzle/answer segment embedding, embeddings
-    # initialised N(0, 1). With LLaDA's RoPE ("rope") the same recipe learned far less
-    # from RL (README, "Main job").
-    position_embedding: str = "learned"
-    segment_positions: bool = True
-    embedding_init_std: Optional[float] = 1.0
+    # Model inputs, one of POSITION_INPUTS (see position_overrides). With LLaDA's RoPE
+    # ("rope") the same recipe learned far less from RL (README, "Main job").
+    positions: str = "learned"
     init_std: float = 0.02        # normal init of the weight matrices (Megatron's init_method_std)
 
 
-POSITION_INPUTS = {  # the demo's --positions choices, as TinySudoku fields
-    "learned": dict(position_embedding="learned", segment_positions=True, embedding_init_std=1.0),
-    "rope": dict(position_embedding="rope", segment_positions=False, embedding_init_std=None),
-}
+POSITION_INPUTS = ("learned", "rope")  # the demo's --positions choices
+
+
+def position_overrides(positions: str, tokenizer) -> Dict[str, object]:
+    """``DLLMConfig`` fields of an input scheme.
+
+    ``learned``: learned positions that restart after the prompt's ``"="`` (answer cell
+    i gets puzzle cell i's position id) plus a puzzle/answer segment embedding, the
+    embeddings initialised N(0, 1). ``rope``: ``llada-tiny``'s own (RoPE over 0..S-1).
+    """
+    if positions == "learned":
+        return dict(position_embedding="learned", embedding_init_std=1.0,
+                    segment_separator_id=answer_separator_id(tokenizer), num_segments=2)
+    if positions == "rope":
+        return {}
+    raise ValueError(f"positions must be one of {POSITION_INPUTS}, got {positions!r}")
 
 
 def sft_batches(tokenizer, task, examples: List[Example]):
@@ -168,13 +176,8 @@ def tiny_model_config(tokenizer, setting: TinySudoku):
     """``llada-tiny`` resized to the setting, with the tokenizer's special ids."""
     from ..models import get_preset
 
-    separator = {}
-    if setting.segment_positions:
-        separator = dict(segment_separator_id=answer_separator_id(tokenizer), num_segments=2)
     return get_preset("llada-tiny", vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
-                      position_embedding=setting.position_embedding,
-                      embedding_init_std=setting.embedding_init_std, init_std=setting.init_std,
-                      **separator,
+                      init_std=setting.init_std, **position_overrides(setting.positions, tokenizer),
                       num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
                       num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
                       mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
