@@ -449,3 +449,15 @@ def _graph_node_names(fn, seen=None):
     for child, _ in fn.next_functions:
         names |= _graph_node_names(child, seen)
     return names
+
+
+def test_staircase_mask_mod_compiles_with_inductor():
+    """Regression: the staircase predicate compared booleans with ``==``, which inductor cannot
+    lower, so ``create_block_mask(..., _compile=True)`` (the CUDA path) failed on it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mod = AttentionLayout.staircase(4).mask_mod(48, 48)
+    compiled = create_block_mask(mod, None, None, 48, 48, device="cpu", BLOCK_SIZE=8, _compile=True)
+    eager = create_block_mask(mod, None, None, 48, 48, device="cpu", BLOCK_SIZE=8)
+    assert torch.equal(compiled.to_dense(), eager.to_dense())
+    assert torch.equal(eager.to_dense()[0, 0].bool(), ~staircase_mask(24, 4)[0, 0].reshape(6, 8, 6, 8).all(-1).all(1))

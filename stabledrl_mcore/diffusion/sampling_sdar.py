@@ -2,8 +2,11 @@
 
 The output is the prompt followed by masks up to ``ceil((P + gen_length) / bs) * bs``
 tokens (whole blocks, as upstream). The whole prompt blocks are prefilled into
-the cache with the block-causal mask; then for each remaining block (the first
-may hold the prompt's tail): up to ``steps`` denoising steps, each a forward of
+the cache with the block-causal layout (an
+:class:`~stabledrl_mcore.models.masks.AttentionLayout` carrying the prompts'
+left-pad counts, so no dense mask is passed; the same layout serves every
+forward, as queries are always the last keys); then for each remaining block
+(the first may hold the prompt's tail): up to ``steps`` denoising steps, each a forward of
 the block alone against ``[cache | block]``; tokens are proposed by
 temperature / top-k / top-p sampling (greedy at temperature 0) with confidence
 = their probability, and the step commits the scheduled top-k (the block
@@ -34,7 +37,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     sample_tokens,
     select_transfer,
 )
-from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
+from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, left_pad_counts, padding_mask
 
 StepHook = Callable[[int, Tensor, Tensor], None]
 
@@ -79,13 +82,20 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     x = torch.full((B, total), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
     pos = torch.arange(total, device=device)[None]
+    # A left-padded prompt (the usual case) travels as the layout's pad counts (one
+    # device->host copy here); any other key mask falls back to a dense mask.
+    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
+    layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
     valid = None
-    if prompt_valid is not None:
+    if layout is None:
         valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
 
-    def mask(offset: int, length: int) -> Tensor:
+    def mask(offset: int, length: int):
+        """The attention of queries ``offset..offset+length-1`` over keys ``0..offset+length-1``."""
+        if layout is not None:  # queries are the last `length` keys: what the layout assumes
+            return layout
         m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
-        return m if valid is None else m | padding_mask(valid[:, :offset + length])
+        return m | padding_mask(valid[:, :offset + length])
 
     schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
     prefill = P // bs

@@ -34,7 +34,7 @@ from stabledrl_mcore.diffusion.likelihood import (
     resolve_mask_id,
 )
 from stabledrl_mcore.diffusion.masking import MaskPlan
-from stabledrl_mcore.models.masks import block_causal_mask, staircase_mask, staircase_position_ids
+from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, staircase_position_ids
 
 
 def _block_size(model, block_size: Optional[int]) -> int:
@@ -51,15 +51,19 @@ def _prepare(model, ids, completion_mask, block_size, num_mc, generator, plan, m
 
 
 def staircase_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobFn] = None):
-    """forward_logp over ``[x_t | x_0]`` with the staircase mask (one pass for all blocks)."""
+    """forward_logp over ``[x_t | x_0]`` with the staircase layout (one pass for all blocks).
+
+    The layout is an :class:`AttentionLayout` (``noisy_len=n``, the last clean block
+    dropped), so GPU backends never build the dense ``(2n)^2`` mask.
+    """
 
     def forward(noisy: Tensor, ids: Tensor, scored: Tensor) -> Tensor:
         n = ids.shape[1]
         keep = n + ((n - 1) // block_size) * block_size  # no noisy query sees the last clean block: drop it
         x = torch.cat([noisy, ids], dim=1)[:, :keep]
         pos = staircase_position_ids(n, device=ids.device)[:, :keep]
-        mask = staircase_mask(n, block_size, device=ids.device)[..., :keep, :keep]
-        logits = model(x, position_ids=pos, attention_mask=mask, gather_output=logprob_fn is None)
+        layout = AttentionLayout.staircase(block_size, noisy_len=n)
+        logits = model(x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None)
         return gather_log_probs(logits[:, :n], ids, scored, logprob_fn)
 
     return forward

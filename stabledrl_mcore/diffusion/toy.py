@@ -2,8 +2,9 @@
 
 Contract (what the Megatron model in ``stabledrl_mcore.models`` provides):
 ``model(input_ids [B, S], position_ids=None, attention_mask=None, *, kv_cache=None,
-gather_output=True) -> logits [B, S, V]``; ``attention_mask`` is None (bidirectional)
-or bool, True = blocked, broadcastable to ``[B, 1, S, K]``; ``model.dllm_config``
+gather_output=True) -> logits [B, S, V]``; ``attention_mask`` is None (bidirectional),
+bool (True = blocked, broadcastable to ``[B, 1, S, K]``) or an ``AttentionLayout``
+(resolved to its dense mask); ``model.dllm_config``
 has ``arch, mask_token_id, eos_token_id, pad_token_id, block_size, vocab_size``.
 
 KV cache semantics (same as ``stabledrl_mcore.models.KVCache``): with
@@ -25,6 +26,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from stabledrl_mcore.models.masks import AttentionLayout
 
 
 @dataclass
@@ -130,6 +133,8 @@ class ToyDiffusionLM(nn.Module):
         past = kv_cache.length if kv_cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
+        if isinstance(attention_mask, AttentionLayout):
+            attention_mask = attention_mask.dense(S, past + S, device=input_ids.device)
         allowed = None if attention_mask is None else ~attention_mask.bool()
         x = self.embed[input_ids]
         for i in range(c.num_layers):

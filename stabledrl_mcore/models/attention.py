@@ -14,8 +14,14 @@ query groups per tensor-parallel partition), already q/k-normed and rotated by
 - a bool tensor broadcastable to ``[b, np, sq, sk]``, ``True`` = blocked
   (Megatron's convention);
 - an :class:`~stabledrl_mcore.models.masks.AttentionLayout` descriptor tensor
-  (``layout.to_tensor()``): resolved here to a dense mask for SDPA, or to a
-  flex-attention ``BlockMask`` on GPU (:mod:`stabledrl_mcore.models.flex`).
+  (``layout.to_tensor()``, a host int64 tensor: pattern, block size and per-row
+  left-pad counts): decoded on the host (no device sync) and resolved here to
+  no mask (bidirectional, no padding), a dense bool mask for SDPA (CPU, short
+  queries; cached per layout and shape, so all layers of a forward share it),
+  or, on CUDA, flex attention with the pattern's cached ``BlockMask`` and a
+  padding ``score_mod`` (:mod:`stabledrl_mcore.models.flex`, which documents the
+  kernel choice, GQA included). The descriptor is a tensor argument, so it
+  survives Megatron's full-layer recompute (``tensor_parallel.checkpoint``).
 
 While the model runs with a :class:`~stabledrl_mcore.models.kv_cache.KVCache`
 it binds the cache to ``self.kv_cache``; keys and values then become
@@ -41,9 +47,10 @@ from .masks import AttentionLayout
 from .rope import cos_sin_heads_major, rotate_heads_major
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def _allowed_mask(layout: AttentionLayout, sq: int, sk: int, device: str) -> Optional[torch.Tensor]:
-    """SDPA's convention (True = may attend), built once per geometry, shared by all layers."""
+    """SDPA's convention (True = may attend), built once per layout (padding included) and
+    geometry, shared by all layers (``[1|B, 1, sq, sk]``, so few are kept)."""
     blocked = layout.dense(sq, sk, device=torch.device(device))
     return None if blocked is None else ~blocked
 
@@ -125,7 +132,8 @@ class SDPACoreAttention(MegatronModule):
 
         layout = _layout_of(attention_mask)
         if layout is not None:
-            if flex.use_flex(self.backend, layout, sq, q.device):
+            layout.check(sq, sk, b)
+            if flex.use_flex(self.backend, layout, sq, q.device, gqa):
                 if dropout_p > 0:
                     raise ValueError("flex attention path does not implement attention dropout")
                 out = flex.flex_attention(q, k, v, layout, scale=self.softmax_scale, enable_gqa=gqa)

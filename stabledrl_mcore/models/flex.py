@@ -1,21 +1,44 @@
 """flex attention for the masked dLLM layouts on GPU (no dense ``(2S)^2`` mask).
 
-Kernel choice (documented in :class:`~stabledrl_mcore.models.attention.SDPACoreAttention`):
+Kernel choice (:func:`use_flex`, a pure function of backend, layout, query
+length, device and GQA; used by
+:class:`~stabledrl_mcore.models.attention.SDPACoreAttention`). On CUDA SDPA's
+flash kernel takes no mask, its memory-efficient kernel takes a mask but no
+GQA (``enable_gqa``), so GQA with any mask falls to the math kernel, which
+materialises ``B x heads x S_q x S_k`` scores. Hence, for ``backend="auto"``:
 
-- bidirectional: SDPA with no mask (flash / memory-efficient kernels on GPU);
-- block-causal and staircase on CUDA with >= :data:`FLEX_MIN_QUERY` queries:
-  ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the
-  layout's ``mask_mod``. The BlockMask stores one entry per 128x128 tile, so
-  a 2x8K staircase costs ~16 KB instead of a 256 MB bool mask, and fully
+- bidirectional, no padding: SDPA with no mask (flash; GQA included);
+- block-causal / staircase (padded or not) on CUDA with >= :data:`FLEX_MIN_QUERY`
+  queries: ``torch.nn.attention.flex_attention``, compiled, with a
+  ``BlockMask`` built from the layout's pattern (:meth:`AttentionLayout.layout_mod`).
+  The BlockMask stores one entry per 128x128 tile, so a 2x8K staircase costs
+  ~16 KB instead of a 256 MB bool mask (B times that with per-row padding), and fully
   masked tiles are skipped (about 3/4 of the staircase at long lengths: all of
-  clean->noisy, all but the diagonal of noisy->noisy, half of the rest). TE's
-  ``arbitrary`` mask type was not chosen: it consumes a dense ``[b, h, s, s]``
-  mask, the very tensor this avoids;
+  clean->noisy, all but the diagonal of noisy->noisy, half of the rest).
+  GQA runs inside the kernel (``enable_gqa``). TE's ``arbitrary`` mask type was
+  not chosen: it consumes a dense ``[b, h, s, s]`` mask, the very tensor this avoids;
+- bidirectional with padding on CUDA, >= :data:`FLEX_MIN_QUERY` queries: flex
+  attention with GQA (SDPA would take the math kernel); without GQA SDPA with the
+  ``[B, 1, 1, S_k]`` key mask (memory-efficient kernel, nothing quadratic);
 - short queries (KV-cached decode of one block) and CPU: SDPA with a dense
-  bool mask, which is tiny (``S_q x S_k``) or unavoidable there.
+  bool mask, which is small (``B x S_q x S_k``) or unavoidable there (with GQA
+  on CUDA this is the math kernel, bounded by the short query).
 
-On CPU, ``attention_backend="flex"`` runs flex attention *eagerly* (it then
-materialises scores); that path exists so the mask_mods are tested here.
+Padding never rebuilds the BlockMask: the BlockMask is the pattern's, cached
+per (pattern, S_q, S_k, device) and shared by every layer, batch and padding;
+the padding rule (:meth:`AttentionLayout.padding_mod`) is applied by a
+``score_mod`` (``-inf`` off the rule) over a ``[B]`` device tensor of pad
+counts, copied from the host asynchronously once per distinct padding and
+cached. A ``score_mod`` runs on every computed tile, including the "full"
+tiles where a ``mask_mod`` is skipped, so padding cannot be lost there; it
+costs a compare per score, and a row's left-pad tiles (a small share) are
+computed rather than skipped. The padding rule leaves no row empty.
+
+On CPU, ``attention_backend="flex"`` runs flex attention *eagerly* by default
+(it then materialises scores); that path exists so the mask_mods are tested
+here. ``torch.compile(flex_attention)`` also works on CPU (inductor's C++
+template) for the forward; torch refuses flex attention's backward on CPU, eager
+or compiled (``NotImplementedError`` in ``_validate_device``).
 """
 
 from __future__ import annotations
@@ -26,10 +49,13 @@ from typing import Optional
 
 import torch
 
-from .masks import AttentionLayout
+from .masks import AttentionLayout, _host_to_device
 
 FLEX_MIN_QUERY = 256
 """``auto`` uses flex attention on CUDA from this many queries on."""
+
+BLOCK_SIZE = 128
+"""Tile size of the BlockMasks (flex attention's default)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,25 +68,63 @@ def flex_importable() -> bool:
     return True
 
 
-def use_flex(backend: str, layout: AttentionLayout, sq: int, device: torch.device) -> bool:
-    """Whether this call should run flex attention (see the module docstring)."""
-    if layout.kind == "bidirectional" or backend == "sdpa":
+def use_flex(backend: str, layout: AttentionLayout, sq: int, device: torch.device,
+             gqa: bool = False) -> bool:
+    """Whether this call should run flex attention (see the module docstring).
+
+    ``gqa``: the call shares key/value heads between query heads.
+    """
+    if layout.unmasked or backend == "sdpa":
         return False
     if backend == "flex":
         if not flex_importable():
             raise RuntimeError("attention_backend='flex' needs torch.nn.attention.flex_attention")
         return True
-    return device.type == "cuda" and sq >= FLEX_MIN_QUERY and flex_importable()
+    if torch.device(device).type != "cuda" or sq < FLEX_MIN_QUERY or not flex_importable():
+        return False
+    return layout.kind != "bidirectional" or gqa
 
 
-@functools.lru_cache(maxsize=16)
-def block_mask(layout: AttentionLayout, sq: int, sk: int, device: str):
-    """The (cached) flex ``BlockMask`` of a layout for ``sq`` queries and ``sk`` keys."""
+def block_mask(layout: AttentionLayout, sq: int, sk: int, device, *,
+               block_size: int = BLOCK_SIZE, compile: Optional[bool] = None):
+    """The (cached) flex ``BlockMask`` of a layout's *pattern* for ``sq`` queries, ``sk`` keys.
+
+    Padding is ignored (it is the ``score_mod`` of :func:`padding_score_mod`), so
+    layouts that differ only in padding share one object. ``compile`` (default: on
+    CUDA) builds the tile map with ``_compile=True``, without a dense ``sq x sk``
+    intermediate.
+    """
+    device = str(torch.device(device))
+    compile = device.startswith("cuda") if compile is None else bool(compile)
+    return _block_mask(layout.without_padding(), sq, sk, device, int(block_size), compile)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(layout: AttentionLayout, sq: int, sk: int, device: str, block_size: int,
+                compile: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    # _compile=True builds the tile map without a dense sq x sk intermediate (CUDA only).
-    return create_block_mask(layout.mask_mod(sq, sk), None, None, sq, sk, device=device,
-                             _compile=device.startswith("cuda"))
+    return create_block_mask(layout.layout_mod(sq, sk), None, None, sq, sk, device=device,
+                             BLOCK_SIZE=block_size, _compile=compile)
+
+
+@functools.lru_cache(maxsize=32)
+def padding_score_mod(layout: AttentionLayout, sq: int, sk: int, device):
+    """flex ``score_mod`` applying the layout's padding (None without padding), cached.
+
+    Scores off the padding rule become ``-inf``; the pad counts live in a small
+    int64 device tensor captured by the closure (a traced input for the compiled
+    kernel: new paddings do not recompile).
+    """
+    if not layout.pad:
+        return None
+    pads = _host_to_device(layout.pad, device)
+    allowed = layout.padding_mod(sq, sk, pads)
+
+    def score_mod(score, b, h, q, k):
+        return torch.where(allowed(b, h, q, k), score, -float("inf"))
+
+    return score_mod
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,13 +135,25 @@ def _compiled_flex():
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout,
-                   scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``[b, h, s, d]`` attention of ``q`` over ``k``/``v`` under ``layout`` (compiled on CUDA)."""
+                   scale: Optional[float] = None, enable_gqa: bool = False, *,
+                   compiled: Optional[bool] = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """``[b, h, s, d]`` attention of ``q`` over ``k``/``v`` under ``layout`` (padding included).
+
+    ``compiled`` (default: on CUDA) runs ``torch.compile(flex_attention)``; else the
+    eager (reference) implementation.
+    """
     from torch.nn.attention.flex_attention import flex_attention as eager
 
-    mask = block_mask(layout, q.shape[2], k.shape[2], str(q.device))
-    if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    sq, sk = q.shape[2], k.shape[2]
+    layout.check(sq, sk, q.shape[0])
+    device = str(q.device)
+    mask = block_mask(layout, sq, sk, device, block_size=block_size)
+    score_mod = padding_score_mod(layout, sq, sk, device)
+    compiled = q.device.type == "cuda" if compiled is None else compiled
+    if compiled:
+        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+                                enable_gqa=enable_gqa)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return eager(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return eager(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+                     enable_gqa=enable_gqa)
