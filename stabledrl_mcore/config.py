@@ -149,7 +149,11 @@ class OptimizerSection:
     decay_style: str = "constant"
     """``constant``, ``linear`` or ``cosine``."""
     distributed: bool = True
-    """Megatron's distributed (ZeRO-1) optimizer on GPU; ignored on CPU, where its checkpoints do not load."""
+    """Megatron's distributed (ZeRO-1) optimizer (GPU and CPU/gloo): each data-parallel rank keeps
+    only its shard of the fp32 main weights and Adam moments. Adam only (Megatron's
+    ``DistributedOptimizer`` wraps nothing else: ``sgd`` needs ``distributed: false``). Its
+    checkpoints reshard across data-parallel sizes but need the same tensor/pipeline layout to
+    resume, and a resume must use the same setting as the save."""
 
 
 @dataclass
@@ -237,6 +241,10 @@ class RunConfig:
                               f"and a masked estimator, not {self.algo.likelihood!r}")
         if not 0.0 < self.algo.eps < 1.0:
             raise ConfigError(f"algo.eps must be in (0, 1), got {self.algo.eps}")
+        if self.optim.distributed and self.optim.name != "adam":
+            raise ConfigError(f"optim.distributed=true needs optim.name=adam (Megatron's distributed "
+                              f"optimizer wraps Adam only); set optim.distributed=false for "
+                              f"{self.optim.name!r}")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
         if self.steps < 0 or self.checkpoint.save_every < 0 or self.eval.every < 0:

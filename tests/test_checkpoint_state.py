@@ -90,6 +90,8 @@ def test_save_prune_restore_and_reshard(tmp_path):
     assert json.load(open(os.path.join(latest, "train_state.json")))["step"] == 3
     assert open(os.path.join(latest, "config.yaml")).read() == "steps: 3\n"
     assert sorted(os.listdir(os.path.join(latest, "rng"))) == ["rank00000.pt", "rank00001.pt"]
+    fmt = json.load(open(os.path.join(latest, "optimizer_format.json")))
+    assert fmt["kind"] == "plain" and fmt["optimizer"] == "AdamW", fmt
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
     spawn(_load_tp1_worker, 1, (str(root), str(out)), timeout=300)
 
@@ -103,3 +105,16 @@ def test_incomplete_checkpoints_are_never_picked(tmp_path):
     (root / "step_12").mkdir()                       # not our naming
     assert find_latest(str(root)) == str(root / step_dir_name(5))
     assert find_latest(str(root / "missing")) is None
+
+
+def test_save_verification_names_what_is_missing(tmp_path):
+    """A save whose files are not all there is not committed; the message names them."""
+    from stabledrl_mcore.checkpoint.state import _missing_files
+
+    (tmp_path / "rng").mkdir()
+    (tmp_path / "rng" / "rank00000.pt").write_bytes(b"")
+    problem = _missing_files(str(tmp_path), world=2)
+    assert "\n" not in problem and "not committed" in problem
+    for name in ("metadata.json", ".metadata", "common.pt", "optimizer_format.json", "rng/rank00001.pt"):
+        assert name in problem, problem
+    assert "rank00000" not in problem

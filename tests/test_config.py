@@ -59,6 +59,9 @@ def test_value_checks():
     with pytest.raises(ConfigError, match=r"coupled_masks.*not 'mean_field'"):
         load_config(None, ["algo.coupled_masks=true", "algo.likelihood=mean_field"])
     assert load_config(None, ["algo.coupled_masks=true", "algo.num_mc=4"]).algo.coupled_masks
+    with pytest.raises(ConfigError, match=r"optim\.distributed=true needs optim\.name=adam.*'sgd'"):
+        load_config(None, ["optim.name=sgd"])  # accepted and ignored before: now refused by name
+    assert not load_config(None, ["optim.name=sgd", "optim.distributed=false"]).optim.distributed
 
 
 def test_missing_and_malformed_files(tmp_path):

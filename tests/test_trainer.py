@@ -65,8 +65,8 @@ def _metrics(run_dir):
 
 @pytest.mark.multiprocess
 def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
-    sgd = {"optim.name": "sgd", "optim.weight_decay": 0.0, "eval.every": 1, "eval.num_examples": 6,
-           "eval.micro_batch_size": 2}
+    sgd = {"optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0, "eval.every": 1,
+           "eval.num_examples": 6, "eval.micro_batch_size": 2}
     single, dp2, tp2 = (str(tmp_path / n) for n in ("dp1", "dp2", "tp2"))
     spawn(_train_worker, 1, (single, sgd, "final"), timeout=300)
     spawn(_train_worker, 2, (dp2, sgd, "final"), timeout=300)
@@ -99,7 +99,8 @@ def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
 @pytest.mark.multiprocess
 def test_retained_update_graph_gives_the_same_weights(tmp_path):
     """parallel.retain_update_graph skips a forward; the update must not change (2 micro-batches)."""
-    sgd = {"optim.name": "sgd", "optim.weight_decay": 0.0, "parallel.micro_batch_size": 8,
+    sgd = {"optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0,
+           "parallel.micro_batch_size": 8,
            "algo.inner_iterations": 3, "algo.num_mc": 2, "algo.coupled_masks": True}
     plain, retained = str(tmp_path / "plain"), str(tmp_path / "retained")
     spawn(_train_worker, 1, (plain, sgd, "final"), timeout=300)

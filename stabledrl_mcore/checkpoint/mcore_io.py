@@ -110,6 +110,8 @@ def stored_dtype(path: str) -> torch.dtype:
 
     meta = dist_checkpointing.load_tensors_metadata(path)
     for key, tensor in meta.items():
+        if key.startswith("optimizer."):  # training checkpoints: Adam moments are fp32 whatever the model
+            continue
         if key.endswith("word_embeddings.weight") or key.endswith("linear_qkv.weight"):
             return tensor.dtype
     raise ConversionError(f"{path} holds no embedding or attention tensor")
@@ -266,13 +268,15 @@ def ensure_single_process() -> bool:
 
 def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
     """A TP=1/PP=1 model whose parameters are allocated but never initialised or touched
-    (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE)."""
-    from ..models import DLLMModel, dllm_layer_spec, to_transformer_config
+    (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE), on
+    the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`)."""
+    from ..models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 
     config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1), dtype,
                                    perform_initialization=False, use_cpu_initialization=True)
-    return DLLMModel(cfg, config, dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False))
+    model = DLLMModel(cfg, config, dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False))
+    return place_model(model, "cpu", dtype)
 
 
 def expanded_sharded_state_dict(model) -> Dict[str, Any]:

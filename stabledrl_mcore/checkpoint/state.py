@@ -6,18 +6,25 @@ Layout of a checkpoint root::
         train_state.json          step, data position, scheduler state, world layout)
         config.yaml               the resolved run config
         rng/rank00000.pt          each rank's RNG states (Python, NumPy, torch, CUDA, Megatron tracker)
+        optimizer_format.json     how the optimizer state is stored (:mod:`.optimizer_state`)
         ...dist_checkpointing files
     <root>/.tmp-step_00000012/   a save in progress (ignored by resume)
 
-Every rank writes into the temporary directory; after a barrier rank 0 writes
-``train_state.json`` last and renames the directory to ``step_N``. A crash at
+Every rank writes into the temporary directory; after a barrier rank 0 checks
+that every file a resume reads is there, writes ``train_state.json`` last and
+renames the directory to ``step_N``. A crash at
 any point (even SIGKILL of a rank mid-write) leaves either the previous
 complete checkpoints or a ``.tmp-*`` directory that :func:`find_latest` never
 returns. Only the newest ``keep_last`` complete checkpoints are kept.
 
 Model and optimizer tensors are stored as sharded tensors, so a checkpoint
 written at one TP/PP/DP layout loads at another (Megatron reshards on load).
-RNG states are restored only when the world size is unchanged.
+The one exception is the state of Megatron's distributed optimizer, stored per
+grad bucket (``dp_reshardable``): it loads at any data-parallel size but only at
+the tensor/pipeline layout it was saved at; :mod:`.optimizer_state` records the
+format and refuses any other resume with a one-line :class:`OptimizerFormatError`
+(the model weights of such a checkpoint still load anywhere, e.g. as
+``model.checkpoint``). RNG states are restored only when the world size is unchanged.
 """
 
 from __future__ import annotations
@@ -32,8 +39,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from . import optimizer_state
+from .optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A training checkpoint that cannot be written or read as asked (one-line message)."""
 
 
 @dataclass
@@ -148,15 +162,24 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
             shutil.rmtree(tmp)
         os.makedirs(tmp)  # dist_checkpointing needs it to exist, and empty
     _barrier()
+    fmt = optimizer_state.describe(optimizer)  # collective
     sharded = {"model": model_sharded_state_dict()}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+        sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
+            optimizer, sharded["model"], fmt, is_loading=False)
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(rng_state if rng_state is not None else capture_rng_state(),
                os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"))
     _barrier()
     _fault_injection_pause()
+    problem = ""
+    if _rank() == 0:
+        optimizer_state.write_format(tmp, fmt)
+        problem = _missing_files(tmp, _world())
+    problem = _broadcast_str(problem)  # every rank raises, none waits at the barrier below
+    if problem:
+        raise CheckpointError(problem)
     if _rank() == 0:
         for name, text in (extra_files or {}).items():
             _write_text(os.path.join(tmp, name), text)
@@ -180,6 +203,21 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     _barrier()
     return final
+
+
+def _missing_files(directory: str, world: int) -> str:
+    """'' if everything a resume reads is in ``directory`` (checked before it is committed)."""
+    from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
+
+    missing = [] if check_is_distributed_checkpoint(directory) else ["dist_checkpointing metadata.json"]
+    missing += [name for name in (".metadata", "common.pt", optimizer_state.FORMAT_FILE)
+                if not os.path.isfile(os.path.join(directory, name))]
+    missing += [f"rng/rank{r:05d}.pt" for r in range(world)
+                if not os.path.isfile(os.path.join(directory, "rng", f"rank{r:05d}.pt"))]
+    if not missing:
+        return ""
+    return (f"checkpoint save into {directory} is incomplete (missing {', '.join(missing)}); "
+            f"not committed, the previous checkpoints are kept")
 
 
 def _fault_injection_pause() -> None:
@@ -218,13 +256,18 @@ def load_checkpoint(path: str, model, *, optimizer=None,
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise NotImplementedError("virtual pipeline chunks are not supported yet")
+    fmt = None
+    if optimizer is not None:
+        fmt = optimizer_state.read_format(path)
+        optimizer_state.check_compatible(fmt, optimizer, path)  # collective, before any load
     sharded = {"model": chunks[0].sharded_state_dict()}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
+            optimizer, sharded["model"], fmt, is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
     chunks[0].load_state_dict(loaded["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_state.load_optimizer_state(optimizer, loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
     if restore_rng and state.world_size == _world() and os.path.isfile(rng_file):
         restore_rng_state(torch.load(rng_file, weights_only=False))
