@@ -4,7 +4,8 @@
 #   STABLEDRL_HF_DIR=/path/to/LLaDA-8B-Instruct sbatch [--partition=P] [--account=A] slurm/convert.sh
 #
 # Submit from the repository root (or set STABLEDRL_ROOT). Environment, defaults:
-#   STABLEDRL_MODEL=llada-8b        model preset (llada-8b | sdar-8b | ...)
+#   STABLEDRL_MODEL=llada-8b        a preset (llada-8b | sdar-8b | ...: the checkpoint must have its
+#                                   shape) or an architecture (llada | sdar: any shape)
 #   STABLEDRL_HF_DIR                Hugging Face checkpoint directory (required)
 #   STABLEDRL_OUT=checkpoints/llada-8b-instruct-mcore (llada-8b) or
 #                 checkpoints/sdar-8b-chat-mcore (sdar-8b): where the 8B recipes load from

@@ -53,6 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from .checkpoint.loader import load_model
     from .diffusion import generate
+    from .models.placement import eval_mode, model_device
     from .rl.rollout import encode_prompts
 
     prompts: List[str] = list(args.prompt or [])
@@ -65,16 +66,17 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(args.ckpt)
     tokenizer = _tokenizer(args)
     sampling = _sampling(args, model.config)
-    generator = torch.Generator().manual_seed(args.seed)
+    device = model_device(model.model)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     results = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start:start + args.batch_size]
-        ids, valid = encode_prompts(tokenizer, chunk)
-        with torch.no_grad():
+        ids, valid = encode_prompts(tokenizer, chunk, device=device)
+        with torch.no_grad(), eval_mode(model.model):
             out = generate(model.model, ids, generator=generator, prompt_valid=valid,
                            progress=not args.no_progress, **sampling)
-        results += [{"prompt": p, "completion": tokenizer.decode(row[ids.shape[1]:].tolist())}
-                    for p, row in zip(chunk, out)]
+        results += [{"prompt": p, "completion": tokenizer.decode(row)}
+                    for p, row in zip(chunk, out[:, ids.shape[1]:].tolist())]
     if args.out:
         with open(args.out, "w") as handle:
             for record in results:

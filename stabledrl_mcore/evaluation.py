@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .diffusion import generate
+from .models.placement import eval_mode, model_device
 from .rl.rollout import encode_prompts
 from .tasks.base import Example
 from .tasks.evaluation import evaluate_completions, shard_examples
@@ -43,20 +44,17 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     group, rank, world = _dp_group()
     mine = shard_examples(list(examples), rank, world)
     completions: List[str] = []
-    generator = torch.Generator().manual_seed(seed + rank)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(mine), micro_batch):
-                chunk = mine[start:start + micro_batch]
-                ids, valid = encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in chunk])
-                out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
-                               temperature=temperature, threshold=threshold, generator=generator,
-                               prompt_valid=valid, progress=progress)
-                completions += [tokenizer.decode(row[ids.shape[1]:].tolist()) for row in out]
-    finally:
-        model.train(was_training)
+    device = model_device(model)
+    generator = torch.Generator(device=device).manual_seed(seed + rank)
+    with torch.no_grad(), eval_mode(model):
+        for start in range(0, len(mine), micro_batch):
+            chunk = mine[start:start + micro_batch]
+            ids, valid = encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in chunk],
+                                        device=device)
+            out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
+                           temperature=temperature, threshold=threshold, generator=generator,
+                           prompt_valid=valid, progress=progress)
+            completions += [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
     _, records = evaluate_completions(task, mine, completions)
     if world > 1:
         gathered: List[Any] = [None] * world

@@ -208,3 +208,18 @@ def test_missing_weights_and_wrong_model_flag(tmp_path):
     open(os.path.join(src, "pytorch_model.bin"), "wb").close()
     with pytest.raises(ConversionError, match="neither model.safetensors.*pytorch_model.bin"):
         _convert(src, str(tmp_path / "out"), model="llada")
+
+
+def test_model_choice_is_an_architecture_or_a_preset_with_its_shape():
+    """slurm/convert.sh passes a preset (STABLEDRL_MODEL=llada-8b); the CLI once refused it."""
+    from stabledrl_mcore.checkpoint.convert import check_preset_shape, resolve_model_choice
+    from stabledrl_mcore.models import get_preset
+
+    assert resolve_model_choice("sdar") == ("sdar", None)
+    assert resolve_model_choice("llada-8b") == ("llada", "llada-8b")
+    with pytest.raises(ConversionError, match="neither an architecture .* nor a preset"):
+        resolve_model_choice("llada-9b")
+    check_preset_shape(get_preset("sdar-8b"), "sdar-8b")
+    tiny = hf_to_dllm_config(upstream_config("llada"))
+    with pytest.raises(ConversionError, match=r"hidden_size 32 \(preset 4096\).*pass --model llada"):
+        check_preset_shape(tiny, "llada-8b")

@@ -74,16 +74,19 @@ def cluster(tmp_path_factory):
         local.stop()
 
 
-def _submit(cluster, run_dir: Path, steps: int) -> str:
+def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIPT, env_overrides=None,
+            sbatch=SBATCH_CPU) -> str:
+    """sbatch ``script`` (default: the LLaDA job with the tiny config) in CPU mode; returns the job id."""
     env = cluster.env()
-    env.update(STABLEDRL_CONFIG=str(ROOT / "examples/configs/tiny_cpu.yaml"),
-               STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable,
-               STABLEDRL_DEVICE="cpu", STABLEDRL_OVERRIDES=f"{TINY} steps={steps}")
+    env.update(STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_DEVICE="cpu")
+    env.update(env_overrides if env_overrides is not None else
+               {"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
+                "STABLEDRL_OVERRIDES": f"{TINY} steps={steps}"})
     env.pop("STABLEDRL_ROOT", None)  # the script finds the repository from the submit dir
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)  # the job derives its own rendezvous from SLURM, not from this shell
-    proc = subprocess.run(["sbatch", "--parsable", *SBATCH_CPU,
-                           f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", TRAIN_SCRIPT],
+    proc = subprocess.run(["sbatch", "--parsable", *sbatch,
+                           f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", script],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
@@ -180,3 +183,44 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job_id}.out").read_text()
     assert "caught SIGUSR1" in batch_log and "requeueing job" in batch_log, batch_log
     assert "restart_count=1" in batch_log, batch_log
+
+
+def test_convert_job_then_the_sdar_recipe_job(cluster, tmp_path):
+    """slurm/convert.sh writes the checkpoint the SDAR recipe loads; slurm/train_sdar_8b.sh then runs
+    its own recipe (bf16, recompute, staircase, TP) scaled down by shape and length, 2 nodes x 2 tasks."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(str(tmp_path / "hf_sdar"), "sdar")
+    converted, convert_dir = tmp_path / "sdar-mcore", tmp_path / "convert"
+    job = _submit(cluster, convert_dir, script="slurm/convert.sh",
+                  env_overrides={"STABLEDRL_MODEL": "sdar", "STABLEDRL_HF_DIR": hf, "STABLEDRL_OUT": str(converted)},
+                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:10:00"))
+    _wait_final(cluster, job, convert_dir, timeout=300)
+    assert (converted / "stabledrl_model.json").is_file()
+
+    run_dir = tmp_path / "sdar_run"
+    scaled = (f"model.checkpoint={converted} parallel.tensor_parallel=2 parallel.threads=1 "
+              "logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_step=2 "
+              "rollout.group_size=2 rollout.gen_length=8 "
+              f"rollout.data_path={ROOT / 'tests/fixtures/math500_test.jsonl'} steps=1")
+    job = _submit(cluster, run_dir, script="slurm/train_sdar_8b.sh", env_overrides={"STABLEDRL_OVERRIDES": scaled},
+                  sbatch=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=00:15:00"))
+    _wait_final(cluster, job, run_dir, timeout=480)
+    assert _metric_steps(run_dir) == [1] and _checkpoint_steps(run_dir) == [1]
+    resolved = (run_dir / "logs" / job / "restart_0" / "config.yaml").read_text()
+    for line in ("dtype: bf16", "recompute: true", "likelihood: staircase", "tensor_parallel: 2"):
+        assert line in resolved, resolved
+    state = json.loads((run_dir / "checkpoints/step_00000001/train_state.json").read_text())
+    assert state["world_size"] == 4 and state["tensor_parallel"] == 2
+
+
+def test_bench_job_writes_its_json(cluster, tmp_path):
+    run_dir = tmp_path / "bench"
+    job = _submit(cluster, run_dir, script="slurm/bench_throughput.sh",
+                  env_overrides={"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
+                                 "STABLEDRL_OVERRIDES": TINY},
+                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=00:10:00"))
+    _wait_final(cluster, job, run_dir, timeout=300)
+    result = json.loads((run_dir / "logs" / job / "restart_0" / "bench.json").read_text())
+    assert result["layout"]["world_size"] == 1 and result["phases"]["step"]["tokens_per_s"] > 0

@@ -140,7 +140,8 @@ def fill_flat_groups(batch) -> None:
     for g in torch.unique(batch.group_index):
         rows = (batch.group_index == g).nonzero().flatten()
         if bool((adv[rows] == 0).all()) and len(rows) > 1:
-            pattern = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rows))])
+            pattern = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rows))],
+                                   device=adv.device)
             if len(rows) % 2:
                 pattern[-1] = 0.0
             adv[rows] = pattern.to(adv.dtype)
@@ -200,13 +201,14 @@ class StableDRLPhases:
         return float(batch.size * (batch.sequences.shape[1] - batch.prompt_len))
 
     def likelihood(self, name: str) -> float:
+        from ..models.placement import model_device
         from ..rl.trainer import _chunk_generators, _first_chunk
         from ..rl.update import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
         old_policy_likelihood(self.s.model, batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
-                              chunk_generator=_chunk_generators(self.s.cfg, 0)("masks"),
+                              chunk_generator=_chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
                               first_chunk=_first_chunk(self.s))
         return float(batch.plan.num_mc * self.seq_tokens)
 

@@ -17,7 +17,7 @@ leaves anything that looks like a valid checkpoint.
 
 CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
 
-    hf-to-mcore --model {llada,sdar} --hf-dir DIR --out DIR [--tp N] [--pp M]
+    hf-to-mcore --model {llada,sdar,<preset>} --hf-dir DIR --out DIR [--tp N] [--pp M]
                 [--dtype auto|bf16|fp32] [--vocab-multiple K] [--overwrite] [--verify]
     mcore-to-hf --ckpt DIR --out DIR [--hf-assets DIR] [--dtype ...]
                 [--max-shard-size 5GB] [--overwrite] [--verify]
@@ -78,6 +78,40 @@ def check_layout(cfg: DLLMConfig, tp: int, pp: int) -> None:
 
 
 # ------------------------------------------------------------------ HF -> Megatron
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                "kv_channels", "ffn_hidden_size", "qk_layernorm")
+
+
+def resolve_model_choice(model: Optional[str]):
+    """``--model``: an architecture (``llada``/``sdar``) or a preset name (``llada-8b``, ...).
+
+    Returns ``(arch or None, preset name or None)``; a preset also fixes the shape
+    the checkpoint must have (:func:`check_preset_shape`).
+    """
+    from ..models import available_presets, get_preset
+
+    if model is None or model in hfc.MODEL_TYPES.values():
+        return model, None
+    if model in available_presets():
+        return get_preset(model).arch, model
+    raise ConversionError(f"--model {model!r} is neither an architecture "
+                          f"({', '.join(sorted(hfc.MODEL_TYPES.values()))}) nor a preset "
+                          f"({', '.join(available_presets())})")
+
+
+def check_preset_shape(cfg, preset: str) -> None:
+    """The checkpoint has the shape of ``preset`` (else a one-line error naming the fields)."""
+    from ..models import get_preset
+
+    want = get_preset(preset)
+    wrong = [f"{f} {getattr(cfg, f)} (preset {getattr(want, f)})" for f in SHAPE_FIELDS
+             if getattr(cfg, f) != getattr(want, f)]
+    if wrong:
+        raise ConversionError(f"--model {preset}: the checkpoint does not have the preset's shape: "
+                              f"{', '.join(wrong)}; pass --model {want.arch} to convert any {want.arch} "
+                              "checkpoint")
+
+
 def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int = 1, pp: int = 1,
                 dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
                 progress: bool = True) -> str:
@@ -91,8 +125,11 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     from megatron.core import dist_checkpointing
 
     raw = hfc.read_hf_config(hf_dir)
-    arch = hfc.detect_arch(raw, model)
+    expected_arch, preset = resolve_model_choice(model)
+    arch = hfc.detect_arch(raw, expected_arch)
     cfg = hfc.hf_to_dllm_config(raw, arch, source_dir=hf_dir, make_vocab_size_divisible_by=vocab_multiple)
+    if preset is not None:
+        check_preset_shape(cfg, preset)
     check_layout(cfg, tp, pp)
     reader = SafetensorsReader(hf_dir)
     tied = hfc.is_tied(raw, arch)
@@ -202,7 +239,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
     sub.required = True
     a = sub.add_parser("hf-to-mcore", help="Hugging Face directory -> Megatron torch_dist checkpoint")
-    a.add_argument("--model", required=True, choices=sorted(hfc.MODEL_TYPES.values()))
+    a.add_argument("--model", required=True, metavar="ARCH|PRESET",
+                   help="llada or sdar (any shape), or a preset such as llada-8b / sdar-8b "
+                        "(the checkpoint must then have the preset's shape)")
     a.add_argument("--hf-dir", required=True, metavar="DIR")
     a.add_argument("--tp", type=int, default=1, help="suggested tensor parallel size (checked, recorded)")
     a.add_argument("--pp", type=int, default=1, help="suggested pipeline parallel size (checked, recorded)")

@@ -113,9 +113,9 @@ def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
 
 
 def load_model(path: str, *, dtype: Union[str, torch.dtype] = torch.float32,
-               arch: Optional[str] = None) -> InspectionModel:
+               arch: Optional[str] = None, device: Union[str, torch.device] = "cpu") -> InspectionModel:
     """A single-process model from an HF directory (``config.json`` + safetensors) or a
-    converted checkpoint (``stabledrl_model.json``), in eval mode, on CPU.
+    converted checkpoint (``stabledrl_model.json``), in eval mode, on ``device`` (CPU by default).
 
     ``dtype``: parameter dtype (``torch.float32`` default, or ``"bf16"``/``"fp32"``).
     ``arch``: expected ``"llada"``/``"sdar"`` (checked against an HF config).
@@ -133,7 +133,7 @@ def load_model(path: str, *, dtype: Union[str, torch.dtype] = torch.float32,
         load_hf_weights(model, path)
     else:
         load_model_weights(model, path)
-    model.eval()
+    model.to(device=device).eval()
     for param in model.parameters():
         param.requires_grad_(False)
     return InspectionModel(model, cfg).eval()

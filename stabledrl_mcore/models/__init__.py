@@ -14,6 +14,7 @@ from .logprobs import vocab_parallel_log_probs
 from .masks import (AttentionLayout, block_causal_mask, padding_mask, staircase_mask,
                     staircase_position_ids)
 from .model import DLLMModel, build_model
+from .placement import default_device, eval_mode, model_device, place_model
 from .presets import (DLLMConfig, ModelConfigError, available_presets, get_preset,
                       segment_positions, to_transformer_config)
 from .rope import rotary_angles
@@ -21,7 +22,8 @@ from .specs import dllm_layer_spec, te_available
 
 __all__ = [
     "AttentionLayout", "DLLMConfig", "DLLMModel", "KVCache", "ModelConfigError",
-    "SDPACoreAttention", "available_presets", "block_causal_mask", "build_model",
-    "dllm_layer_spec", "get_preset", "padding_mask", "rotary_angles", "segment_positions", "staircase_mask",
+    "SDPACoreAttention", "available_presets", "block_causal_mask", "build_model", "default_device",
+    "dllm_layer_spec", "eval_mode", "get_preset", "model_device", "padding_mask", "place_model",
+    "rotary_angles", "segment_positions", "staircase_mask",
     "staircase_position_ids", "te_available", "to_transformer_config", "vocab_parallel_log_probs",
 ]

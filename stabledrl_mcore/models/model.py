@@ -23,6 +23,7 @@ norm and head; middle stages receive hidden states through
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch
@@ -38,6 +39,7 @@ from .gated_mlp import with_module_activation
 from .kv_cache import KVCache
 from .linear import AutogradColumnParallelLinear
 from .masks import AttentionLayout
+from .placement import default_device, place_model
 from .presets import DLLMConfig, segment_positions, to_transformer_config
 from .rope import rotary_angles, rotary_cos_sin
 from .specs import dllm_layer_spec
@@ -203,7 +205,7 @@ def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
     if attention_mask is None:
         return None
     if isinstance(attention_mask, AttentionLayout):
-        return None if attention_mask.kind == "bidirectional" else attention_mask.to_tensor()
+        return None if attention_mask.unmasked else attention_mask.to_tensor()
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be a bool tensor (True = blocked), "
@@ -219,15 +221,17 @@ def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
 def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
                 post_process: Optional[bool] = None, params_dtype: torch.dtype = torch.float32,
                 recompute: Union[bool, str] = False, use_te: Optional[bool] = None,
-                stock_local: bool = False) -> DLLMModel:
+                stock_local: bool = False, device: Union[None, str, torch.device] = None) -> DLLMModel:
     """Build this rank's stage of the backbone (after ``parallel.bootstrap.initialize``).
 
     ``pre_process``/``post_process`` default to whether this rank is the first /
-    last pipeline stage. ``use_te``: None = Transformer Engine spec iff TE and
-    CUDA are available (same checkpoint keys either way). ``recompute``: see
+    last pipeline stage. ``use_te``: None = Transformer Engine spec iff Megatron can
+    use TE on this machine (same checkpoint keys either way). ``recompute``: see
     :func:`~stabledrl_mcore.models.presets.to_transformer_config`. ``stock_local``:
     Megatron's stock local layer (see :func:`dllm_layer_spec`), a reference for
-    benchmarks and tests.
+    benchmarks and tests. ``device``: where every parameter and buffer lives
+    (default: this rank's GPU, else the CPU), see :func:`place_model`; ``"meta"``
+    builds the shapes only (no memory, no initialisation).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call stabledrl_mcore.parallel.bootstrap.initialize() before build_model()")
@@ -236,6 +240,12 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    config = to_transformer_config(cfg, None, params_dtype, recompute)
+    device = default_device() if device is None else torch.device(device)
+    meta = device.type == "meta"
+    config = to_transformer_config(cfg, None, params_dtype, recompute,
+                                   **({"perform_initialization": False, "use_cpu_initialization": True}
+                                      if meta else {}))
     spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local)
-    return DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)
+    return place_model(model, device, params_dtype)

@@ -21,17 +21,36 @@ from .gated_mlp import GateUpColumnParallelLinear, SwiGLU
 from .linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
 
 
-def te_available() -> bool:
-    """True when Transformer Engine is importable and CUDA is present."""
+class SpecError(RuntimeError):
+    """The requested layer spec cannot be built on this machine."""
+
+
+def te_unavailable_reason() -> str | None:
+    """Why Megatron-Core cannot build its Transformer Engine spec here, or None if it can.
+
+    The test is Megatron's own ``gpt_layer_specs.HAVE_TE`` (TE imported *and*
+    ``megatron.core.extensions.transformer_engine`` imported against it), not a bare
+    ``import transformer_engine``: a TE version that Megatron cannot use leaves
+    ``HAVE_TE`` False, and its spec function would then fail with a ``NameError``.
+    """
     import torch
+    from megatron.core.models.gpt import gpt_layer_specs
 
     if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return "CUDA is not available"
+    if not getattr(gpt_layer_specs, "HAVE_TE", False):
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            return "transformer_engine is not installed (pip install -e .[gpu])"
+        return ("transformer_engine is installed but megatron.core.extensions.transformer_engine "
+                "does not import with it (a version mismatch with megatron-core)")
+    return None
+
+
+def te_available() -> bool:
+    """True when Megatron-Core can use Transformer Engine here (CUDA and Megatron's ``HAVE_TE``)."""
+    return te_unavailable_reason() is None
 
 
 def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
@@ -53,7 +72,11 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    use_te = te_available() if use_te is None else use_te
+    reason = te_unavailable_reason() if use_te is not False else None
+    if use_te and reason:
+        raise SpecError(f"use_te=True but the Transformer Engine spec cannot be built: {reason}; "
+                        "use the local spec (use_te=None or False)")
+    use_te = reason is None if use_te is None else use_te
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:

@@ -231,9 +231,16 @@ def comm_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def any_rank(flag: bool, group=None) -> bool:
-    """True on every rank if ``flag`` is True on any rank (all-reduce MAX)."""
-    value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+def any_rank(flag, group=None) -> bool:
+    """True on every rank if ``flag`` is True on any rank (all-reduce MAX).
+
+    ``flag`` is a Python bool or a one-element tensor on any device (kept on the
+    device: the one host sync is the final read of the reduced value).
+    """
+    if isinstance(flag, torch.Tensor):
+        value = flag.detach().reshape(1).to(device=comm_device(), dtype=torch.float32)
+    else:
+        value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(value.item() > 0)

@@ -71,7 +71,8 @@ def _tensor_type(original: Callable) -> Callable:
     @functools.wraps(original)
     def type_(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(result, str) and self.device.type == "cpu":
+        if (not args and not kwargs and isinstance(result, str) and self.device.type == "cpu"
+                and not result.startswith("torch.cuda.")):  # a TorchFunctionMode may call us twice
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 

@@ -8,11 +8,12 @@ step is a pure function of (weights, step number, seed) and resume is exact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ..diffusion import generate
+from ..models.placement import eval_mode, model_device
 from ..tasks.base import Example
 from .advantages import group_advantages
 
@@ -50,18 +51,19 @@ class RolloutBatch:
         return int(self.completion_mask.sum())
 
 
-def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None):
-    """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])``."""
+def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None,
+                   device: Union[str, torch.device] = "cpu"):
+    """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])`` on ``device``
+    (padded on the host, copied once)."""
     encoded = [tokenizer.encode(t) for t in texts]
     if max_len is not None:
         encoded = [e[-max_len:] for e in encoded]
     width = max(len(e) for e in encoded)
-    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    valid = torch.zeros((len(encoded), width), dtype=torch.bool)
-    for row, e in enumerate(encoded):
-        if e:
-            ids[row, width - len(e):] = torch.tensor(e, dtype=torch.long)
-            valid[row, width - len(e):] = True
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long,
+                       device=device).reshape(len(encoded), width)
+    valid = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded],
+                         dtype=torch.bool, device=device).reshape(len(encoded), width)
     return ids, valid
 
 
@@ -80,15 +82,18 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
 
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
-    so results do not depend on how the global batch is split over DP ranks.
+    so results do not depend on how the global batch is split over DP ranks. Runs on
+    the model's device, in eval mode (no recompute, no dropout) whatever the training
+    mode; the mode is restored afterwards.
     """
+    device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
-    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts)
+    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device)
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
-    group_index = torch.arange(len(examples)).repeat_interleave(group_size)
+    group_index = torch.arange(len(examples), device=device).repeat_interleave(group_size)
     outputs = []
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):
         for k, start in enumerate(range(0, prompt_ids.shape[0], micro_batch)):
             sl = slice(start, start + micro_batch)
             outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
@@ -104,7 +109,7 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     return RolloutBatch(
         sequences=sequences, prompt_len=width, prompt_valid=valid, completion_mask=comp_mask,
         group_index=group_index,
-        completions=[tokenizer.decode(row.tolist()) for row in completion],
+        completions=[tokenizer.decode(row) for row in completion.tolist()],  # one device->host copy
         references=[ex.reference for ex in examples for _ in range(group_size)],
     )
 
@@ -118,7 +123,7 @@ def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> R
         except Exception:  # noqa: BLE001 - hostile model output must never stop training
             rewards.append(0.0)
             errors += 1
-    batch.rewards = torch.tensor(rewards, dtype=torch.float32)
+    batch.rewards = torch.tensor(rewards, dtype=torch.float32, device=batch.sequences.device)
     batch.reward_errors = errors
     batch.advantages = group_advantages(batch.rewards, batch.group_index, mode=advantage)
     return batch

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 
@@ -41,9 +41,15 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def phase_generator(seed: int, step: int, dp_rank: int, phase: str) -> torch.Generator:
-    """Every random draw of a step comes from here: exact resume needs no RNG state."""
-    return torch.Generator().manual_seed(derive_seed(seed, step, dp_rank, phase))
+def phase_generator(seed: int, step: int, dp_rank: int, phase: str,
+                    device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """Every random draw of a step comes from here: exact resume needs no RNG state.
+
+    The generator lives on ``device`` (the model's), so Gumbel noise over a
+    ``[B, L, V]`` logit tensor is drawn where the logits are. CUDA and CPU
+    generators give different (each deterministic) streams for the same seed.
+    """
+    return torch.Generator(device=device).manual_seed(derive_seed(seed, step, dp_rank, phase))
 
 
 class PromptStream:
@@ -69,8 +75,9 @@ class PromptStream:
         out = []
         for index in range(start, start + local):
             epoch, offset = divmod(index, len(self.examples))
-            order = torch.randperm(len(self.examples),
-                                   generator=torch.Generator().manual_seed(derive_seed(self.seed, epoch)))
+            order = torch.randperm(len(self.examples), device="cpu",  # host-side data order
+                                   generator=torch.Generator(device="cpu").manual_seed(
+                                       derive_seed(self.seed, epoch)))
             out.append(self.examples[int(order[offset])])
         return out
 
@@ -110,7 +117,8 @@ def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     target = os.path.join(run_dir, "tokenizer")
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not os.path.isdir(target):
-        sample = task.load("train", n=256, seed=cfg.parallel.seed)
+        data = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}  # file-backed tasks
+        sample = task.load("train", n=256, seed=cfg.parallel.seed, **data)
         texts = [task.prompt(ex) for ex in sample] + [str(ex.meta.get("answer_text", ex.reference))
                                                       for ex in sample]
         train_sentencepiece(texts, target + ".tmp", vocab_size=64)
@@ -149,7 +157,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
     if cfg.model.checkpoint:
         load_initial_weights(model, cfg.model.checkpoint)
-    distributed = cfg.optim.distributed and torch.cuda.is_available()
+    # Megatron's distributed (ZeRO-1) optimizer, on CPU/gloo as on GPU (Adam only: validated)
+    distributed = cfg.optim.distributed
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
     opt_cfg = OptimizerConfig(

@@ -7,7 +7,8 @@ from typing import Dict
 import torch
 
 
-def _dp_sum(values: torch.Tensor) -> torch.Tensor:
+def _dp_sum(values: torch.Tensor) -> list:
+    """Sum over data-parallel ranks; one device->host copy of the result."""
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
 
@@ -15,44 +16,44 @@ def _dp_sum(values: torch.Tensor) -> torch.Tensor:
 
         values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
-        values = values.cpu()
-    return values
+    return values.tolist()
 
 
 def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
     """Reward mean/std and accuracy over the global batch; the update's loss diagnostics
     (averaged over DP ranks); learning rate; wall seconds and tokens/s per phase."""
     rewards = batch.rewards.double()
-    completion_tokens = float(batch.completion_mask.sum())
-    sequence_tokens = float(batch.sequences.numel())
     keys = sorted(k for k, v in update.items() if isinstance(v, (int, float)))
-    local = torch.tensor([rewards.sum(), (rewards ** 2).sum(), float(rewards.numel()),
-                          float((rewards >= 1.0).sum()), float(batch.reward_errors), completion_tokens,
-                          sequence_tokens] + [float(update[k]) for k in keys], dtype=torch.float64)
+    host = [float(rewards.numel()), float(batch.reward_errors), float(batch.sequences.numel())]
+    host += [float(update[k]) for k in keys]
+    device = rewards.device  # the batch's statistics stay there until the one reduction
+    local = torch.cat([torch.stack([rewards.sum(), (rewards ** 2).sum(), (rewards >= 1.0).sum().double(),
+                                    batch.completion_mask.sum().double()]),
+                       torch.tensor(host, dtype=torch.float64, device=device)])
     total = _dp_sum(local)
-    n = max(total[2].item(), 1.0)
-    mean = total[0].item() / n
+    n = max(total[4], 1.0)
+    mean = total[0] / n
     out = {
         "reward_mean": mean,
-        "reward_std": max(total[1].item() / n - mean * mean, 0.0) ** 0.5,
-        f"accuracy/{s.cfg.rollout.task}": total[3].item() / n,
-        "reward_errors": total[4].item(),
-        "completion_tokens": total[5].item(),
+        "reward_std": max(total[1] / n - mean * mean, 0.0) ** 0.5,
+        f"accuracy/{s.cfg.rollout.task}": total[2] / n,
+        "reward_errors": total[5],
+        "completion_tokens": total[3],
         "lr": float(s.optimizer.param_groups[0]["lr"]),
     }
     dp = float(s.dp_size)
     for i, key in enumerate(keys):
-        value = total[7 + i].item()
+        value = total[7 + i]
         out[key] = value if key in ("skipped_updates",) else value / dp
     out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
     for phase, secs in seconds.items():
         out[f"time/{phase}"] = secs
     out["step_s"] = sum(seconds.values())
     if seconds.get("rollout"):
-        out["tokens_per_s/rollout"] = total[5].item() / seconds["rollout"]
+        out["tokens_per_s/rollout"] = total[3] / seconds["rollout"]
     if seconds.get("update"):
-        out["tokens_per_s/update"] = total[6].item() * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
+        out["tokens_per_s/update"] = total[6] * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
             / seconds["update"]
     if seconds.get("old_logp"):
-        out["tokens_per_s/old_logp"] = total[6].item() * s.cfg.algo.num_mc / seconds["old_logp"]
+        out["tokens_per_s/old_logp"] = total[6] * s.cfg.algo.num_mc / seconds["old_logp"]
     return out

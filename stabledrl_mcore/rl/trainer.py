@@ -21,6 +21,7 @@ import torch
 from ..checkpoint.state import (TrainState, find_latest, load_checkpoint, save_checkpoint)
 from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger
+from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
@@ -87,7 +88,8 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
             mask_id=mask_id, graphs=retained)
         coef, loss_metrics = loss_coefficients(
             current, batch, spec, loss=cfg.algo.loss, eps=cfg.algo.eps, ratio_noise=noise,
-            noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise"))
+            noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise",
+                                            device=model_device(s.model)))
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
         if agree_ok(coef is not None):
@@ -191,14 +193,15 @@ def rollout_phase(s: TrainingSetup, step: int):
         s.model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
         gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
         threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
-        chunk_generator=_chunk_generators(s.cfg, step)("rollout"), first_chunk=_first_chunk(s))
+        chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
+        first_chunk=_first_chunk(s))
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
     """Phase 3: masks drawn and the old policy scored (kept for replay)."""
     return old_policy_likelihood(s.model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
                                  mask_id=s.model.dllm_config.mask_token_id,
-                                 chunk_generator=_chunk_generators(s.cfg, step)("masks"),
+                                 chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("masks"),
                                  first_chunk=_first_chunk(s))
 
 
@@ -210,9 +213,10 @@ def _progress(cfg: RunConfig, start: int, end: int):
                 disable=not (cfg.logging.progress and rank0))
 
 
-def _chunk_generators(cfg: RunConfig, step: int):
-    """``chunks(phase)(k)``: the generator of global micro-batch ``k`` of ``phase`` at ``step``."""
-    return lambda phase: (lambda k: phase_generator(cfg.parallel.seed, step, k, phase))
+def _chunk_generators(cfg: RunConfig, step: int, device="cpu"):
+    """``chunks(phase)(k)``: the generator (on ``device``) of global micro-batch ``k`` of ``phase``
+    at ``step``."""
+    return lambda phase: (lambda k: phase_generator(cfg.parallel.seed, step, k, phase, device))
 
 
 def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:

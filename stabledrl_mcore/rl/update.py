@@ -23,7 +23,7 @@ import torch
 
 from ..diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
 from ..diffusion.masking import MaskPlan, build_plan
-from ..models.masks import padding_mask, staircase_mask, staircase_position_ids
+from ..models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
 from ..parallel.bootstrap import any_rank
 from .losses import sequence_policy_loss, spg_select_bound
 from .noise import RatioNoise
@@ -71,19 +71,30 @@ def draw_plan(batch: RolloutBatch, spec: LikelihoodSpec, chunk_generator: Callab
 
 def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
                rows: slice, mask_id: int, draw: int) -> torch.Tensor:
-    """log p(clean token | noisy input) for ``rows`` under draw ``draw``: ``[n, S]``, 0 off the scored set."""
+    """log p(clean token | noisy input) for ``rows`` under draw ``draw``: ``[n, S]``, 0 off the scored set.
+
+    The attention is an :class:`AttentionLayout` (staircase for SDAR, bidirectional for
+    LLaDA) carrying the prompts' left-pad counts, so no dense mask is built on GPU;
+    the counts are read once per batch (``left_pad_counts`` remembers the last one).
+    """
     ids = batch.sequences[rows]
     noisy = ids.masked_fill(plan.masked[draw, rows], mask_id)
     scored = plan.scored[draw, rows]
-    keys_ok = batch.prompt_valid[rows]
+    n = ids.shape[1]
     if spec.kind == "staircase":
-        n = ids.shape[1]
-        mask = staircase_mask(n, spec.block_size) | padding_mask(torch.cat([keys_ok, keys_ok], 1))
-        logits = model(torch.cat([noisy, ids], 1), position_ids=staircase_position_ids(n),
-                       attention_mask=mask)[:, :n]
+        x, pos = torch.cat([noisy, ids], 1), staircase_position_ids(n, device=ids.device)
+        layout = AttentionLayout.staircase(spec.block_size)
     else:
-        mask = None if bool(keys_ok.all()) else padding_mask(keys_ok)
-        logits = model(noisy, attention_mask=mask)
+        x, pos, layout = noisy, None, AttentionLayout.bidirectional()
+    pads = left_pad_counts(batch.prompt_valid)
+    if pads is not None:
+        mask = layout.with_padding(pads[rows])
+    else:  # not a left pad (never made by the rollout): a dense key mask
+        keys_ok = batch.prompt_valid[rows]
+        keys = padding_mask(torch.cat([keys_ok, keys_ok], 1) if spec.kind == "staircase" else keys_ok)
+        pattern = layout.dense(x.shape[1], x.shape[1], device=ids.device)
+        mask = keys if pattern is None else pattern | keys
+    logits = model(x, position_ids=pos, attention_mask=mask)[:, :n]
     return gather_log_probs(logits, ids, scored)
 
 
@@ -105,7 +116,7 @@ def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodS
     forward less per inner iteration, at the cost of holding activations for the
     whole rank batch x ``num_mc``.
     """
-    out = torch.zeros(plan.masked.shape, dtype=torch.float32)
+    out = torch.zeros(plan.masked.shape, dtype=torch.float32, device=plan.masked.device)
     with torch.set_grad_enabled(graphs is not None):
         for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
             tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
@@ -166,10 +177,13 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
     ``retained`` (the ``graphs`` of :func:`all_token_logp`) reuses forward graphs
     instead of running the forward again; the gradient is the same.
     """
+    # which (draw, micro-batch) chunks carry any weight: one device->host copy for all of them
+    starts = list(range(0, batch.size, micro_batch))
+    live = torch.stack([coef[:, s:s + micro_batch].flatten(1).ne(0).any(-1) for s in starts], 1).tolist()
     for draw, start, rows in chunks(batch.plan.num_mc, batch.size, micro_batch):
         weights = coef[draw, rows]
         tok = retained.pop((draw, start)) if retained is not None else None
-        if not bool(weights.any()):
+        if not live[draw][start // micro_batch]:
             continue
         if tok is None:
             tok = token_logp(model, batch, batch.plan, spec, rows=rows, mask_id=mask_id, draw=draw)
@@ -177,14 +191,20 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
 
 
 def grads_finite(model) -> bool:
-    """All local gradients finite, agreed over every rank (so all ranks skip together)."""
-    bad = False
+    """All local gradients finite, agreed over every rank (so all ranks skip together).
+
+    One flag tensor on the gradients' device, one all-reduce, one host sync (a
+    per-parameter ``bool(...)`` would synchronise the GPU once per parameter).
+    """
+    grads = []
     for param in model.parameters():
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
-        if grad is not None and not torch.isfinite(grad).all():
-            bad = True
-            break
+        if grad is not None:
+            grads.append(grad)
+    if not grads:
+        return not any_rank(False)
+    bad = torch.stack([torch.isfinite(g).logical_not().any() for g in grads]).any()
     return not any_rank(bad)
 
 

@@ -1,0 +1,461 @@
+"""``tools/gpu_check.py``: the 8B recipes' device code path, checked on one accelerator.
+
+Five checks, each ``ok``, ``FAIL`` or ``skipped`` (with the reason), printed as
+one table and written as one JSON:
+
+1. ``te_vs_local``: Transformer Engine spec vs local spec logits with the same
+   weights (copied through a Megatron checkpoint: both specs share its keys), bf16,
+   LLaDA- and SDAR-8B-shaped layers (full width, 2 layers). Tolerance: max
+   ``|dlogit|`` <= :data:`BF16_REL_TOL` x max ``|logit|``.
+2. ``flex_vs_sdpa``: flex attention vs SDPA with the dense mask, staircase and
+   block-causal layouts with left padding, SDAR-8B-shaped layers (GQA): logits
+   (same tolerance) and one weight gradient (relative L2 <= :data:`GRAD_REL_TOL`).
+3. ``staircase_memory``: peak memory of one staircase likelihood forward +
+   backward over ``[x_t | x_0]`` of 8k tokens, flex vs dense SDPA.
+4. ``train_llada`` / ``train_sdar``: three StableDRL steps of the tiny presets in
+   bf16 with Megatron's distributed optimizer and activation recompute, a
+   checkpoint after steps 2 and 3, and a second run resumed from step 2 whose
+   step 3 is compared with the first (bit for bit on CPU; reported on GPU, where
+   kernels need not be deterministic).
+5. ``bench_llada`` / ``bench_sdar``: ``stabledrl bench`` (train phase) on
+   8B-shaped layers (full width, 4 layers, the recipe's likelihood), MFU against
+   the device's rated dense bf16 peak; target :data:`MFU_TARGET`.
+
+``cpu=True`` (``--cpu``) runs the same checks shrunk (tiny presets, short
+sequences, eager flex attention) on the CPU; CI runs that mode. Each check is
+isolated: one that raises is reported as ``FAIL`` with its error, the others
+still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+BF16_REL_TOL = 3e-2
+"""Logit agreement of two bf16 kernels: max abs difference over max abs logit."""
+GRAD_REL_TOL = 5e-2
+"""Gradient agreement of two bf16 kernels: relative L2 difference of one weight's gradient."""
+MFU_TARGET = 0.45
+"""Model-FLOP utilisation the bench should reach on 8B-shaped layers (of the rated bf16 peak)."""
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = {"llada": os.path.join(ROOT, "examples", "configs", "llada_8b_stabledrl.yaml"),
+           "sdar": os.path.join(ROOT, "examples", "configs", "sdar_8b_stabledrl.yaml")}
+TINY_CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+
+
+@dataclasses.dataclass
+class Sizes:
+    """Shapes of one mode (GPU: the 8B widths; CPU: tiny)."""
+
+    presets: Dict[str, str]
+    layers: int
+    seq: int            # tokens of the TE / flex comparisons
+    staircase_n: int    # noisy-half length of the memory check (2n tokens)
+    bench_layers: int
+    bench_overrides: Dict[str, List[str]]  # per arch, and "all"
+    timeout_s: int
+
+
+MATH500 = os.path.join(ROOT, "tests", "fixtures", "math500_test.jsonl")  # the SDAR recipe's task is file-backed
+GPU = Sizes(presets={"llada": "llada-8b", "sdar": "sdar-8b"}, layers=2, seq=1024, staircase_n=4096,
+            bench_layers=4, timeout_s=300,
+            bench_overrides={"llada": ["rollout.gen_length=256", "rollout.steps=128", "rollout.block_length=32"],
+                             "sdar": ["rollout.gen_length=256", f"rollout.data_path={MATH500}"],
+                             "all": ["rollout.prompts_per_step=2", "rollout.group_size=8",
+                                     "parallel.micro_batch_size=16", "model.recompute=false"]})
+CPU = Sizes(presets={"llada": "llada-tiny", "sdar": "sdar-tiny"}, layers=2, seq=64, staircase_n=128,
+            bench_layers=2, timeout_s=300,
+            bench_overrides={"llada": ["rollout.steps=8", "rollout.block_length=8"],
+                             "sdar": [f"rollout.data_path={MATH500}"],
+                             "all": ["rollout.prompts_per_step=1", "rollout.group_size=4", "rollout.gen_length=16",
+                                     "parallel.micro_batch_size=4", "model.recompute=false", "parallel.threads=1"]})
+
+
+def _device() -> torch.device:
+    from ..models import default_device
+
+    return default_device()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in fp32."""
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def _shaped(preset: str, layers: int):
+    from ..models import get_preset
+
+    return get_preset(preset, num_layers=layers, init_std=0.02)
+
+
+def _left_padded_ids(cfg, batch: int, length: int, generator: torch.Generator, device):
+    """Random ids ``[batch, length]`` and per-row left-pad counts (row 0 unpadded)."""
+    ids = torch.randint(3, cfg.vocab_size - 2, (batch, length), generator=generator, device="cpu")
+    pads = [0] + [length // (4 * (r + 1)) for r in range(1, batch)]
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = cfg.pad_token_id
+    return ids.to(device), pads
+
+
+# ---------------------------------------------------------------------------------- checks
+def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
+    """Per arch: max rel |dlogit| of the local spec vs ``build_model(**other)``, same weights
+    (saved from the local model, loaded into the other: the specs share checkpoint keys)."""
+    from ..checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+    from ..models import build_model
+
+    out = {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for arch, preset in sizes.presets.items():
+        cfg = _shaped(preset, sizes.layers)
+        local = build_model(cfg, params_dtype=torch.bfloat16, use_te=False).eval()
+        twin = build_model(cfg, params_dtype=torch.bfloat16, **other).eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model_checkpoint(local, os.path.join(tmp, "ckpt"))
+            load_model_weights(twin, os.path.join(tmp, "ckpt"))
+        ids = torch.randint(3, cfg.vocab_size - 2, (2, sizes.seq), generator=gen).to(_device())
+        with torch.no_grad():
+            out[arch] = _rel(twin(ids), local(ids))
+        del local, twin
+    return out
+
+
+def check_te_vs_local(sizes: Sizes) -> Dict[str, Any]:
+    """TE vs local spec; without TE the same transfer and comparison against Megatron's stock
+    local layer (so the check's own path runs everywhere), reported as skipped."""
+    from ..models.specs import te_unavailable_reason
+
+    reason = te_unavailable_reason()
+    if reason:
+        stock = _spec_agreement(sizes, {"use_te": False, "stock_local": True})
+        return {"status": "skipped", "detail": f"{reason} (stock local layer vs ours: max rel |dlogit| "
+                f"{max(stock.values()):.1e})", "stock_local": stock}
+    out: Dict[str, Any] = {"tolerance": BF16_REL_TOL, **_spec_agreement(sizes, {"use_te": True})}
+    worst = max(out[a] for a in sizes.presets)
+    out.update(status="ok" if worst <= BF16_REL_TOL else "FAIL",
+               value=f"max rel |dlogit| {worst:.2e} (LLaDA {out['llada']:.1e}, SDAR {out['sdar']:.1e})")
+    return out
+
+
+def _forward_backward(model, ids, layout, positions, backend: str, backward: bool):
+    """Logits and (with ``backward``) the first layer's ``linear_qkv`` weight gradient."""
+    for attention in model.core_attentions():
+        attention.backend = backend
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(backward):
+        logits = model(ids, position_ids=positions, attention_mask=layout)
+    if not backward:
+        return logits.detach(), None
+    logits.float().logsumexp(-1).mean().backward()
+    grad = next(p for n, p in model.named_parameters() if "linear_qkv.weight" in n).grad.detach().clone()
+    return logits.detach(), grad
+
+
+def check_flex_vs_sdpa(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
+    """Forward and backward on GPU; forward only on CPU, where torch has no flex backward."""
+    from ..models import AttentionLayout, build_model, staircase_position_ids
+
+    cfg = _shaped(sizes.presets["sdar"], sizes.layers)
+    model = build_model(cfg, params_dtype=torch.bfloat16).train()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    device = _device()
+    out: Dict[str, Any] = {"tolerance_logits": BF16_REL_TOL, "tolerance_grad": GRAD_REL_TOL}
+    n = sizes.seq
+    ids, pads = _left_padded_ids(cfg, 2, n, gen, device)
+    cases = {"staircase": (torch.cat([ids, ids], 1), AttentionLayout.staircase(cfg.block_size, pad=pads),
+                           staircase_position_ids(n, device=device)),
+             "block_causal": (ids, AttentionLayout.block_causal(cfg.block_size, pad=pads), None)}
+    worst = 0.0
+    for name, (x, layout, pos) in cases.items():
+        ref_logits, ref_grad = _forward_backward(model, x, layout, pos, "sdpa", backward=not cpu)
+        logits, grad = _forward_backward(model, x, layout, pos, "flex", backward=not cpu)
+        valid = torch.cat([torch.arange(x.shape[1], device=device)[None] % n >= p for p in pads])
+        d_logits = _rel(logits[valid], ref_logits[valid])  # pad rows are never scored
+        d_grad = None if cpu else _rel_l2(grad, ref_grad)
+        out[name] = {"logits": d_logits, "grad": d_grad}
+        worst = max(worst, d_logits / BF16_REL_TOL, (d_grad or 0.0) / GRAD_REL_TOL)
+    out.update(status="ok" if worst <= 1.0 else "FAIL",
+               value=" ".join(f"{k}: logits {v['logits']:.1e}"
+                              + ("" if v["grad"] is None else f" grad {v['grad']:.1e}")
+                              for k, v in out.items() if isinstance(v, dict))
+               + (" (forward only: no flex backward on CPU)" if cpu else ""))
+    return out
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def _peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak memory of ``fn``: CUDA allocator peak on GPU, resident-set high-water mark on CPU."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        _sync()
+        return torch.cuda.max_memory_allocated() - base
+    from .memory import _reset_peak, _status
+
+    _reset_peak()
+    base = _status("VmRSS")
+    fn()
+    return _status("VmHWM") - base
+
+
+def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
+    """Forward + backward on GPU; on CPU the forward alone (torch has no flex backward there)."""
+    from ..diffusion.likelihood import gather_log_probs
+    from ..models import AttentionLayout, build_model, staircase_position_ids
+
+    cfg = _shaped(sizes.presets["sdar"], sizes.layers)
+    model = build_model(cfg, params_dtype=torch.bfloat16).train()
+    device, n = _device(), sizes.staircase_n
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    ids = torch.randint(3, cfg.vocab_size - 2, (1, n), generator=gen).to(device)
+    masked = (torch.rand(1, n, generator=gen) < 0.5).to(device)
+    noisy = ids.masked_fill(masked, cfg.mask_token_id)
+    layout, pos = AttentionLayout.staircase(cfg.block_size), staircase_position_ids(n, device=device)
+
+    def likelihood(backend: str) -> Callable[[], None]:
+        def run():
+            for attention in model.core_attentions():
+                attention.backend = backend
+            model.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(not cpu):
+                logits = model(torch.cat([noisy, ids], 1), position_ids=pos, attention_mask=layout)[:, :n]
+                loss = gather_log_probs(logits, ids, masked).sum()
+            if not cpu:
+                loss.backward()
+        return run
+
+    out: Dict[str, Any] = {"tokens": 2 * n, "backward": not cpu}
+    for backend in ("flex", "sdpa"):
+        likelihood(backend)()  # warm-up (compilation, allocator)
+        out[f"{backend}_peak_bytes"] = _peak_bytes(likelihood(backend))
+    flex, dense = out["flex_peak_bytes"], out["sdpa_peak_bytes"]
+    out.update(status="ok", value=f"{2 * n} tokens: flex {_size(flex)}, dense {_size(dense)}"
+               + (f" ({dense / flex:.1f}x)" if flex > 0 else ""))
+    return out
+
+
+def _probe_reward(task, completion: str, reference) -> float:
+    """A dense, deterministic reward of the completion text. A random tiny model earns the same
+    task reward for every completion (zero advantages, so no backward would run); this varies."""
+    return (sum(map(ord, completion)) % 11) / 10.0
+
+
+def _train_rank(config: str, overrides: List[str], out_json: str) -> None:
+    """One rank of the training check (module level: ``parallel.launch.spawn`` starts it)."""
+    from ..config import load_config
+    from ..rl.trainer import train
+    from ..tasks.base import Task
+
+    Task.reward = _probe_reward
+    setup = train(load_config(config, overrides))
+    digest = hashlib.sha256()
+    for name, tensor in sorted(setup.model.state_dict().items()):
+        if isinstance(tensor, torch.Tensor):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    if torch.distributed.get_rank() == 0:
+        with open(out_json, "w") as handle:
+            json.dump({"weights_sha256": digest.hexdigest()}, handle)
+
+
+def _metrics(run_dir: str) -> List[Dict[str, Any]]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle]
+    return [{k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s", "step_s"))} for r in rows]
+
+
+def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
+    from ..parallel.launch import spawn
+
+    preset = "llada-tiny" if arch == "llada" else "sdar-tiny"
+    extra = [f"model.preset={preset}", "model.dtype=bf16", "model.recompute=true", "optim.distributed=true",
+             "steps=3", "checkpoint.save_every=2", "logging.wandb_mode=disabled", "logging.progress=false",
+             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.gen_length=8",
+             "parallel.micro_batch_size=4", "eval.every=0"]
+    extra += (["rollout.steps=4", "rollout.block_length=8"] if arch == "llada" else
+              ["rollout.steps=4", "rollout.block_length=4", "rollout.threshold=0.9", "algo.likelihood=staircase",
+               "algo.num_mc=1"])
+    first, resumed = os.path.join(workdir, f"train_{arch}"), os.path.join(workdir, f"train_{arch}_resumed")
+    runs = {}
+    for run_dir in (first, resumed):
+        if run_dir == resumed:
+            os.makedirs(os.path.join(resumed, "checkpoints"))
+            shutil.copytree(os.path.join(first, "checkpoints", "step_00000002"),
+                            os.path.join(resumed, "checkpoints", "step_00000002"))
+        over = extra + [f"logging.run_dir={run_dir}"] + (["checkpoint.resume=auto"] if run_dir == resumed else [])
+        out_json = os.path.join(run_dir + ".json")
+        spawn(_train_rank, 1, (TINY_CONFIG, over, out_json), timeout=sizes.timeout_s)
+        with open(out_json) as handle:
+            runs[run_dir] = json.load(handle)
+    rows, again = _metrics(first), _metrics(resumed)
+    trained = all(r.get("grad_norm", 0) > 0 and r.get("skipped_updates", 1) == 0 for r in rows)
+    same = again[-1] == rows[-1] and runs[first] == runs[resumed]
+    out = {"steps": [r["step"] for r in rows], "resumed_steps": [r["step"] for r in again],
+           "grad_norm": [r.get("grad_norm") for r in rows], "resume_bitwise": same}
+    ok = trained and out["steps"] == [1, 2, 3] and out["resumed_steps"] == [3] and (same or not cpu)
+    out.update(status="ok" if ok else "FAIL",
+               value=f"3 steps, grad norms {', '.join(f'{g:.2g}' for g in out['grad_norm'])}; resume "
+                     + ("bitwise" if same else "differs"))
+    return out
+
+
+def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
+    preset = sizes.presets[arch]
+    run_dir = os.path.join(workdir, f"bench_{arch}")
+    result = os.path.join(workdir, f"bench_{arch}.json")
+    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "bench", "--config", RECIPES[arch],
+           f"model.preset={preset}", "model.checkpoint=null", f"model.overrides.num_layers={sizes.bench_layers}",
+           "parallel.tensor_parallel=1", f"logging.run_dir={run_dir}", *sizes.bench_overrides["all"],
+           *sizes.bench_overrides[arch],
+           "--phases", "train", "--no-baseline", "--warmup", "1", "--repeats", "3", "--json", result]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=sizes.timeout_s,
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    if proc.returncode != 0:
+        raise RuntimeError(f"stabledrl bench exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    with open(result) as handle:
+        bench = json.load(handle)
+    mfu, train = bench.get("mfu"), bench["phases"]["train"]
+    out = {"mfu": mfu, "peak": bench["peak"]["kind"], "peak_flops": bench["matmul_peak_flops"],
+           "train_tokens_per_s": train["tokens_per_s"], "model_flops_per_s": train["model_flops_per_s"],
+           "params": bench["model"]["params"], "workload": bench["workload"]}
+    met = mfu is not None and mfu >= MFU_TARGET
+    out.update(status="ok", value=f"MFU {100 * (mfu or 0):.1f}% of the {out['peak']} peak"
+               + ("" if cpu else (" (target met)" if met else f" (below the {100 * MFU_TARGET:.0f}% target)")),
+               target_met=None if cpu else met)
+    return out
+
+
+# ---------------------------------------------------------------------------------- driver
+def run_checks(*, cpu: bool, workdir: Optional[str] = None,
+               only: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Run every check (or ``only`` those); returns the JSON-ready result."""
+    from ..parallel import bootstrap
+
+    if not cpu and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: run with --cpu for the CPU variant")
+    sizes = CPU if cpu else GPU
+    own = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="stabledrl-gpu-check-")
+    checks: Dict[str, Callable[[], Dict[str, Any]]] = {
+        "te_vs_local": lambda: check_te_vs_local(sizes),
+        "flex_vs_sdpa": lambda: check_flex_vs_sdpa(sizes, cpu),
+        "staircase_memory": lambda: check_staircase_memory(sizes, cpu),
+        "train_llada": lambda: check_train("llada", sizes, workdir, cpu),
+        "train_sdar": lambda: check_train("sdar", sizes, workdir, cpu),
+        "bench_llada": lambda: check_bench("llada", sizes, workdir, cpu),
+        "bench_sdar": lambda: check_bench("sdar", sizes, workdir, cpu),
+    }
+    unknown = sorted(set(only or ()) - set(checks))
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(checks)}")
+    results: Dict[str, Any] = {}
+    torch.manual_seed(0)
+    bootstrap.initialize(1, 1, seed=0)
+    try:
+        for name, fn in checks.items():
+            if only and name not in only:
+                continue
+            start = time.perf_counter()
+            try:
+                results[name] = fn()
+            except Exception as err:  # noqa: BLE001 - one broken check must not hide the others
+                results[name] = {"status": "FAIL", "value": f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                                 if str(err) else type(err).__name__, "traceback": traceback.format_exc()[-4000:]}
+            results[name]["seconds"] = round(time.perf_counter() - start, 1)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        bootstrap.destroy()
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return {"mode": "cpu" if cpu else "gpu", "device": _device_name(), "torch": torch.__version__,
+            "transformer_engine": _te_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "ok": all(r["status"] != "FAIL" for r in results.values()), "checks": results}
+
+
+def _device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    from .peak import _cpu_name
+
+    return _cpu_name()
+
+
+def _te_version() -> Optional[str]:
+    try:
+        import transformer_engine
+
+        return getattr(transformer_engine, "__version__", "unknown")
+    except ImportError:
+        return None
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """One row per check: name, status, seconds, headline figure."""
+    rows = [f"device check ({result['mode']}) on {result['device']}, torch {result['torch']}, "
+            f"TE {result['transformer_engine'] or 'not installed'}", ""]
+    header = f"{'check':<18}{'status':<9}{'s':>7}  result"
+    rows += [header, "-" * 100]
+    for name, r in result["checks"].items():
+        value = r.get("value") or r.get("detail") or ""
+        rows.append(f"{name:<18}{r['status']:<9}{r.get('seconds', 0):>7.1f}  {value}")
+    rows += ["", "all checks passed" if result["ok"] else "SOME CHECKS FAILED"]
+    return "\n".join(rows)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="the shrunk CPU variant (what CI runs)")
+    parser.add_argument("--json", metavar="PATH", default="gpu_check.json", help="result file (default %(default)s)")
+    parser.add_argument("--only", metavar="LIST", help="comma-separated subset of the checks")
+    parser.add_argument("--workdir", metavar="DIR", help="keep the runs' files here (default: a temporary dir)")
+    args = parser.parse_args(argv)
+    only = [c.strip() for c in args.only.split(",")] if args.only else None
+    try:
+        result = run_checks(cpu=args.cpu, workdir=args.workdir, only=only)
+    except (ValueError, RuntimeError) as err:  # bad --only, no CUDA without --cpu
+        print(f"gpu_check: error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result), flush=True)
+    from .report import write_json
+
+    write_json(result, args.json)
+    print(f"wrote {args.json}")
+    return 0 if result["ok"] else 1
