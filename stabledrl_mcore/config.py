@@ -9,20 +9,16 @@ name the field and the expected type.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import tempfile
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """The configuration cannot be used as written."""
+from .config_io import (ConfigError, apply_overrides, from_dict, get_dotted,  # noqa: F401 (API)
+                        parse_override, to_dict)
 
 
 @dataclass
@@ -102,24 +98,69 @@ class AlgorithmSection:
     """The policy-gradient update (phases 2-4)."""
 
     loss: str = "stabledrl"
-    """Registered policy loss: ``stabledrl``, ``stabledrl_released``, ``grpo``, ``espo``, ``spg``."""
+    """Registered policy loss: ``stabledrl``, ``stabledrl_released``, ``grpo``, ``espo``, ``spg``
+    (sequence level) or ``diffu_grpo`` (d1's token level; needs ``likelihood: mean_field``)."""
+    loss_options: Dict[str, Any] = field(default_factory=dict)
+    """The loss's own keyword options, checked against its signature: ``{log_weight_cap: 1.609}``
+    (stabledrl_released), ``{aggregation: length_weighted}`` (spg), ``{aggregation:
+    global_token_mean}`` (diffu_grpo)."""
     eps: float = 0.2
     """Clipping range of the importance ratio, [1 - eps, 1 + eps]."""
     advantage: str = "center"
-    """Group advantage: ``center`` (r - mean, as released) or ``zscore``."""
+    """Group advantage: ``center`` (r - mean, as released), ``zscore`` ((r - mean) / std) or
+    ``leave_one_out`` (r_i - mean of the others, RLOO / ESPO); see ``rl/advantages.py``."""
     inner_iterations: int = 2
     """Policy updates (mu) per rollout batch."""
     likelihood: str = "elbo"
     """Sequence log-likelihood proxy: ``elbo``, ``mean_field``, ``spg`` (ELBO/EUBO), ``staircase`` (SDAR)."""
     num_mc: int = 2
-    """Monte-Carlo masks per sequence, shared between old and new policy."""
+    """Monte-Carlo masks per likelihood evaluation."""
+    mask_sampling: str = "fresh"
+    """``fresh``: independent masks for the old-policy estimate and for every inner iteration
+    (the StableDRL release's ``random_masking``: ratios are noisy estimates even at the first
+    iteration); ``replay``: one mask plan per rollout batch for the old policy and every
+    iteration (common random numbers, LLaDA-1.5's VRPO: the first ratio is exactly 1);
+    ``per_iteration``: iteration k replays its own plan, drawn and scored for the old policy
+    at rollout time (d1's per-iteration mask seeds)."""
+    mask_scheme: str = "uniform"
+    """Masks of the ``elbo``/``spg`` estimators: ``uniform`` (a uniform count over the
+    completion) or ``block_random`` (SPG and the release: one random block partly masked,
+    every later position masked, earlier positions with ``prefix_mask_prob``; blocks of
+    ``rollout.block_length``). ``mean_field`` always masks the whole completion, ``staircase``
+    draws a count per block."""
+    prefix_mask_prob: float = 0.0
+    """Probability of masking each visible position outside the scored region (prompt; with
+    ``block_random`` also the earlier completion blocks); never scored. 0.15 in d1's
+    mean-field estimate and in SPG / the release."""
+    post_eos: str = "visible"
+    """Positions after a completion's first EOS: ``visible`` (clean, never scored),
+    ``mask_and_skip`` (always masked, never scored: the release) or ``score`` (scored as
+    completion tokens)."""
+    spg_beta: float = 1.5
+    """SPG's EUBO temperature beta (1.5 in the StableDRL release)."""
+    spg_omega: float = 0.5
+    """SPG's mixture weight of the EUBO for A <= 0 (0.5 in the release)."""
     coupled_masks: bool = False
     """Draw masks in complementary pairs (DiffuCoder's coupled sampling): every completion
     token is scored exactly once per pair, a lower-variance ELBO; needs an even ``num_mc``."""
     length_normalize: bool = True
-    """Divide sequence log-likelihoods by completion length (as released)."""
+    """Divide sequence log-likelihoods by a length (as released)."""
+    normalize_by: str = "completion"
+    """What ``length_normalize`` divides by: ``completion`` (each sequence's own length up to
+    and including EOS, as released) or ``generation`` (the fixed generation width, ESPO)."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (0 = off)."""
+    """Weight of the KL penalty to a frozen reference policy (0 = off). With ``kl_coef > 0``
+    a copy of the initial policy is built in the actor's layout (its weights' memory:
+    ``stabledrl plan --reference-model``) and scored with the same masks."""
+    reference_sync_every: int = 0
+    """Every N optimizer updates move the reference towards the policy, ref <- a theta + (1 - a) ref
+    (TRL's ``sync_ref_model``, d1: every 64 with a = 0.6); 0 = the reference stays the initial
+    policy. A synced reference is saved in every checkpoint."""
+    reference_mixup: float = 0.6
+    """``a`` of ``reference_sync_every``."""
+    kl_estimator: str = "k3"
+    """``k1`` (log-ratio), ``k2`` (half squared log-ratio, ESPO) or ``k3`` (Schulman's, d1), on
+    the likelihood the loss uses (token level for ``diffu_grpo``)."""
     ratio_noise: Optional[str] = None
     """Stress switch: None, ``lognormal`` or ``student_t`` noise on the estimated log-ratio."""
     ratio_noise_sigma: float = 1.0
@@ -145,9 +186,10 @@ class OptimizerSection:
     clip_grad: float = 0.2
     """Global gradient-norm clip (0 = off)."""
     warmup_steps: int = 0
-    """Linear warm-up steps."""
+    """Linear warm-up, in optimizer updates (``algo.inner_iterations`` per step)."""
     decay_style: str = "constant"
-    """``constant``, ``linear`` or ``cosine``."""
+    """``constant``, ``linear`` or ``cosine``, from ``lr`` to ``min_lr`` over all optimizer updates
+    (``steps`` x ``algo.inner_iterations``; the release's ``linear_decay`` to 0 is ``linear``)."""
     distributed: bool = True
     """Megatron's distributed (ZeRO-1) optimizer (GPU and CPU/gloo): each data-parallel rank keeps
     only its shard of the fp32 main weights and Adam moments. Adam only (Megatron's
@@ -224,9 +266,10 @@ class RunConfig:
         _choice("optim.name", self.optim.name, ("adam", "sgd"))
         _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        _choice("algo.advantage", self.algo.advantage, ("center", "zscore"))
+        _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
         _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
         _choice("algo.likelihood", self.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
+        self._validate_algorithm()
         if self.algo.ratio_noise is not None:
             _choice("algo.ratio_noise", self.algo.ratio_noise, ("lognormal", "student_t"))
         for name in ("parallel.tensor_parallel", "parallel.pipeline_parallel",
@@ -252,138 +295,69 @@ class RunConfig:
         return self
 
 
+    def _validate_algorithm(self) -> None:
+        """Combinations of ``algo.*`` fields that cannot work, refused by name."""
+        a = self.algo
+        _choice("algo.mask_sampling", a.mask_sampling, ("fresh", "replay", "per_iteration"))
+        _choice("algo.mask_scheme", a.mask_scheme, ("uniform", "block_random"))
+        _choice("algo.post_eos", a.post_eos, ("visible", "mask_and_skip", "score"))
+        _choice("algo.normalize_by", a.normalize_by, ("completion", "generation"))
+        _choice("algo.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+        if a.mask_scheme != "uniform" and a.likelihood not in ("elbo", "spg"):
+            raise ConfigError(f"algo.mask_scheme={a.mask_scheme} applies to the elbo/spg likelihoods, not "
+                              f"{a.likelihood!r} (mean_field masks the whole completion, staircase per block)")
+        if a.coupled_masks and a.mask_scheme != "uniform":
+            raise ConfigError("algo.coupled_masks needs algo.mask_scheme=uniform")
+        if not 0.0 <= a.prefix_mask_prob < 1.0:
+            raise ConfigError(f"algo.prefix_mask_prob must be in [0, 1), got {a.prefix_mask_prob}")
+        if a.prefix_mask_prob and a.likelihood == "staircase":
+            raise ConfigError("algo.prefix_mask_prob is not defined for the staircase likelihood")
+        if a.spg_beta <= 0 or not 0.0 <= a.spg_omega <= 1.0:
+            raise ConfigError(f"algo.spg_beta must be > 0 and algo.spg_omega in [0, 1], got "
+                              f"{a.spg_beta}, {a.spg_omega}")
+        if (a.spg_beta, a.spg_omega) != (1.5, 0.5) and a.likelihood != "spg":
+            raise ConfigError("algo.spg_beta / algo.spg_omega shape SPG's bound: set algo.likelihood=spg")
+        if a.kl_coef < 0:
+            raise ConfigError(f"algo.kl_coef must be >= 0, got {a.kl_coef}")
+        if a.kl_estimator != "k3" and a.kl_coef == 0:
+            raise ConfigError("algo.kl_estimator has no effect with algo.kl_coef=0")
+        if a.reference_sync_every < 0 or not 0.0 < a.reference_mixup <= 1.0:
+            raise ConfigError(f"algo.reference_sync_every must be >= 0 and algo.reference_mixup in (0, 1], got "
+                              f"{a.reference_sync_every}, {a.reference_mixup}")
+        if (a.reference_sync_every or a.reference_mixup != 0.6) and a.kl_coef == 0:
+            raise ConfigError("algo.reference_sync_every / reference_mixup need a reference: set algo.kl_coef > 0")
+        from .rl.losses import available_policy_losses, available_token_policy_losses
+
+        sequence, token = available_policy_losses(), available_token_policy_losses()
+        if a.loss not in sequence + token:
+            close = difflib.get_close_matches(a.loss, sequence + token, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"algo.loss: unknown loss {a.loss!r}{hint} (choose from "
+                              f"{', '.join(sequence + token)})")
+        if a.loss in token and a.likelihood != "mean_field":
+            raise ConfigError(f"algo.loss={a.loss} is token level: it needs algo.likelihood=mean_field "
+                              f"(per-token log-probs of the fully masked completion), not {a.likelihood!r}")
+        _check_loss_options(a.loss, a.loss_options, token=a.loss in token)
+
+
+def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> None:
+    """``algo.loss_options`` must be keyword options of the loss function itself."""
+    import inspect
+
+    from .rl.losses import get_policy_loss, get_token_policy_loss
+
+    fn = (get_token_policy_loss if token else get_policy_loss)(loss)
+    accepted = [p.name for p in list(inspect.signature(fn).parameters.values())[1:]
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and "Tensor" not in str(p.annotation)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"algo.loss_options: {', '.join(unknown)} not an option of loss {loss!r} "
+                          f"(its options: {', '.join(accepted) or 'none'})")
+
+
 def _choice(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, where)
-            except ConfigError as err:
-                errors.append(err)
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, prefix=where + ".")
-    if origin in (tuple, Tuple):
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis
-                                                    and len(value) != len(args)):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        inner = args if args and args[-1] is not Ellipsis else (args[0],) * len(value)
-        return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
-    if origin in (list, List):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (inner,) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin in (dict, Dict):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - every annotation in this module is handled above
-        raise ConfigError(f"{where}: unsupported annotation {tp}")
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-
-
-def _unknown_key(key: str, valid: Sequence[str], prefix: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
-    return ConfigError(f"unknown config key {prefix}{key}{hint} (valid: {', '.join(valid)})")
-
-
-def from_dict(cls: type, data: Dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a (nested) mapping, checking keys and types."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in (data or {}).items():
-        if key not in names:
-            raise _unknown_key(str(key), names, prefix)
-        kwargs[key] = _coerce(value, hints[key], prefix + key)
-    return cls(**kwargs)
-
-
-def to_dict(cfg: Any) -> Dict[str, Any]:
-    """Plain nested dict (tuples become lists) suitable for YAML/JSON."""
-    def plain(value):
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return value
-
-    return plain(dataclasses.asdict(cfg))
-
-
-def parse_override(text: str) -> Tuple[List[str], Any]:
-    """``"algo.eps=0.1"`` -> (["algo", "eps"], 0.1); the value is parsed as a YAML scalar/list."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form section.key=value")
-    key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: cannot parse value: {err}") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    """Apply dotted overrides to a nested mapping (keys are checked later by :func:`from_dict`)."""
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def get_dotted(cfg: Any, dotted: str) -> Any:
-    """``get_dotted(cfg, "algo.eps")``."""
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),

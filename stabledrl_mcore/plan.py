@@ -28,7 +28,8 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
 - **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block for SDAR, the whole
   sequence for LLaDA) and ``28 * V`` bytes per decoded position of a block (float64 Gumbel/softmax work);
-- total = weights + gradients + optimizer + max(training peak, rollout KV cache + transient) +
+- **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``;
+- total = weights (+ reference) + gradients + optimizer + max(training peak, rollout KV cache + transient) +
   ``overhead`` (CUDA context, communication buffers, fragmentation); training peak = activations
   + head (recompute: see above). Not modelled: the optimizer step's own temporaries (they do not
   coincide with activations) and allocator fragmentation beyond ``overhead``.
@@ -81,6 +82,7 @@ class PlanSpec:
     rollout_steps: Optional[int] = None
     num_mc: int = 2
     inner_iterations: int = 2
+    reference_model: bool = False   # a frozen copy of the policy for the KL penalty (algo.kl_coef > 0)
 
     @property
     def gpus(self) -> int:
@@ -191,14 +193,15 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
         in_flight = min(pp, micro_batches) if name == "first" else 1
         act = in_flight * per_stage_layers * per_layer_kept * tokens
         stage_head = head if (name == "last" or pp == 1) else 0.0
-        row = {"stage": name, "params": params, "weights": params * bw, "gradients": params * 4.0,
+        row = {"stage": name, "params": params, "weights": params * bw,
+               "reference_weights": params * bw if spec.reference_model else 0.0, "gradients": params * 4.0,
                "optimizer": params * opt_bytes / shard, "activations": act + extra_layer, "head": stage_head,
                "rollout_kv_cache": kv, "rollout_transient": rollout_tmp if (name == "last" or pp == 1) else 0.0,
                "overhead": spec.overhead_gib * GIB}
         # the recomputed layer lives only while its backward runs, after the head's tensors are gone
         row["training_peak"] = act + max(stage_head, extra_layer) if extra_layer else act + stage_head
         row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
-        row["total"] = (row["weights"] + row["gradients"] + row["optimizer"]
+        row["total"] = (row["weights"] + row["reference_weights"] + row["gradients"] + row["optimizer"]
                         + max(row["training_peak"], row["rollout_peak"]) + row["overhead"])
         if worst is None or row["total"] > worst["total"]:
             worst = row
@@ -255,7 +258,9 @@ def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any
              f"{' (distributed)' if spec.distributed_optimizer else ''}",
              f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']} -- per GPU ({chosen['stage']} "
              f"stage), GiB:",
-             f"  weights {g(chosen['weights'])}  gradients {g(chosen['gradients'])}  optimizer "
+             f"  weights {g(chosen['weights'])}"
+             + (f"  reference {g(chosen['reference_weights'])}" if spec.reference_model else "")
+             + f"  gradients {g(chosen['gradients'])}  optimizer "
              f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
              f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient)  "
              f"overhead {g(chosen['overhead'])}",
@@ -304,6 +309,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--rollout-steps", type=int, default=None, help="LLaDA: total denoising steps; SDAR: steps per block")
     a("--num-mc", type=int, default=2)
     a("--inner", type=int, default=2, help="policy updates per rollout batch")
+    a("--reference-model", action="store_true",
+      help="count a frozen reference copy of the weights (the KL penalty, algo.kl_coef > 0)")
     a("--json", metavar="PATH", help="also write the estimates as JSON")
 
 
@@ -323,7 +330,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
                     likelihood=args.likelihood or ("staircase" if model.arch == "sdar" else "elbo"),
                     impl=args.impl, overhead_gib=args.overhead, peak_tflops=args.gpu_tflops, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, rollout_steps=args.rollout_steps, num_mc=args.num_mc,
-                    inner_iterations=args.inner).validate()
+                    inner_iterations=args.inner, reference_model=args.reference_model).validate()
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -49,3 +49,51 @@ def test_errors():
         group_advantages(bad, gi)
     with pytest.raises(TypeError, match="group_index must be a torch.long"):
         group_advantages(rewards, gi.int())
+
+
+def _leave_one_out_by_loop(rewards, group_index):
+    """Direct definition: A_i = r_i - mean of the other rewards of i's group (0 alone)."""
+    out = torch.zeros_like(rewards)
+    for i in range(rewards.numel()):
+        others = [rewards[j] for j in range(rewards.numel()) if j != i and group_index[j] == group_index[i]]
+        out[i] = rewards[i] - sum(others) / len(others) if others else 0.0
+    return out
+
+
+def test_leave_one_out_matches_direct_loop():
+    assert "leave_one_out" in available_advantages()
+    rewards, gi = make_rewards()
+    gi = torch.cat([gi, torch.tensor([7])])  # plus a group of one
+    rewards = torch.cat([rewards, torch.tensor([0.3], dtype=rewards.dtype)])
+    adv = group_advantages(rewards, gi, mode="leave_one_out")
+    assert adv.dtype == torch.float64
+    torch.testing.assert_close(adv, _leave_one_out_by_loop(rewards, gi), rtol=1e-12, atol=1e-12)
+    assert adv[-1] == 0.0
+    # = n / (n - 1) times the centred advantage, so it still sums to 0 per group
+    centred = group_advantages(rewards, gi)
+    for k in gi.unique():
+        sel = gi == k
+        n = int(sel.sum())
+        if n > 1:
+            torch.testing.assert_close(adv[sel], centred[sel] * n / (n - 1))
+        assert adv[sel].sum().abs() < 1e-12
+
+
+def test_leave_one_out_float32_binary_rewards_and_no_grad():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], requires_grad=True)
+    gi = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv = group_advantages(rewards, gi, mode="leave_one_out")
+    assert adv.dtype == torch.float32 and not adv.requires_grad
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0]))
+    torch.testing.assert_close(adv, _leave_one_out_by_loop(rewards.detach(), gi))
+
+
+def test_config_accepts_leave_one_out():
+    from stabledrl_mcore.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cfg.algo.advantage = "leave_one_out"
+    cfg.validate()
+    cfg.algo.advantage = "rloo"
+    with pytest.raises(ConfigError, match="leave_one_out"):
+        cfg.validate()

@@ -233,7 +233,7 @@ def test_token_logp_with_layouts_equals_the_dense_masks(megatron_tp1):
     padded layouts gives the log-probs of the old ``pattern | padding_mask`` forward."""
     from stabledrl_mcore.diffusion.likelihood import gather_log_probs
     from stabledrl_mcore.rl.rollout import RolloutBatch
-    from stabledrl_mcore.rl.update import LikelihoodSpec, draw_plan, token_logp
+    from stabledrl_mcore.rl.estimates import LikelihoodSpec, draw_plan, token_logp
 
     P, C, pads = 6, 8, (3, 0, 5)
     n = P + C

@@ -4,7 +4,9 @@ Each reward gets ~2,000 random strings (random.Random(0)) plus crafted ones
 (megabyte strings, unbalanced / deeply nested braces and parentheses,
 ``9**9**9``, huge integers, division by zero, unicode digits, code
 snippets), each raw, boxed, in answer tags and both. Every call must return
-a float in the task's range in under 1 s, raise nothing and execute nothing.
+a float in the task's range in under 1 s, raise nothing and execute nothing,
+with and without the ``anti_short_boxed`` reward term (which is also fuzzed on
+its own, with the same corpus).
 Run with ``-s`` to see the size and the slowest call.
 """
 
@@ -18,7 +20,7 @@ import time
 
 import pytest
 
-from stabledrl_mcore.tasks import get_task
+from stabledrl_mcore.tasks import anti_short_boxed_bonus, get_task
 
 N_RANDOM = 2000
 MB = 1 << 20
@@ -75,8 +77,9 @@ REFERENCES = {
 }
 
 
+@pytest.mark.parametrize("options", [{}, {"anti_short_boxed": True}], ids=["base", "anti_short_boxed"])
 @pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_verifiers_survive_hostile_input(name, tmp_path, monkeypatch):
+def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
     marker = tmp_path / "pwned_x"
     executed: list[str] = []
 
@@ -100,8 +103,9 @@ def test_verifiers_survive_hostile_input(name, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "eval", watch(real_eval, "eval"))
     monkeypatch.setattr(builtins, "exec", watch(real_exec, "exec"))
 
-    task = get_task(name)
+    task = get_task(name, **options)
     lo, hi = task.reward_range
+    assert hi == (2.0 if options else 1.0)
     strings = corpus(str(marker))
     refs = REFERENCES[name]
     task.reward("warm-up \\boxed{1}", refs[0])  # one-off imports are not a per-call cost
@@ -117,7 +121,20 @@ def test_verifiers_survive_hostile_input(name, tmp_path, monkeypatch):
         if dt > slowest[0]:
             slowest = (dt, s)
     total = time.perf_counter() - budget_start
-    print(f"\n[fuzz] {name}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f}s, "
+    print(f"\n[fuzz] {name} {options}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f}s, "
           f"slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})")
     assert not marker.exists(), "a verifier executed model output"
     assert not executed, executed
+
+
+def test_anti_short_boxed_term_survives_hostile_input(tmp_path):
+    slowest = (0.0, "")
+    for s in corpus(str(tmp_path / "pwned_x")):
+        t0 = time.perf_counter()
+        value = anti_short_boxed_bonus(s)
+        dt = time.perf_counter() - t0
+        assert value in (0.0, 1.0), s[:80]
+        assert dt < 1.0, f"{dt:.3f}s on {s[:80]!r}"
+        slowest = max(slowest, (dt, s))
+    print(f"\n[fuzz] anti_short_boxed: slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} "
+          f"(len {len(slowest[1])})")

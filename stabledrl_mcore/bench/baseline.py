@@ -233,13 +233,13 @@ class BaselineStep:
     def _plan(self, batch, spec):
         """The masks of the step: the same draws as ours (identical work on both sides)."""
         from ..rl.trainer import _chunk_generators, _first_chunk
-        from ..rl.update import draw_plan
+        from ..rl.estimates import draw_plan
 
         return draw_plan(batch, spec, _chunk_generators(self.cfg, 0)("masks"),
                          micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=_first_chunk(self.ours.s))
 
     def likelihood(self, name: str) -> float:
-        from ..rl.update import sequence_estimates
+        from ..rl.estimates import sequence_estimates
 
         spec = self.ours.specs[name]
         batch = dataclasses.replace(self.ours.batch)
@@ -251,7 +251,7 @@ class BaselineStep:
     # ------------------------------------------------------------------ update
     def _loss(self, batch, spec) -> torch.Tensor:
         from ..rl.losses import sequence_policy_loss
-        from ..rl.update import sequence_estimates
+        from ..rl.estimates import sequence_estimates
 
         tok = self.all_token_logp(batch, batch.plan, spec)
         logp = sequence_estimates(tok, batch.plan, batch, spec)
@@ -278,7 +278,7 @@ class BaselineStep:
 
     def step(self) -> float:
         from ..rl.rollout import score_rollouts
-        from ..rl.update import sequence_estimates
+        from ..rl.estimates import sequence_estimates
         from .phases import fill_flat_groups
 
         spec = self.ours.spec

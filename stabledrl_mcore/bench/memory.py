@@ -86,7 +86,7 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
 def _run(cfg, seq_len: int, prompt_len: int, iterations: int):
     from ..rl.setup import build_training, phase_generator
     from ..rl.trainer import likelihood_spec
-    from ..rl.update import draw_plan
+    from ..rl.estimates import draw_plan
 
     s = build_training(cfg)
     after_build = _status("VmRSS")

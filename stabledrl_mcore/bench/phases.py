@@ -172,7 +172,7 @@ class StableDRLPhases:
     def __init__(self, setup):
         from ..rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
         from ..rl.rollout import score_rollouts
-        from ..rl.update import LikelihoodSpec
+        from ..rl.estimates import LikelihoodSpec
 
         s = self.s = setup
         cfg = s.cfg
@@ -203,7 +203,7 @@ class StableDRLPhases:
     def likelihood(self, name: str) -> float:
         from ..models.placement import model_device
         from ..rl.trainer import _chunk_generators, _first_chunk
-        from ..rl.update import old_policy_likelihood
+        from ..rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)

@@ -142,8 +142,12 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
                     *, optimizer=None, config_yaml: Optional[str] = None,
                     rng_state: Optional[Dict[str, Any]] = None, keep_last: int = 3,
                     extra_files: Optional[Dict[str, str]] = None,
-                    assets: Optional[Dict[str, str]] = None) -> str:
+                    assets: Optional[Dict[str, str]] = None,
+                    extra_modules: Optional[Dict[str, Any]] = None) -> str:
     """Write a complete checkpoint for ``state.step`` and prune old ones; returns its path.
+
+    ``extra_modules`` (name -> Megatron module) are saved beside the model under keys
+    prefixed ``<name>.`` (e.g. a KL reference policy that is synced during training).
 
     ``model_sharded_state_dict`` returns the model's ``sharded_state_dict()``
     (a callable so that the optimizer state can be mapped onto it). Must be
@@ -167,6 +171,8 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
     if optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
             optimizer, sharded["model"], fmt, is_loading=False)
+    for name, module in (extra_modules or {}).items():
+        sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(rng_state if rng_state is not None else capture_rng_state(),
@@ -237,9 +243,9 @@ def _write_text(path: str, text: str) -> None:
     os.replace(path + ".part", path)
 
 
-def load_checkpoint(path: str, model, *, optimizer=None,
-                    restore_rng: bool = True) -> TrainState:
-    """Load model (and optimizer) shards from ``path`` into the current layout.
+def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = True,
+                    extra_modules: Optional[Dict[str, Any]] = None) -> TrainState:
+    """Load model (and optimizer, and ``extra_modules``) shards from ``path`` into the current layout.
 
     ``model`` is a module (or list of chunks) with ``sharded_state_dict()`` and
     ``load_state_dict()``. Returns the :class:`TrainState`. RNG streams are
@@ -264,8 +270,12 @@ def load_checkpoint(path: str, model, *, optimizer=None,
     if optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
             optimizer, sharded["model"], fmt, is_loading=True)
+    for name, module in (extra_modules or {}).items():
+        sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     loaded = dist_checkpointing.load(sharded, path)
     chunks[0].load_state_dict(loaded["model"])
+    for name, module in (extra_modules or {}).items():
+        module.load_state_dict({k[len(name) + 1:]: v for k, v in loaded[name].items()})
     if optimizer is not None:
         optimizer_state.load_optimizer_state(optimizer, loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")

@@ -25,6 +25,17 @@ from stabledrl_mcore.diffusion.likelihood import (
     mean_field_logp,
     mixture,
 )
+from stabledrl_mcore.diffusion.mask_schemes import (
+    POST_EOS_POLICIES,
+    BlockRandomDraw,
+    MaskRegions,
+    apply_post_eos,
+    available_mask_schemes,
+    block_random_draw,
+    build_mask_plan,
+    get_mask_scheme,
+    register_mask_scheme,
+)
 from stabledrl_mcore.diffusion.masking import (
     MaskPlan,
     build_plan,
@@ -41,6 +52,8 @@ from stabledrl_mcore.diffusion.sampling_sdar import generate_sdar
 from stabledrl_mcore.diffusion.staircase import block_elbo_loop, block_elbo_staircase
 
 __all__ = [
+    "POST_EOS_POLICIES", "BlockRandomDraw", "MaskRegions", "apply_post_eos", "available_mask_schemes",
+    "block_random_draw", "build_mask_plan", "get_mask_scheme", "register_mask_scheme",
     "LikelihoodEstimate", "MaskPlan", "block_elbo_loop", "block_elbo_staircase", "build_plan",
     "complementary_mask", "dllm_config", "draw_log_probs", "elbo", "elbo_eubo", "elbo_from_draws", "eubo",
     "eubo_from_draws", "gather_log_probs", "generate", "generate_llada", "generate_sdar", "mask_completion",

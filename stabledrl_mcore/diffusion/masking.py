@@ -27,6 +27,9 @@ Every random draw takes an explicit ``torch.Generator`` (drawn on its device,
 then moved); nothing here touches the global RNG. A :class:`MaskPlan` stores
 the masks as tensors, so the same corruption can be replayed for the current
 and the old policy (antithetic sharing, LLaDA-1.5 VRPO).
+
+Named schemes over a batch's regions (prompt / completion / post-EOS), SPG's
+``block_random`` among them, and the post-EOS policies: :mod:`.mask_schemes`.
 """
 
 from __future__ import annotations

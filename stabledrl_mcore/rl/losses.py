@@ -4,7 +4,14 @@ Reference: Zhong et al. 2026, "Stabilizing Reinforcement Learning for
 Diffusion Language Models" (StableDRL), and the peers it compares to.
 
 Conventions shared by every loss (N samples, G prompt groups in the batch,
-|g| the size of sample i's group, rho_i = exp(logp_i - old_logp_i)):
+|g| the size of sample i's group, rho_i = exp(r_i - old_r_i)):
+
+- ``logp`` is the estimate the gradient flows through; the importance ratio
+  compares ``ratio_logp`` (default: ``logp``) with ``old_ratio_logp`` (default:
+  ``old_logp``). They differ for SPG's sandwich likelihood, where the release
+  takes log rho = ELBO_theta - ELBO_old and differentiates the bound; a loss
+  whose gradient goes through rho uses rho_i * d logp_i (the same as
+  differentiating exp(logp - old_logp) when the two coincide).
 
 - ``loss`` is MINIMISED. Each docstring gives the loss and its exact gradient
   with respect to ``logp``; old_logp and advantages never receive gradients.
@@ -68,9 +75,10 @@ __all__ = [
 class SequenceBatch:
     """What a registered sequence loss receives.
 
-    logp: [N] current estimates (carries gradients); old_logp: [N] detached
-    (ratio noise already applied); advantages: [N] detached; all in the
-    working dtype (>= float32).
+    logp: [N] current estimates (carries gradients); old_logp: [N] detached;
+    log_ratio: [N] detached log rho (ratio noise already applied, see the module
+    docstring); advantages: [N] detached; lengths: [N] completion lengths or
+    None; all in the working dtype (>= float32).
     """
 
     logp: Tensor
@@ -78,6 +86,8 @@ class SequenceBatch:
     advantages: Tensor
     groups: Groups
     eps: float
+    log_ratio: Tensor
+    lengths: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,9 +121,9 @@ def available_policy_losses() -> tuple[str, ...]:
     return _REGISTRY.names()
 
 
-def _unit(logp: Tensor) -> Tensor:
-    """Value 1, gradient d logp: lets a loss value read as a weighted advantage."""
-    return 1.0 + (logp - logp.detach())
+def _unit(logp: Tensor, scale: Tensor | float = 1.0) -> Tensor:
+    """Value 1, gradient scale * d logp: lets a loss value read as a weighted advantage."""
+    return 1.0 + (logp - logp.detach()) * scale
 
 
 def _ppo_active(rho: Tensor, adv: Tensor, eps: float) -> Tensor:
@@ -135,58 +145,58 @@ def stabledrl_loss(b: SequenceBatch) -> LossTerms:
     The update is a convex combination of A_i grad logp_i (weights w_i/G sum
     to 1), so its norm never exceeds max_i |A_i| ||grad logp_i||.
     """
-    log_ratio = b.logp.detach() - b.old_logp
-    rho = torch.exp(log_ratio)
+    rho = torch.exp(b.log_ratio)
     c = rho.clamp(1.0 - b.eps, 1.0 + b.eps)
     w = c / b.groups.expand(b.groups.sum(c))
     loss = -(w * b.advantages * _unit(b.logp)).sum() / b.groups.num_groups
-    return LossTerms(loss, log_ratio, w, rho < 1.0 - b.eps, rho > 1.0 + b.eps)
+    return LossTerms(loss, b.log_ratio, w, rho < 1.0 - b.eps, rho > 1.0 + b.eps)
 
 
 @register_policy_loss("stabledrl_released")
 def stabledrl_released_loss(b: SequenceBatch, *, log_weight_cap: float = math.log(5.0)) -> LossTerms:
     """StableDRL as in the public code: upper-capped log-weight, group softmax.
 
-    lw_i = sg[min(logp_i - old_logp_i, log_weight_cap)]  (no lower bound),
+    lw_i = sg[min(r_i - old_r_i, log_weight_cap)]  (no lower bound; r = the ELBO under
+    SPG's sandwich likelihood, the gradient then flows through the bound ``logp``),
     w_i = exp(lw_i) / sum_{j in g(i)} exp(lw_j),
-    loss = -(1/G) sum_i w_i A_i;   d loss / d logp_i = -w_i A_i / G.
+    loss = -(1/G) sum_i w_i A_i logp_i   (the release's value: the weighted surrogate),
+    d loss / d logp_i = -w_i A_i / G.
     clip_frac_high counts lw capped; clip_frac_low is always 0.
     """
     if not (isinstance(log_weight_cap, (int, float)) and math.isfinite(log_weight_cap)):
         raise ValueError(f"log_weight_cap must be a finite float, got {log_weight_cap!r}")
-    log_ratio = b.logp.detach() - b.old_logp
-    lw = log_ratio.clamp_max(log_weight_cap)
+    lw = b.log_ratio.clamp_max(log_weight_cap)
     e = torch.exp(lw - b.groups.expand(b.groups.max(lw)))
     w = e / b.groups.expand(b.groups.sum(e))
-    loss = -(w * b.advantages * _unit(b.logp)).sum() / b.groups.num_groups
-    return LossTerms(loss, log_ratio, w, torch.zeros_like(lw, dtype=torch.bool), log_ratio > log_weight_cap)
+    loss = -(w * b.advantages * b.logp).sum() / b.groups.num_groups
+    return LossTerms(loss, b.log_ratio, w, torch.zeros_like(lw, dtype=torch.bool), b.log_ratio > log_weight_cap)
 
 
 @register_policy_loss("grpo")
 def grpo_loss(b: SequenceBatch) -> LossTerms:
     """GRPO with an estimated sequence ratio (the baseline that spikes).
 
-    rho_i = exp(logp_i - sg[old_logp_i]),
+    rho_i = exp(r_i - sg[old_r_i]) with gradient rho_i d logp_i,
     loss = -(1/G) sum_g (1/|g|) sum_{i in g} min(rho_i A_i, clip(rho_i, 1-eps, 1+eps) A_i),
     d loss / d logp_i = -rho_i A_i / (G |g|) where the unclipped branch is
     active (A_i >= 0 and rho_i <= 1+eps, or A_i < 0 and rho_i >= 1-eps), else 0.
     With A_i < 0 the unbounded rho_i passes straight into the gradient.
     """
     size = b.groups.size_of_sample(b.logp.dtype)
-    rho = torch.exp(b.logp - b.old_logp)
+    rho_d = torch.exp(b.log_ratio)
+    rho = rho_d * _unit(b.logp)
     surr = torch.minimum(rho * b.advantages, rho.clamp(1.0 - b.eps, 1.0 + b.eps) * b.advantages)
     loss = -(surr / size).sum() / b.groups.num_groups
-    rho_d = rho.detach()
     weights = rho_d * _ppo_active(rho_d, b.advantages, b.eps) / size
-    return LossTerms(loss, b.logp.detach() - b.old_logp, weights, rho_d < 1.0 - b.eps, rho_d > 1.0 + b.eps)
+    return LossTerms(loss, b.log_ratio, weights, rho_d < 1.0 - b.eps, rho_d > 1.0 + b.eps)
 
 
 @register_policy_loss("espo")
 def espo_loss(b: SequenceBatch, *, lengths: Tensor | None = None) -> LossTerms:
     """ESPO: sequence-level, length-normalised ratio with PPO clipping.
 
-    rho_i = exp((logp_i - sg[old_logp_i]) / L_i)  (L_i = 1 when ``lengths`` is
-    None, i.e. logp already length-normalised),
+    rho_i = exp((r_i - sg[old_r_i]) / L_i)  (L_i = 1 when ``lengths`` is None, i.e.
+    the estimates are already normalised, e.g. by the generation width as ESPO),
     loss = -(1/N) sum_i min(rho_i A_i, clip(rho_i, 1-eps, 1+eps) A_i)
     (ESPO treats each sequence as one action and averages over the sequences
     of the batch; with equal group sizes this is GRPO's per-group average),
@@ -202,29 +212,42 @@ def espo_loss(b: SequenceBatch, *, lengths: Tensor | None = None) -> LossTerms:
         length = lengths.detach().to(device=b.logp.device, dtype=b.logp.dtype)
         if bool((length <= 0).any()):
             raise ValueError("lengths must be > 0")
-    rho = torch.exp((b.logp - b.old_logp) / length)
+    log_ratio = b.log_ratio / length
+    rho_d = torch.exp(log_ratio)
+    rho = rho_d * _unit(b.logp, 1.0 / length)
     surr = torch.minimum(rho * b.advantages, rho.clamp(1.0 - b.eps, 1.0 + b.eps) * b.advantages)
     loss = -surr.sum() / n
-    rho_d = rho.detach()
     weights = rho_d * _ppo_active(rho_d, b.advantages, b.eps) / length
-    log_ratio = (b.logp.detach() - b.old_logp) / length
     return LossTerms(loss, log_ratio, weights, rho_d < 1.0 - b.eps, rho_d > 1.0 + b.eps)
 
 
+SPG_AGGREGATIONS = ("group_mean", "length_weighted")
+
+
 @register_policy_loss("spg")
-def spg_loss(b: SequenceBatch) -> LossTerms:
+def spg_loss(b: SequenceBatch, *, aggregation: str = "group_mean") -> LossTerms:
     """SPG (sandwiched policy gradient): no ratio, a likelihood bound per sign.
 
     ``logp`` is the chosen bound (see ``spg_select_bound``: ELBO for A > 0,
-    EUBO/mixture for A <= 0); old_logp serves the diagnostics only.
-    loss = -(1/G) sum_g (1/|g|) sum_{i in g} A_i logp_i  (group mean, then
-    mean over prompts, as SPG's GRPO-style normalisation),
-    d loss / d logp_i = -A_i / (G |g|). Never clips; ratio noise has no effect.
+    EUBO/mixture for A <= 0); the ratio serves the diagnostics only.
+    ``aggregation="group_mean"``: loss = -(1/G) sum_g (1/|g|) sum_{i in g} A_i logp_i,
+    d loss / d logp_i = -A_i / (G |g|);
+    ``"length_weighted"`` (SPG's and the StableDRL release's non-SNIS loss, per group
+    = per device batch): loss = -(1/G) sum_g sum_{i in g} A_i logp_i L_i / sum_{j in g} L_j,
+    d loss / d logp_i = -A_i L_i / (G sum_{j in g} L_j), L = completion lengths.
+    Never clips; ratio noise has no effect.
     """
-    size = b.groups.size_of_sample(b.logp.dtype)
-    loss = -(b.advantages * b.logp / size).sum() / b.groups.num_groups
+    if aggregation not in SPG_AGGREGATIONS:
+        raise unknown_name_error("spg aggregation", aggregation, SPG_AGGREGATIONS)
+    if aggregation == "length_weighted":
+        if b.lengths is None:
+            raise ValueError("spg aggregation='length_weighted' needs completion lengths")
+        share = b.lengths / b.groups.expand(b.groups.sum(b.lengths)).clamp_min(1e-12)
+    else:
+        share = 1.0 / b.groups.size_of_sample(b.logp.dtype)
+    loss = -(b.advantages * b.logp * share).sum() / b.groups.num_groups
     none = torch.zeros_like(b.logp, dtype=torch.bool)
-    return LossTerms(loss, b.logp.detach() - b.old_logp, 1.0 / size, none, none)
+    return LossTerms(loss, b.log_ratio, share * torch.ones_like(b.advantages), none, none)
 
 
 def spg_select_bound(elbo: Tensor, eubo: Tensor, advantages: Tensor, mix: float = 0.5) -> Tensor:
@@ -254,12 +277,19 @@ def sequence_policy_loss(
     kl_estimator: str = "k3",
     ratio_noise: RatioNoise | None = None,
     noise_generator: torch.Generator | None = None,
+    ratio_logp: Tensor | None = None,
+    old_ratio_logp: Tensor | None = None,
+    completion_lengths: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss ``name`` (see module docstring) on [N] sequence estimates -> (loss, metrics).
 
-    ``options`` are the loss's own keyword options (e.g. ``lengths`` for espo,
-    ``log_weight_cap`` for stabledrl_released); unknown ones raise TypeError.
+    ``ratio_logp`` / ``old_ratio_logp`` (both or neither): what the importance ratio
+    compares, when it is not ``logp`` / ``old_logp`` (see the module docstring).
+    ``completion_lengths`` [N]: for losses that weight by length (spg's
+    ``length_weighted``). ``options`` are the loss's own keyword options (e.g.
+    ``lengths`` for espo, ``log_weight_cap`` for stabledrl_released, ``aggregation``
+    for spg); unknown ones raise TypeError.
     """
     fn = get_policy_loss(name)
     check_options("policy loss", name, fn, options)
@@ -280,19 +310,33 @@ def sequence_policy_loss(
     if ref_logp is not None:
         check_tensor("ref_logp", ref_logp)
         check_same_shape("logp", logp, ref_logp=ref_logp)
+    if (ratio_logp is None) != (old_ratio_logp is None):
+        raise ValueError("pass both ratio_logp and old_ratio_logp, or neither")
+    if ratio_logp is not None:
+        check_tensor("ratio_logp", ratio_logp)
+        check_tensor("old_ratio_logp", old_ratio_logp)
+        check_same_shape("logp", logp, ratio_logp=ratio_logp, old_ratio_logp=old_ratio_logp)
+    if completion_lengths is not None:
+        check_tensor("completion_lengths", completion_lengths,
+                     floating=isinstance(completion_lengths, Tensor) and completion_lengths.is_floating_point())
+        check_same_shape("logp", logp, completion_lengths=completion_lengths)
 
     dtype = work_dtype(logp, old_logp, advantages)
     logp_w = logp.to(dtype)
     old = old_logp.detach().to(dtype)
+    r_new = (logp if ratio_logp is None else ratio_logp).detach().to(dtype)
+    r_old = (old_logp if old_ratio_logp is None else old_ratio_logp).detach().to(dtype)
     if ratio_noise is not None:
         if not isinstance(ratio_noise, RatioNoise):
             raise TypeError(f"ratio_noise must be a RatioNoise, got {type(ratio_noise).__name__}")
         if noise_generator is None:
             raise ValueError("ratio_noise needs noise_generator (its own torch.Generator)")
-        old = old - ratio_noise.sample(old.shape, generator=noise_generator, device=old.device, dtype=dtype)
+        r_old = r_old - ratio_noise.sample(r_old.shape, generator=noise_generator, device=r_old.device,
+                                           dtype=dtype)
     groups = Groups.from_index(group_index, dtype)
     adv = advantages.detach().to(dtype)
-    terms = fn(SequenceBatch(logp_w, old, adv, groups, eps), **options)
+    lengths = None if completion_lengths is None else completion_lengths.detach().to(dtype)
+    terms = fn(SequenceBatch(logp_w, old, adv, groups, eps, r_new - r_old, lengths), **options)
 
     total, kl = terms.loss, None
     if ref_logp is not None:

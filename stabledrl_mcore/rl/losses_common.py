@@ -152,17 +152,20 @@ def check_eps(eps: float) -> float:
 
 # --------------------------------------------------------------------------- KL
 
-KL_ESTIMATORS = ("k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-sample estimate of KL(pi_theta || pi_ref) from samples of pi_theta.
 
+    k1:            -log r = logp - ref_logp (unbiased, can be negative); d/dlogp = 1.
     k3 (Schulman): r - log r - 1 with log r = ref_logp - logp;
                    d/dlogp = 1 - exp(ref_logp - logp).
     k2:            0.5 * (logp - ref_logp)^2;  d/dlogp = logp - ref_logp.
     """
     log_r = ref_logp.detach() - logp
+    if estimator == "k1":
+        return -log_r
     if estimator == "k3":
         return torch.exp(log_r) - log_r - 1.0
     if estimator == "k2":

@@ -86,23 +86,34 @@ def _masked_seq_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
 
+TOKEN_AGGREGATIONS = ("sequence_mean", "global_token_mean")
+
+
 @register_token_policy_loss("diffu_grpo")
-def diffu_grpo_loss(b: TokenBatch) -> TokenLossTerms:
+def diffu_grpo_loss(b: TokenBatch, *, aggregation: str = "sequence_mean") -> TokenLossTerms:
     """d1's diffu-GRPO: token-level PPO clip (eps 0.5 by default).
 
-    rho_it = exp(logp_it - sg[old_logp_it]), n_i = sum_t m_it,
-    loss = -(1/N) sum_i (1/n_i) sum_t m_it min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i),
-    d loss / d logp_it = -m_it rho_it A_i / (N n_i) where unclipped
+    rho_it = exp(logp_it - sg[old_logp_it]), n_i = sum_t m_it, s_it = m_it min(rho_it A_i,
+    clip(rho_it, 1-eps, 1+eps) A_i);
+    ``"sequence_mean"``: loss = -(1/N) sum_i (1/n_i) sum_t s_it;
+    ``"global_token_mean"`` (d1's released trainer): loss = -sum_it s_it / sum_it m_it;
+    d loss / d logp_it = -m_it rho_it A_i / (N n_i) (resp. / sum m) where unclipped
     (A_i >= 0 and rho_it <= 1+eps, or A_i < 0 and rho_it >= 1-eps), else 0.
     """
+    if aggregation not in TOKEN_AGGREGATIONS:
+        raise unknown_name_error("diffu_grpo aggregation", aggregation, TOKEN_AGGREGATIONS)
     n = b.logp_tok.shape[0]
     adv = b.advantages[:, None]
     rho = torch.exp(b.logp_tok - b.old_logp_tok)
     surr = torch.minimum(rho * adv, rho.clamp(1.0 - b.eps, 1.0 + b.eps) * adv)
-    loss = -_masked_seq_mean(surr, b.mask).sum() / n
     rho_d = rho.detach()
     active = torch.where(adv >= 0, rho_d <= 1.0 + b.eps, rho_d >= 1.0 - b.eps)
-    seq_weights = _masked_seq_mean(rho_d * active, b.mask)
+    if aggregation == "global_token_mean":
+        loss = -(surr * b.mask).sum() / b.mask.sum().clamp_min(1.0)
+        seq_weights = (rho_d * active * b.mask).sum(1) / b.mask.sum().clamp_min(1.0) * n
+    else:
+        loss = -_masked_seq_mean(surr, b.mask).sum() / n
+        seq_weights = _masked_seq_mean(rho_d * active, b.mask)
     log_ratio = b.logp_tok.detach() - b.old_logp_tok
     return TokenLossTerms(loss, log_ratio, seq_weights, rho_d < 1.0 - b.eps, rho_d > 1.0 + b.eps)
 
@@ -125,8 +136,9 @@ def token_policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level loss ``name`` -> (loss, metrics).
 
-    KL (when ``ref_logp_tok`` is given): per-token estimate, masked mean per
-    sequence, mean over sequences; loss += kl_coef * kl. ``ratio_noise``
+    KL (when ``ref_logp_tok`` is given): per-token estimate, aggregated like the
+    policy term (masked mean per sequence then over sequences, or one global token
+    mean with ``aggregation="global_token_mean"``, d1); loss += kl_coef * kl. ``ratio_noise``
     perturbs every token's log-ratio independently (own generator).
     """
     fn = get_token_policy_loss(name)
@@ -173,8 +185,12 @@ def token_policy_loss(
     terms = fn(TokenBatch(logp_w, old, adv, mask, groups, eps), **options)
 
     total, kl = terms.loss, None
-    if ref_logp_tok is not None:
-        kl = _masked_seq_mean(kl_estimate(logp_w, ref_logp_tok.to(dtype), kl_estimator), mask).mean()
+    if ref_logp_tok is not None:  # aggregated over tokens as the policy term is
+        per_token = kl_estimate(logp_w, ref_logp_tok.to(dtype), kl_estimator)
+        if options.get("aggregation") == "global_token_mean":
+            kl = (per_token * mask).sum() / mask.sum()
+        else:
+            kl = _masked_seq_mean(per_token, mask).mean()
         if kl_coef > 0:
             total = total + kl_coef * kl
     metrics = collect_metrics(name, total=total, policy=terms.loss, kl=kl,

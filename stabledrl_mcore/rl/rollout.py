@@ -35,11 +35,14 @@ class RolloutBatch:
     completions: List[str]
     references: List[Any]
     rewards: Optional[torch.Tensor] = None
+    correct: Optional[torch.Tensor] = None         # [N] bool: the task's full (base) reward, for accuracy
     advantages: Optional[torch.Tensor] = None
     reward_errors: int = 0
     old_token_logp: Optional[torch.Tensor] = None  # [M, N, S] per-draw log-probs (no grad)
-    old_logp: Optional[torch.Tensor] = None        # [N] sequence estimates
-    plan: Any = None                               # diffusion.MaskPlan to replay
+    old_logp: Optional[torch.Tensor] = None        # [N] sequence estimates (what the loss differentiates)
+    old_ratio_logp: Optional[torch.Tensor] = None  # [N] what importance ratios compare (the ELBO)
+    plan: Any = None                               # diffusion.MaskPlan of the old-policy estimate
+    iteration_estimates: List[Any] = field(default_factory=list)  # rl.estimates.OldEstimate per iteration
     stats: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -115,15 +118,23 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
 
 
 def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> RolloutBatch:
-    """Phase 2: rewards (a verifier that raises scores 0 and is counted) and group advantages."""
-    rewards, errors = [], 0
+    """Phase 2: rewards (a verifier that raises scores 0 and is counted) and group advantages.
+
+    ``batch.correct`` is the task's own correctness (its full base reward), so accuracy
+    does not count shaping terms such as ``anti_short_boxed``.
+    """
+    rewards, correct, errors = [], [], 0
     for completion, reference in zip(batch.completions, batch.references):
         try:
             rewards.append(float(task.reward(completion, reference)))
+            correct.append(bool(task.is_correct(completion, reference)))
         except Exception:  # noqa: BLE001 - hostile model output must never stop training
             rewards.append(0.0)
+            correct.append(False)
             errors += 1
-    batch.rewards = torch.tensor(rewards, dtype=torch.float32, device=batch.sequences.device)
+    device = batch.sequences.device
+    batch.rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
+    batch.correct = torch.tensor(correct, dtype=torch.bool, device=device)
     batch.reward_errors = errors
     batch.advantages = group_advantages(batch.rewards, batch.group_index, mode=advantage)
     return batch

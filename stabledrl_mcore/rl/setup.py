@@ -32,6 +32,7 @@ class TrainingSetup:
     prompts: "PromptStream"
     dp_rank: int
     dp_size: int
+    reference: Any = None  # frozen copy of the initial policy (algo.kl_coef > 0), same layout
     preempted: bool = False
 
 
@@ -157,6 +158,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
     if cfg.model.checkpoint:
         load_initial_weights(model, cfg.model.checkpoint)
+    reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
     # Megatron's distributed (ZeRO-1) optimizer, on CPU/gloo as on GPU (Adam only: validated)
     distributed = cfg.optim.distributed
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -167,7 +169,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
         adam_beta2=cfg.optim.betas[1], sgd_momentum=0.0, clip_grad=cfg.optim.clip_grad,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    total = max(cfg.steps, 1)
+    total = max(cfg.steps * cfg.algo.inner_iterations, 1)  # the schedule counts optimizer updates
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr, max_lr=cfg.optim.lr,
         min_lr=cfg.optim.min_lr, lr_warmup_steps=cfg.optim.warmup_steps,
@@ -185,7 +187,27 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
                           f"group_size), not a multiple of parallel.micro_batch_size "
                           f"({cfg.parallel.micro_batch_size})")
     return TrainingSetup(cfg, model, ddp, optimizer, scheduler, tokenizer, task, prompts,
-                         dp_rank, dp_size)
+                         dp_rank, dp_size, reference=reference)
+
+
+def reference_policy(model, mcfg, dtype):
+    """A frozen copy of ``model`` as it is now (the initial policy), in the same layout and
+    dtype, in eval mode: the reference of the KL penalty. A resume rebuilds it the same way
+    (from ``model.checkpoint`` or the seeded initialisation) before the run's own weights load.
+    """
+    from ..models import build_model
+
+    reference = build_model(mcfg, params_dtype=dtype, device=next(model.parameters()).device)
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+@torch.no_grad()
+def sync_reference(reference, model, mixup: float) -> None:
+    """TR-DPO's reference update (TRL's ``sync_ref_model``, used by d1): ref <- a * theta + (1 - a) * ref."""
+    for ref_param, param in zip(reference.parameters(), model.parameters()):
+        ref_param.mul_(1.0 - mixup).add_(param.detach().to(ref_param.dtype), alpha=mixup)
 
 
 def load_initial_weights(model, path: str) -> None:

@@ -27,7 +27,8 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) 
     host = [float(rewards.numel()), float(batch.reward_errors), float(batch.sequences.numel())]
     host += [float(update[k]) for k in keys]
     device = rewards.device  # the batch's statistics stay there until the one reduction
-    local = torch.cat([torch.stack([rewards.sum(), (rewards ** 2).sum(), (rewards >= 1.0).sum().double(),
+    correct = batch.correct if batch.correct is not None else rewards >= 1.0
+    local = torch.cat([torch.stack([rewards.sum(), (rewards ** 2).sum(), correct.sum().double(),
                                     batch.completion_mask.sum().double()]),
                        torch.tensor(host, dtype=torch.float64, device=device)])
     total = _dp_sum(local)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -26,10 +26,10 @@ from ..parallel.bootstrap import any_rank
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .rollout import generate_rollouts, score_rollouts
-from .setup import TrainingSetup, build_training, phase_generator
+from .setup import TrainingSetup, build_training, phase_generator, sync_reference
 from .step_metrics import step_metrics
-from .update import (LikelihoodSpec, accumulate_gradients, agree_ok, all_token_logp,
-                     grads_finite, loss_coefficients, old_policy_likelihood)
+from .estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
+from .update import accumulate_gradients, agree_ok, grads_finite, loss_coefficients
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -69,42 +69,53 @@ class PhaseTimer:
 
 
 def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
-    block = model.dllm_config.block_size if cfg.algo.likelihood == "staircase" else None
-    return LikelihoodSpec(kind=cfg.algo.likelihood, num_mc=cfg.algo.num_mc, coupled=cfg.algo.coupled_masks,
-                          length_normalize=cfg.algo.length_normalize, block_size=block)
+    a = cfg.algo
+    block = model.dllm_config.block_size if a.likelihood == "staircase" else None
+    options = (("block_length", cfg.rollout.block_length),) if a.mask_scheme == "block_random" else ()
+    return LikelihoodSpec(kind=a.likelihood, num_mc=a.num_mc, coupled=a.coupled_masks,
+                          length_normalize=a.length_normalize, block_size=block, beta=a.spg_beta,
+                          omega=a.spg_omega, scheme=a.mask_scheme, scheme_options=options,
+                          prefix_mask_prob=a.prefix_mask_prob, post_eos=a.post_eos, normalize_by=a.normalize_by)
 
 
 def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, float]:
-    """Phase 4: ``inner_iterations`` optimizer steps on one rollout batch."""
-    cfg, mask_id = s.cfg, s.model.dllm_config.mask_token_id
-    noise = (RatioNoise(cfg.algo.ratio_noise, cfg.algo.ratio_noise_sigma, cfg.algo.ratio_noise_dof)
-             if cfg.algo.ratio_noise else None)
+    """Phase 4: ``inner_iterations`` optimizer steps on one rollout batch (the LR schedule
+    advances once per optimizer update, as the release counts steps)."""
+    cfg, a, mask_id, micro = s.cfg, s.cfg.algo, s.model.dllm_config.mask_token_id, s.cfg.parallel.micro_batch_size
+    noise = RatioNoise(a.ratio_noise, a.ratio_noise_sigma, a.ratio_noise_dof) if a.ratio_noise else None
     metrics: Dict[str, float] = {"skipped_updates": 0.0}
-    micro = cfg.parallel.micro_batch_size
-    for inner in range(cfg.algo.inner_iterations):
-        retained = {} if cfg.parallel.retain_update_graph and inner > 0 else None
-        current = batch.old_token_logp if inner == 0 else all_token_logp(
-            s.ddp if retained is not None else s.model, batch, batch.plan, spec, micro_batch=micro,
-            mask_id=mask_id, graphs=retained)
+    for inner in range(a.inner_iterations):
+        old, plan, current, retained = iteration_inputs(
+            s.ddp if cfg.parallel.retain_update_graph else s.model, batch, spec, inner, sampling=a.mask_sampling,
+            micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
+            chunk_generator=_chunk_generators(cfg, step, model_device(s.model))(f"masks/iter{inner}"),
+            first_chunk=_first_chunk(s))
+        ref = None if s.reference is None else all_token_logp(s.reference, batch, plan, spec, micro_batch=micro,
+                                                              mask_id=mask_id)
         coef, loss_metrics = loss_coefficients(
-            current, batch, spec, loss=cfg.algo.loss, eps=cfg.algo.eps, ratio_noise=noise,
+            current, batch, spec, plan=plan, old=old, loss=a.loss, loss_options=a.loss_options, eps=a.eps,
+            ratio_noise=noise, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, ref_tok=ref,
             noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise",
                                             device=model_device(s.model)))
+        if inner == 0:
+            metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
         if agree_ok(coef is not None):
-            accumulate_gradients(s.ddp, batch, spec, coef, micro_batch=micro, mask_id=mask_id,
+            accumulate_gradients(s.ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
                                  retained=retained)
         retained = None
         s.ddp.finish_grad_sync()
+        s.scheduler.step(increment=1)
         if coef is None or not grads_finite(s.model):
             metrics["skipped_updates"] += 1
             s.optimizer.zero_grad()
             continue
         _, grad_norm, _ = s.optimizer.step()
+        if s.reference is not None and a.reference_sync_every and s.scheduler.num_steps % a.reference_sync_every == 0:
+            sync_reference(s.reference, s.model, a.reference_mixup)
         metrics.update({k: v for k, v in loss_metrics.items() if isinstance(v, (int, float))})
         metrics["grad_norm"] = max(metrics.get("grad_norm", 0.0), float(grad_norm or 0.0))
-    s.scheduler.step(increment=1)
     if metrics["skipped_updates"]:
         s.optimizer.zero_grad()
     return metrics
@@ -198,11 +209,13 @@ def rollout_phase(s: TrainingSetup, step: int):
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
-    """Phase 3: masks drawn and the old policy scored (kept for replay)."""
+    """Phase 3: masks drawn and the old policy scored (per iteration with ``per_iteration``)."""
+    chunks = _chunk_generators(s.cfg, step, model_device(s.model))
     return old_policy_likelihood(s.model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
-                                 mask_id=s.model.dllm_config.mask_token_id,
-                                 chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("masks"),
-                                 first_chunk=_first_chunk(s))
+                                 mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
+                                 first_chunk=_first_chunk(s), sampling=s.cfg.algo.mask_sampling,
+                                 iteration_generators=lambda k: chunks(f"masks/iter{k}"),
+                                 iterations=s.cfg.algo.inner_iterations)
 
 
 def _progress(cfg: RunConfig, start: int, end: int):
@@ -231,7 +244,13 @@ def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
     return save_checkpoint(root, state, s.model.sharded_state_dict, optimizer=s.optimizer,
                            config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
                            keep_last=s.cfg.checkpoint.keep_last,
-                           extra_files={"model_config.json": model_config}, assets=assets)
+                           extra_files={"model_config.json": model_config}, assets=assets,
+                           extra_modules=_synced_reference(s))
+
+
+def _synced_reference(s: TrainingSetup) -> Optional[Dict[str, Any]]:
+    """The reference policy when it changes during training (so checkpoints must carry it)."""
+    return {"reference": s.reference} if s.reference is not None and s.cfg.algo.reference_sync_every else None
 
 
 def _maybe_resume(s: TrainingSetup, root: str, resume: Optional[str]) -> int:
@@ -240,7 +259,7 @@ def _maybe_resume(s: TrainingSetup, root: str, resume: Optional[str]) -> int:
     path = find_latest(root) if resume == "auto" else resume
     if path is None:
         return 0
-    state = load_checkpoint(path, s.model, optimizer=s.optimizer)
+    state = load_checkpoint(path, s.model, optimizer=s.optimizer, extra_modules=_synced_reference(s))
     if state.scheduler:
         s.scheduler.load_state_dict(state.scheduler)
     return state.step

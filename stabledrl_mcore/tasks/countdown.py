@@ -157,7 +157,9 @@ class CountdownTask(Task):
         ref = example.reference
         return " ".join(str(n) for n in ref["numbers"]) + f" -> {ref['target']} ="
 
-    def __init__(self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100) -> None:
+    def __init__(self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100,
+                 **options: Any) -> None:
+        super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         if not num_counts or any(k not in (2, 3, 4, 5) for k in num_counts):
             raise ValueError(f"num_counts must be a non-empty tuple of 2..5, got {num_counts!r}")
         if max_number < 1 or max_target < 1:

@@ -77,7 +77,9 @@ class _FileMathTask(Task):
     fields: tuple[str, ...] = ()
     format_hint: str = ""
 
-    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0) -> None:
+    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
+                 **options: Any) -> None:
+        super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         if not 0.0 <= format_weight <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {format_weight}")
         self.data_root = data_root
@@ -186,8 +188,8 @@ class Math500Task(_FileMathTask):
     format_hint = "'problem', 'answer' (LaTeX final answer) and 'solution' fields"
 
     def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(data_root, format_weight)
+                 timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> None:
+        super().__init__(data_root, format_weight, **options)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)

@@ -145,7 +145,8 @@ class SudokuTask(Task):
     name = "sudoku"
     system_prompt = SUDOKU_SYSTEM_PROMPT
 
-    def __init__(self, blanks: tuple[int, int] = (6, 10), solved_bonus: float = 0.0) -> None:
+    def __init__(self, blanks: tuple[int, int] = (6, 10), solved_bonus: float = 0.0, **options: Any) -> None:
+        super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         lo, hi = blanks
         if not 1 <= lo <= hi <= 12:
             raise ValueError(f"blanks must satisfy 1 <= min <= max <= 12, got {blanks!r}")
