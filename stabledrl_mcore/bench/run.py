@@ -115,8 +115,16 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     ours = base = None
     try:
         world = torch.distributed.get_world_size()
-        if baseline is None:
-            baseline = world == 1
+        from ..rl.losses import available_token_policy_losses
+
+        token_loss = cfg.algo.loss in available_token_policy_losses()
+        if baseline and token_loss:
+            raise ConfigError(f"the baseline implements sequence-level losses only, not {cfg.algo.loss!r}; "
+                              "run with --no-baseline")
+        if baseline is None:  # by default: in a one-process run, for the losses it implements
+            baseline = world == 1 and not token_loss
+            if token_loss:
+                log(f"no baseline: it implements sequence-level losses only, not {cfg.algo.loss!r}")
         peak = device_peak(override_tflops=peak_tflops) if measure_peak else None
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
