@@ -337,6 +337,14 @@ class RunConfig:
         if a.loss in token and a.likelihood != "mean_field":
             raise ConfigError(f"algo.loss={a.loss} is token level: it needs algo.likelihood=mean_field "
                               f"(per-token log-probs of the fully masked completion), not {a.likelihood!r}")
+        if a.loss in token and (a.normalize_by != "completion" or not a.length_normalize):
+            raise ConfigError(f"algo.length_normalize / algo.normalize_by shape sequence estimates; the token-level "
+                              f"loss {a.loss!r} aggregates tokens itself (see algo.loss_options)")
+        if a.loss in ("spg", "stabledrl_released") and a.eps != 0.2:
+            raise ConfigError(f"algo.eps has no effect with algo.loss={a.loss} (it does not clip the ratio"
+                              + ("; its cap is algo.loss_options.log_weight_cap)" if a.loss != "spg" else ")"))
+        if a.loss == "spg" and a.ratio_noise is not None:
+            raise ConfigError("algo.ratio_noise has no effect with algo.loss=spg (no importance ratio)")
         _check_loss_options(a.loss, a.loss_options, token=a.loss in token)
 
 

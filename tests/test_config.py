@@ -82,3 +82,26 @@ def test_example_configs_load():
     assert files, "examples/configs/*.yaml are missing"
     for path in files:
         load_config(path)
+
+
+def test_algorithm_fields_that_would_be_ignored_are_refused():
+    cases = {
+        ("algo.loss=ppo",): r"unknown loss 'ppo'",
+        ("algo.loss_options={foo: 1}",): r"foo not an option of loss 'stabledrl'",
+        ("algo.loss=diffu_grpo",): r"token level: it needs algo.likelihood=mean_field",
+        ("algo.mask_scheme=block_random", "algo.likelihood=staircase"): r"applies to the elbo/spg likelihoods",
+        ("algo.spg_beta=2.0",): r"set algo.likelihood=spg",
+        ("algo.kl_estimator=k2",): r"no effect with algo.kl_coef=0",
+        ("algo.reference_sync_every=64",): r"need a reference",
+        ("algo.loss=spg", "algo.eps=0.3"): r"algo.eps has no effect with algo.loss=spg",
+        ("algo.loss=spg", "algo.ratio_noise=lognormal"): r"ratio_noise has no effect",
+        ("algo.mask_sampling=sometimes",): r"algo.mask_sampling must be one of",
+        ("algo.post_eos=drop",): r"algo.post_eos must be one of",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, list(overrides))
+    ok = load_config(None, ["algo.loss=spg", "algo.likelihood=spg", "algo.spg_beta=2.0",
+                            "algo.loss_options={aggregation: length_weighted}", "algo.kl_coef=0.01",
+                            "algo.kl_estimator=k2", "algo.mask_scheme=block_random", "algo.post_eos=mask_and_skip"])
+    assert ok.algo.loss_options == {"aggregation": "length_weighted"} and ok.algo.spg_beta == 2.0
