@@ -173,3 +173,30 @@ def test_sigkill_during_checkpoint_save_resumes_from_last_complete(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]  # keep_last: 2
     steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert steps[-2:] == [2, 3] and steps.count(2) == 2, steps
+
+
+def _one_rank_nan_worker(run_dir):
+    """Rank 1's first loss is non-finite; rank 0's is fine (the case that used to hang)."""
+    from stabledrl_mcore.rl import trainer
+
+    real, calls = trainer.loss_coefficients, []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if torch.distributed.get_rank() == 1 and len(calls) == 1:
+            return None, {"nonfinite_reason": "injected: loss is nan"}
+        return real(*args, **kwargs)
+
+    trainer.loss_coefficients = faulty
+    _train_worker(run_dir, {"parallel.timeout_minutes": 1, "steps": 1}, None)
+
+
+@pytest.mark.multiprocess
+def test_a_nonfinite_loss_on_one_rank_skips_on_every_rank_without_hanging(tmp_path):
+    run_dir = str(tmp_path / "run")
+    start = time.time()
+    spawn(_one_rank_nan_worker, 2, (run_dir,), timeout=150)
+    assert time.time() - start < 120, "a rank waited for a collective the other rank skipped"
+    rows = _metrics(run_dir)
+    # every rank skipped the first of the 2 inner iterations together, then updated together
+    assert rows[-1]["skipped_updates"] == 1.0 and rows[-1]["grad_norm"] > 0, rows[-1]

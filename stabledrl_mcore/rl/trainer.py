@@ -101,13 +101,15 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
-        if agree_ok(coef is not None):
+        finite_loss = agree_ok(coef is not None)  # the same answer on every rank
+        if finite_loss:
             accumulate_gradients(s.ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
                                  retained=retained)
         retained = None
         s.ddp.finish_grad_sync()
         s.scheduler.step(increment=1)
-        if coef is None or not grads_finite(s.model):
+        # every rank skips together: never short-circuit one rank past grads_finite's all-reduce
+        if not finite_loss or not grads_finite(s.model):
             metrics["skipped_updates"] += 1
             s.optimizer.zero_grad()
             continue
