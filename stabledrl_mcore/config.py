@@ -350,13 +350,10 @@ class RunConfig:
 
 def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> None:
     """``algo.loss_options`` must be keyword options of the loss function itself."""
-    import inspect
-
     from .rl.losses import get_policy_loss, get_token_policy_loss
+    from .rl.losses_common import option_names
 
-    fn = (get_token_policy_loss if token else get_policy_loss)(loss)
-    accepted = [p.name for p in list(inspect.signature(fn).parameters.values())[1:]
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and "Tensor" not in str(p.annotation)]
+    accepted = option_names((get_token_policy_loss if token else get_policy_loss)(loss), configurable=True)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ConfigError(f"algo.loss_options: {', '.join(unknown)} not an option of loss {loss!r} "

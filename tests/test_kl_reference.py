@@ -47,9 +47,10 @@ def test_kl_term_is_the_estimator_on_the_sequence_estimates(estimator):
 def _kl_worker(run_dir):
     from stabledrl_mcore.config import load_config
     from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task
 
-    Task.reward = lambda self, completion, reference: (sum(map(ord, completion)) % 11) / 10.0  # dense
+    Task.reward = probe_reward  # dense: a random tiny model would earn 0 everywhere
 
     cfg = load_config(os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"), [
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false", "steps=2",
@@ -95,9 +96,10 @@ def test_plan_counts_the_reference_weights():
 def _sync_worker(run_dir, steps, resume):
     from stabledrl_mcore.config import load_config
     from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task
 
-    Task.reward = lambda self, completion, reference: (sum(map(ord, completion)) % 11) / 10.0  # dense
+    Task.reward = probe_reward  # dense: a random tiny model would earn 0 everywhere
     cfg = load_config(os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"), [
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false", f"steps={steps}",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.gen_length=8", "rollout.steps=4",

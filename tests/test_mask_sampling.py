@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
-from stabledrl_mcore.rl.estimates import (LikelihoodSpec, iteration_inputs, old_policy_likelihood,
-                                          ratio_estimates)
+from stabledrl_mcore.rl.estimates import (LikelihoodSpec, elbo_estimates, iteration_inputs,
+                                          old_policy_likelihood)
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 P, L = 2, 4  # prompt and completion lengths
@@ -69,7 +69,7 @@ def first_log_ratio(model, batch, spec, sampling, step, inner=0):
                           sampling=sampling, iteration_generators=lambda k: gens(f"masks/iter{k}"), iterations=2)
     old, plan, current, _ = iteration_inputs(model, batch, spec, inner, sampling=sampling, micro_batch=batch.size,
                                              mask_id=11, chunk_generator=gens(f"masks/iter{inner}"))
-    return ratio_estimates(current, plan, batch, spec) - old.ratio_logp
+    return elbo_estimates(current, plan, batch, spec) - old.ratio_logp
 
 
 def test_fresh_first_iteration_log_ratio_variance_is_twice_the_estimator_variance():

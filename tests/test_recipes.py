@@ -132,13 +132,11 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
 
 def _recipe_rank(config: str, overrides):
     """One rank: the recipe through the CLI's own entry (``train_rank``), dense reward."""
-    from stabledrl_mcore.tasks.base import Task
+    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.rl.trainer import train_rank
+    from stabledrl_mcore.tasks.base import Task
 
-    def dense_reward(self, completion, reference):  # deterministic, varies with the text
-        return (sum(map(ord, completion)) % 11) / 10.0
-
-    Task.reward = dense_reward
+    Task.reward = probe_reward  # deterministic, varies with the text
     assert train_rank(config, overrides) == 0
 
 

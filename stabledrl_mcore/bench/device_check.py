@@ -269,7 +269,7 @@ def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     return out
 
 
-def _probe_reward(task, completion: str, reference) -> float:
+def probe_reward(task, completion: str, reference) -> float:
     """A dense, deterministic reward of the completion text. A random tiny model earns the same
     task reward for every completion (zero advantages, so no backward would run); this varies."""
     return (sum(map(ord, completion)) % 11) / 10.0
@@ -281,7 +281,7 @@ def _train_rank(config: str, overrides: List[str], out_json: str) -> None:
     from ..rl.trainer import train
     from ..tasks.base import Task
 
-    Task.reward = _probe_reward
+    Task.reward = probe_reward
     setup = train(load_config(config, overrides))
     digest = hashlib.sha256()
     for name, tensor in sorted(setup.model.state_dict().items()):

@@ -198,28 +198,32 @@ def elbo_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
     return _normalised(lo, batch, spec)
 
 
-def sequence_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
-                       spec: LikelihoodSpec) -> torch.Tensor:
-    """Per-sequence estimates ``[N]`` the loss differentiates: the ELBO, or SPG's sandwich
-    (ELBO for A > 0, ``omega`` EUBO + (1 - omega) ELBO otherwise)."""
+def sequence_estimates_and_elbo(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
+                                spec: LikelihoodSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate, elbo)``, both ``[N]`` and differentiable in the token log-probs ``tok``.
+
+    ``estimate`` is what the loss differentiates: the ELBO, or SPG's sandwich (ELBO for
+    A > 0, ``omega`` EUBO + (1 - omega) ELBO otherwise); ``elbo`` is what importance ratios
+    compare (also under the sandwich, as released). One ELBO serves both.
+    """
     lo = elbo_estimates(tok, plan, batch, spec)
     if spec.kind != "spg":
-        return lo
+        return lo, lo
     own_length = spec.length_normalize and spec.normalize_by == "completion"
     hi, _ = eubo_from_draws(tok, plan, scored_region(batch, spec), spec.beta, own_length)
-    return spg_select_bound(lo, _normalised(hi, batch, spec), batch.advantages, mix=spec.omega)
+    return spg_select_bound(lo, _normalised(hi, batch, spec), batch.advantages, mix=spec.omega), lo
 
 
-def ratio_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
-                    spec: LikelihoodSpec) -> torch.Tensor:
-    """What importance ratios compare: the ELBO (also under SPG's sandwich, as released)."""
-    return elbo_estimates(tok, plan, batch, spec)
+def sequence_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
+                       spec: LikelihoodSpec) -> torch.Tensor:
+    """Per-sequence estimates ``[N]`` the loss differentiates (see :func:`sequence_estimates_and_elbo`)."""
+    return sequence_estimates_and_elbo(tok, plan, batch, spec)[0]
 
 
 def estimate(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch, spec: LikelihoodSpec) -> OldEstimate:
     """Both estimates of detached token log-probs under ``plan``."""
-    return OldEstimate(plan, tok, sequence_estimates(tok, plan, batch, spec).detach(),
-                       ratio_estimates(tok, plan, batch, spec).detach())
+    logp, elbo = sequence_estimates_and_elbo(tok, plan, batch, spec)
+    return OldEstimate(plan, tok, logp.detach(), elbo.detach())
 
 
 def old_policy_likelihood(model, batch: RolloutBatch, spec: LikelihoodSpec, *, micro_batch: int,
@@ -232,7 +236,7 @@ def old_policy_likelihood(model, batch: RolloutBatch, spec: LikelihoodSpec, *, m
     ``batch.plan``/``old_token_logp``/``old_logp``/``old_ratio_logp`` hold the estimate
     under the rollout-time plan. With ``sampling="per_iteration"`` every inner
     iteration ``k >= 1`` also gets its own plan (``iteration_generators(k)``), scored
-    here, in ``batch.iteration_estimates``.
+    here: ``batch.iteration_estimates[k]`` (``[0]`` is the rollout-time estimate).
     """
     if sampling not in MASK_SAMPLING:
         raise ValueError(f"mask sampling must be one of {MASK_SAMPLING}, got {sampling!r}")
@@ -245,20 +249,19 @@ def old_policy_likelihood(model, batch: RolloutBatch, spec: LikelihoodSpec, *, m
     first = score(chunk_generator)
     batch.plan, batch.old_token_logp = first.plan, first.token_logp
     batch.old_logp, batch.old_ratio_logp = first.logp, first.ratio_logp
-    batch.iteration_estimates = [first]
+    batch.iteration_estimates = []
     if sampling == "per_iteration":
         if iteration_generators is None:
             raise ValueError("per_iteration mask sampling needs iteration_generators")
-        batch.iteration_estimates += [score(iteration_generators(k)) for k in range(1, iterations)]
+        batch.iteration_estimates = [first] + [score(iteration_generators(k)) for k in range(1, iterations)]
     return batch
 
 
-def old_estimate(batch: RolloutBatch, inner: int, sampling: str) -> OldEstimate:
-    """The old policy's estimate iteration ``inner`` compares against."""
-    if sampling == "per_iteration":
+def old_estimate(batch: RolloutBatch, inner: int = 0, sampling: str = "replay") -> OldEstimate:
+    """The old policy's estimate iteration ``inner`` compares against: the batch's rollout-time
+    estimate, or with ``per_iteration`` iteration ``inner``'s own."""
+    if sampling == "per_iteration" and inner > 0:
         return batch.iteration_estimates[inner]
-    if batch.iteration_estimates:
-        return batch.iteration_estimates[0]
     return OldEstimate(batch.plan, batch.old_token_logp, batch.old_logp,
                        batch.old_logp if batch.old_ratio_logp is None else batch.old_ratio_logp)
 

@@ -234,10 +234,17 @@ def raise_if_nonfinite_loss(name: str, loss_value: float, log_ratio: Tensor, dty
         )
 
 
+def option_names(fn: Callable, *, configurable: bool = False) -> tuple:
+    """The keyword-only options of the loss ``fn``; ``configurable``: those a config file can
+    give (not the tensor-valued ones, such as espo's ``lengths``)."""
+    return tuple(p for p, v in inspect.signature(fn).parameters.items()
+                 if v.kind is inspect.Parameter.KEYWORD_ONLY
+                 and not (configurable and "Tensor" in str(v.annotation)))
+
+
 def check_options(kind: str, name: str, fn: Callable, options: dict) -> None:
     """Reject options the loss ``fn`` does not take, naming the accepted ones."""
-    params = inspect.signature(fn).parameters
-    accepted = tuple(p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY)
+    accepted = option_names(fn)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"{kind} {name!r} got unknown option(s) {unknown}; it accepts: "

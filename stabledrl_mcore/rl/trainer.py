@@ -82,21 +82,22 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     """Phase 4: ``inner_iterations`` optimizer steps on one rollout batch (the LR schedule
     advances once per optimizer update, as the release counts steps)."""
     cfg, a, mask_id, micro = s.cfg, s.cfg.algo, s.model.dllm_config.mask_token_id, s.cfg.parallel.micro_batch_size
+    device = model_device(s.model)
     noise = RatioNoise(a.ratio_noise, a.ratio_noise_sigma, a.ratio_noise_dof) if a.ratio_noise else None
     metrics: Dict[str, float] = {"skipped_updates": 0.0}
+    ref, ref_plan = None, None  # the reference's log-probs, scored once per plan until it is synced
     for inner in range(a.inner_iterations):
         old, plan, current, retained = iteration_inputs(
             s.ddp if cfg.parallel.retain_update_graph else s.model, batch, spec, inner, sampling=a.mask_sampling,
             micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
-            chunk_generator=_chunk_generators(cfg, step, model_device(s.model))(f"masks/iter{inner}"),
-            first_chunk=_first_chunk(s))
-        ref = None if s.reference is None else all_token_logp(s.reference, batch, plan, spec, micro_batch=micro,
-                                                              mask_id=mask_id)
+            chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
+        if s.reference is not None and plan is not ref_plan:
+            ref, ref_plan = all_token_logp(s.reference, batch, plan, spec, micro_batch=micro, mask_id=mask_id), plan
         coef, loss_metrics = loss_coefficients(
             current, batch, spec, plan=plan, old=old, loss=a.loss, loss_options=a.loss_options, eps=a.eps,
             ratio_noise=noise, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, ref_tok=ref,
             noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise",
-                                            device=model_device(s.model)))
+                                            device=device))
         if inner == 0:
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
         s.ddp.zero_grad_buffer()
@@ -116,6 +117,7 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         _, grad_norm, _ = s.optimizer.step()
         if s.reference is not None and a.reference_sync_every and s.scheduler.num_steps % a.reference_sync_every == 0:
             sync_reference(s.reference, s.model, a.reference_mixup)
+            ref_plan = None
         metrics.update({k: v for k, v in loss_metrics.items() if isinstance(v, (int, float))})
         metrics["grad_norm"] = max(metrics.get("grad_norm", 0.0), float(grad_norm or 0.0))
     if metrics["skipped_updates"]:

@@ -20,8 +20,8 @@ import torch
 
 from ..diffusion.masking import MaskPlan
 from ..parallel.bootstrap import any_rank
-from .estimates import (LikelihoodSpec, OldEstimate, chunks, ratio_estimates, scored_region,
-                        sequence_estimates, token_logp)
+from .estimates import (LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates,
+                        sequence_estimates_and_elbo, token_logp)
 from .losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
 from .noise import RatioNoise
 from .rollout import RolloutBatch
@@ -41,9 +41,7 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
     estimate). ``ref_tok``: the frozen reference policy under the same plan (KL term).
     """
     plan = batch.plan if plan is None else plan
-    if old is None:
-        old = OldEstimate(batch.plan, batch.old_token_logp, batch.old_logp,
-                          batch.old_logp if batch.old_ratio_logp is None else batch.old_ratio_logp)
+    old = old_estimate(batch) if old is None else old
     options = dict(loss_options or {})
     leaf = current_tok.detach().clone().requires_grad_(True)
     try:
@@ -55,10 +53,11 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
                 kl_estimator=kl_estimator, ref_logp_tok=None if ref_tok is None else ref_tok[0], **options)
         else:
             ref_logp = None if ref_tok is None else sequence_estimates(ref_tok, plan, batch, spec)
+            logp, elbo = sequence_estimates_and_elbo(leaf, plan, batch, spec)
             value, metrics = sequence_policy_loss(
-                loss, sequence_estimates(leaf, plan, batch, spec), old.logp, batch.advantages,
-                batch.group_index, eps=eps, ratio_noise=ratio_noise, noise_generator=noise_generator,
-                ratio_logp=ratio_estimates(leaf, plan, batch, spec), old_ratio_logp=old.ratio_logp,
+                loss, logp, old.logp, batch.advantages, batch.group_index, eps=eps,
+                ratio_noise=ratio_noise, noise_generator=noise_generator,
+                ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
                 completion_lengths=scored_region(batch, spec).sum(-1), kl_coef=kl_coef, ref_logp=ref_logp,
                 kl_estimator=kl_estimator, **options)
         if not torch.isfinite(value):
