@@ -2,7 +2,7 @@
 
 LLaDA == ``LlamaForCausalLM`` run with an all-zero additive 4-D mask (non-causal);
 SDAR == ``Qwen3ForCausalLM`` with an additive 4-D block-causal (or staircase) mask
-(``../shared/notes/models.md``, "Independent references"). transformers 5.x
+(each reproduces the upstream modeling code exactly). transformers 5.x
 returns a 4-D mask unchanged (``masking_utils._preprocess_mask_arguments``).
 Weights are random (seeded, norms perturbed away from 1) and copied with the
 mapping table below; TP slicing follows Megatron's layout. The TP=2 / PP=2

@@ -18,8 +18,8 @@ made from one or more upstream tensors, and back:
 Shapes are declared with symbols resolved from the config: ``H`` hidden,
 ``F`` SwiGLU width, ``V`` vocabulary rows, ``D`` head dim, ``Q`` = heads x D,
 ``K`` = KV groups x D. Names containing ``{i}`` repeat for every layer.
-Upstream layouts: ``../shared/notes/models.md`` (LLaDA's modeling_llada.py,
-SDAR's modeling_sdar.py = Qwen3).
+Upstream layouts: LLaDA's ``modeling_llada.py`` (GSAI-ML/LLaDA-8B-Instruct, OLMo names) and
+SDAR's ``modeling_sdar.py`` (JetLM/SDAR-8B-Chat, Qwen3 names).
 """
 
 from __future__ import annotations

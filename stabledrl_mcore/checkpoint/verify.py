@@ -2,7 +2,7 @@
 
 The reference never touches the mapping tables. By default it is a public
 ``transformers`` class fed the upstream tensors under its own names
-(``../shared/notes/models.md``, "Independent references"):
+(each shown to reproduce the upstream modeling code exactly):
 
 - LLaDA == ``LlamaForCausalLM`` with an explicit all-zero additive 4-D mask
   (without a mask Llama would be causal; LLaDA is bidirectional);

@@ -6,7 +6,7 @@ count) per block: ``sum_b w_b sum_{i in b, masked} log p(x_i | x_t^b, x_0^{<b})`
 
 The per-block reference (:func:`block_elbo_loop`) runs one block-causal forward
 per block: the clean prefix followed by the noisy block. The staircase layout
-(:func:`block_elbo_staircase`, ``../shared/notes/models.md``) packs every block
+(:func:`block_elbo_staircase`, SDAR's training layout, JetAstra/SDAR) packs every block
 into one forward over ``[x_t | x_0]`` (2n tokens, position ids 0..n-1 twice):
 noisy block b sees its own noisy block and the clean blocks before it, never
 its own clean copy, so its logits equal the loop's exactly (the last clean

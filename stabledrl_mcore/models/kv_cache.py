@@ -4,7 +4,7 @@ SDAR decodes block by block: the cache holds only *finished* (clean) blocks;
 the current block is denoised with repeated forwards that attend to
 ``[cached keys | current keys]`` without storing anything, and once the block
 is final it is run once more with storing switched on so its keys/values are
-appended (upstream SDAR ``generate``, ``../shared/notes/models.md``).
+appended (upstream SDAR's ``block_diffusion_generate``, JetAstra/SDAR).
 
 Usage::
 

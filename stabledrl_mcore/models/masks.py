@@ -12,7 +12,7 @@ it broadcasts over batch and heads.
   (same block and same half) or (``q`` noisy, ``k`` clean, ``block(q) > block(k)``)
   or (both clean, ``block(q) >= block(k)``). A noisy block never sees its own
   clean copy, so one pass yields every block's ELBO term
-  (``../shared/notes/models.md``, "Training layout").
+  (SDAR's training layout, JetAstra/SDAR).
 
 :class:`AttentionLayout` names one of these patterns without materialising it,
 so that GPU kernels (flex attention) never build the dense ``(2S)^2`` tensor.

@@ -10,7 +10,7 @@ RMSNorm, rotate-half RoPE, no biases and an untied LM head:
   and decoded block by block (``block_size``).
 
 Shapes and special ids of the 8B presets follow the upstream ``config.json``
-files (``../shared/notes/models.md``).
+files (GSAI-ML/LLaDA-8B-Instruct, JetLM/SDAR-8B-Chat).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ megatron-core has no device abstraction: it calls ``torch.cuda.current_device()`
 ``torch.cuda.synchronize()``, builds tensors with ``device="cuda"``, keeps its
 RNG tracker on the CUDA generator and asserts ``tensor.type()`` strings such as
 ``'torch.cuda.FloatTensor'`` (``optimizer/clip_grads.py``, ``optimizer/optimizer.py``).
-``../shared/notes/megatron-on-cpu.md`` lists every call site that was measured.
+``tests/test_cpu_compat.py`` checks each redirection and that none is installed with CUDA.
 
 :func:`enable` redirects exactly those entry points to the CPU, once, *before*
 any Megatron object is built, and only when CUDA is unavailable. On a machine
