@@ -1,13 +1,18 @@
 """The ``stabledrl`` command line: parses arguments, chooses configs, calls the library.
 
 Every subcommand is a thin function over library calls. Unknown subcommands
-and bad flags print one line and exit with status 2; configuration errors
-exit with status 2 as well, naming the offending key.
+and bad flags print one line and exit with status 2; so do errors in the
+user's input (config fields, paths, data files, layouts: :mod:`.errors`),
+naming the field, flag or file; ``--debug`` (or ``STABLEDRL_DEBUG=1``) shows
+their traceback. ``train`` runs :func:`~.preflight.preflight` before any rank
+starts; ``KEY=VALUE`` overrides may stand anywhere on the line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
@@ -29,23 +34,40 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2")
 
 
+def _world_size(nproc: Optional[int], default: Optional[int]) -> Optional[int]:
+    """Ranks of the job: ``--nproc``, else the launcher's (torchrun, srun, sbatch), else ``default``."""
+    if nproc is not None:
+        return nproc
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return default
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config, save_config, to_dict
+    from .config import ConfigError, load_config, save_config, to_dict
+    from .preflight import preflight
 
     if not args.print_config:
         from .rl.trainer import install_preemption_handlers
 
         install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
+    # every check that needs no model, before any rank starts; a plain `train` is one process
+    report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(f"# {report.summary()}")
         if args.save_config:
             save_config(cfg, args.save_config)
         return 0
-    if args.nproc > 1:
+    if args.nproc is not None and args.nproc > 1:
         from .parallel.launch import spawn
 
         from .rl.trainer import train_rank
@@ -77,6 +99,8 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
     parser = _Parser(prog="stabledrl",
                      description="StableDRL post-training of diffusion LMs on Megatron-Core.")
     parser.add_argument("--version", action="version", version=f"stabledrl {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (anywhere on the line; or STABLEDRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -84,7 +108,7 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
     _add_config_args(train)
     train.add_argument("--resume", default=None, metavar="auto|none|PATH",
                        help="resume from the newest complete checkpoint (auto) or PATH")
-    train.add_argument("--nproc", type=int, default=1, metavar="N",
+    train.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
     train.add_argument("--print-config", action="store_true",
                        help="validate and print the resolved config, then exit")
@@ -112,19 +136,37 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
     return parser
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; ``KEY=VALUE`` overrides may stand anywhere, also after options."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [token for token in extra if _OVERRIDE.match(token)]
+    unknown = [token for token in extra if not _OVERRIDE.match(token)]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:  # argparse fills a '*' positional once; later overrides come back here, in order
+        args.overrides = list(args.overrides) + overrides
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from .config import ConfigError
-    from .parallel.bootstrap import ParallelLayoutError
+    from .errors import is_user_error, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
+    argv = [token for token in argv if token != "--debug"]
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = _build_parser({"train": _cmd_train}, chosen)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         return int(args.handler(args) or 0)
-    except (ConfigError, ParallelLayoutError) as err:
-        print(f"stabledrl {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - bugs keep their traceback, input errors get one line
+        if debug or not is_user_error(err):
+            raise
+        print(f"stabledrl {args.command}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -93,9 +93,36 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from .parallel.launch import spawn
 
+        _eval_inputs(args)  # a bad task or data file fails here, before any rank starts
         spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
         return 0
     return _eval_rank(options)
+
+
+def _eval_inputs(args: argparse.Namespace):
+    """``(task, examples)`` of an eval, checked before any model is loaded; none is an error."""
+    from .errors import DataError, UserError
+    from .tasks import GENERATED_TASKS, get_task
+
+    if not os.path.isdir(args.ckpt):
+        raise FileNotFoundError(f"--ckpt {args.ckpt}: no such checkpoint directory")
+    try:
+        task = get_task(args.task, prompt_style=args.prompt_style)
+        load_kwargs = {"limit": args.limit, "seed": args.seed}
+        if args.data_path:
+            load_kwargs["path"] = args.data_path
+        if args.task in GENERATED_TASKS:
+            load_kwargs["n"] = args.limit or 500
+        examples = task.load(args.split, **load_kwargs)
+    except (DataError, FileNotFoundError):
+        raise
+    except ValueError as err:  # an unknown task, split or option
+        raise UserError(f"--task {args.task}: {err}") from None
+    if not examples:
+        source = args.data_path or f"the {args.split} split"
+        raise DataError(f"--task {args.task}: {source} holds no examples to evaluate"
+                        + (f" with --limit {args.limit}" if args.limit is not None else ""))
+    return task, examples
 
 
 def _eval_rank(options: dict) -> int:
@@ -106,11 +133,12 @@ def _eval_rank(options: dict) -> int:
     from .models import build_model
     from .parallel import bootstrap
     from .rl.setup import load_initial_weights
-    from .tasks import GENERATED_TASKS, get_task, write_jsonl
+    from .tasks import write_jsonl
 
     args = argparse.Namespace(**options)
     if args.threads:
         torch.set_num_threads(args.threads)
+    task, examples = _eval_inputs(args)
     cfg = read_config(args.ckpt)
     bootstrap.initialize(args.tp, 1, seed=args.seed, model_shape=dict(
         num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -118,13 +146,6 @@ def _eval_rank(options: dict) -> int:
     model = build_model(cfg)
     load_initial_weights(model, args.ckpt)
     tokenizer = _tokenizer(args)
-    task = get_task(args.task, prompt_style=args.prompt_style)
-    load_kwargs = {"limit": args.limit, "seed": args.seed}
-    if args.data_path:
-        load_kwargs["path"] = args.data_path
-    if args.task in GENERATED_TASKS:
-        load_kwargs["n"] = args.limit or 500
-    examples = task.load(args.split, **load_kwargs)
     result = evaluate_model(model, tokenizer, task, examples, micro_batch=args.batch_size,
                             seed=args.seed, progress=not args.no_progress, **_sampling(args, cfg))
     if bootstrap.is_main_rank():

@@ -268,6 +268,9 @@ class RunConfig:
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
         _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
         _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
+        from .tasks import available_tasks
+
+        _choice("rollout.task", self.rollout.task, available_tasks())
         _choice("algo.likelihood", self.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
         self._validate_algorithm()
         if self.algo.ratio_noise is not None:
@@ -362,7 +365,9 @@ def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> N
 
 def _choice(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        close = difflib.get_close_matches(str(value), list(allowed), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}{hint}")
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),

@@ -60,3 +60,29 @@ def test_stress_bad_override_is_one_line_exit_2(tmp_path, capsys):
     assert main(["stress", "--config", config, "algo.epz=0.1", "--out", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "did you mean algo.eps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_overrides_may_follow_options(capsys):
+    """Issue 23 item 8: ``--config X a=b --nproc 2 c=d`` (both overrides apply, in order)."""
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny_cpu.yaml")
+    assert main(["train", "--config", config, "algo.eps=0.1", "--nproc", "2", "steps=3", "algo.eps=0.3",
+                 "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "eps: 0.3" in out and "\nsteps: 3\n" in out and "world 2" in out
+    assert main(["train", "--config", config, "--nproc", "2", "not-an-override", "--print-config"]) == 2
+    assert "'not-an-override' is not of the form section.key=value" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
+    from stabledrl_mcore.config import ConfigError
+
+    for argv in (["--debug", "train", "rollout.task=gsm9k", "--print-config"],
+                 ["train", "rollout.task=gsm9k", "--print-config", "--debug"]):
+        with pytest.raises(ConfigError, match="did you mean gsm8k"):
+            main(argv)
+    monkeypatch.setenv("STABLEDRL_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(["train", "rollout.task=gsm9k", "--print-config"])
+    monkeypatch.setenv("STABLEDRL_DEBUG", "0")
+    assert main(["train", "rollout.task=gsm9k", "--print-config"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

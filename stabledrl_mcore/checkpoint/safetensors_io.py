@@ -51,9 +51,19 @@ def _read_header(path: str) -> Dict[str, dict]:
             if size > 100 * 1024**2:
                 raise ValueError(f"implausible header length {size}")
             header = json.loads(handle.read(size))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        file_size = os.path.getsize(path)
     except (OSError, ValueError) as err:
         raise ConversionError(f"{path} is not a readable safetensors file: {err}") from None
     header.pop("__metadata__", None)
+    try:
+        data_end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ConversionError(f"{path} is not a readable safetensors file: malformed tensor entries") from None
+    if file_size < 8 + size + data_end:
+        raise ConversionError(f"{path} is truncated: {file_size} bytes, its header needs {8 + size + data_end} "
+                              f"(an interrupted download or copy?); fetch or convert it again")
     return header
 
 
@@ -116,8 +126,12 @@ class SafetensorsReader:
 
         if name not in self._entries:
             raise ConversionError(f"tensor {name!r} is missing from {self.root}")
-        with safe_open(self._entries[name][0], framework="pt") as handle:
-            return handle.get_tensor(name)
+        path = self._entries[name][0]
+        try:
+            with safe_open(path, framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as err:  # noqa: BLE001 - safetensors' Rust errors name no file
+            raise ConversionError(f"{path}: cannot read tensor {name!r} ({err})") from None
 
 
 # ---------------------------------------------------------------------------- writing

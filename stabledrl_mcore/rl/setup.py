@@ -110,6 +110,8 @@ def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     """The configured tokenizer, the checkpoint's, or a tiny one trained on the task (rank 0 trains)."""
     from ..tokenizer import load_tokenizer, train_sentencepiece
 
+    if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
+        raise FileNotFoundError(f"model.checkpoint: {cfg.model.checkpoint} does not exist or is not a directory")
     path = cfg.model.tokenizer or cfg.model.checkpoint
     if path and not cfg.model.tokenizer and os.path.isdir(os.path.join(path, "hf")):
         path = os.path.join(path, "hf")  # converted and training checkpoints keep it there
@@ -145,6 +147,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
         raise NotImplementedError("pipeline parallelism is not supported by the RL loop yet "
                                   "(rollouts need a pipelined sampler); use tensor and data parallelism")
     task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+    # the data is read (and a bad file refused) before anything distributed or a model is built
+    examples = train_examples if train_examples is not None else load_train_examples(cfg, task)
     bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
                          seed=cfg.parallel.seed, timeout_minutes=cfg.parallel.timeout_minutes,
                          backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
@@ -177,7 +181,6 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
         start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total,
         wd_incr_style="constant")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    examples = train_examples if train_examples is not None else _train_examples(cfg, task)
     prompts = PromptStream(examples, cfg.rollout.prompts_per_step, dp_rank, dp_size, cfg.parallel.seed)
     rows = cfg.rollout.prompts_per_step // dp_size * cfg.rollout.group_size
     if rows % cfg.parallel.micro_batch_size:
@@ -223,9 +226,10 @@ def load_initial_weights(model, path: str) -> None:
         load_model_weights(model, path)
 
 
-def _train_examples(cfg: RunConfig, task) -> List[Example]:
+def load_train_examples(cfg: RunConfig, task, *, sample: Optional[int] = None) -> List[Example]:
+    """The training examples of ``cfg`` (a generated task draws ``sample`` of them when given)."""
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
     if cfg.rollout.task in GENERATED_TASKS:
-        kwargs["n"] = max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
+        kwargs["n"] = sample or max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
     seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
     return task.load("train", seed=seed, **kwargs)

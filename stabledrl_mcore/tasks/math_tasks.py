@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stabledrl_mcore.errors import DataError
 from stabledrl_mcore.tasks.base import Example, Task, register_task
 from stabledrl_mcore.tasks.extract import answer_tag, boxed_then_tag, numbers_equal, parse_number
 from stabledrl_mcore.tasks.math_equiv import DEFAULT_TIMEOUT_S, math_equal
@@ -43,8 +44,14 @@ def resolve_data_root(data_root: str | os.PathLike | None = None) -> Path:
 
 
 def read_jsonl(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; ``ValueError`` naming file and line on bad JSON or missing fields."""
-    rows: list[dict[str, Any]] = []
+    """Rows of a JSONL file; :class:`DataError` naming file and line on bad JSON or missing fields."""
+    return [row for _, row in read_numbered_jsonl(path, required)]
+
+
+def read_numbered_jsonl(path: str | os.PathLike,
+                        required: tuple[str, ...] = ()) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of every non-blank line of a JSONL file (see :func:`read_jsonl`)."""
+    rows: list[tuple[int, dict[str, Any]]] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -52,13 +59,13 @@ def read_jsonl(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             missing = [k for k in required if k not in row]
             if missing:
-                raise ValueError(f"{path}:{lineno}: missing field(s) {missing}; expected {list(required)}")
-            rows.append(row)
+                raise DataError(f"{path}:{lineno}: missing field(s) {missing}; expected {list(required)}")
+            rows.append((lineno, row))
     return rows
 
 
@@ -91,26 +98,32 @@ class _FileMathTask(Task):
 
     def _missing_message(self, path: Path, split: str) -> str:
         hf_args = ", ".join(repr(a) for a in self.hf_id)
-        return (f"{self.name}: data file not found: {path}\n"
-                f"Expected format: one JSON object per line with {self.format_hint}.\n"
-                f"Put the file there (or pass path=..., or set ${DATA_ENV} to the data root). "
-                f"To get it (network needed):\n"
-                f"  python -c \"import datasets; datasets.load_dataset({hf_args})['{split}']"
+        return (f"{self.name}: data file not found: {path} (one JSON object per line with "
+                f"{self.format_hint}); point to it with rollout.data_path=FILE (stabledrl train), "
+                f"--data-path FILE (stabledrl eval) or path=FILE (Python), or set ${DATA_ENV} to the "
+                f"data root holding {self.dir_name}/{split}.jsonl; to download it (network needed): "
+                f"python -c \"import datasets; datasets.load_dataset({hf_args})['{split}']"
                 f".to_json('{path}')\"")
 
-    def _rows(self, split: str, path: str | None, source: str) -> list[dict[str, Any]]:
+    def _rows(self, split: str, path: str | None, source: str) -> list[tuple[str, dict[str, Any]]]:
+        """``(where, row)`` pairs, ``where`` naming the file and line (or the dataset and index)."""
         if source == "hf":
             try:
                 import datasets  # optional dependency, never used implicitly
             except ImportError:
                 raise ImportError(f"{self.name}: source='hf' needs the 'datasets' package") from None
-            return [dict(r) for r in datasets.load_dataset(*self.hf_id)[split]]
+            where = "/".join(self.hf_id)
+            return [(f"{where}[{split}][{i}]", dict(r))
+                    for i, r in enumerate(datasets.load_dataset(*self.hf_id)[split])]
         if source != "local":
             raise ValueError(f"{self.name}: source must be 'local' or 'hf', got {source!r}")
         file = Path(path) if path is not None else self.default_path(split)
         if not file.is_file():
             raise FileNotFoundError(self._missing_message(file, split))
-        return read_jsonl(file, self.fields)
+        rows = read_numbered_jsonl(file, self.fields)
+        if not rows:
+            raise DataError(f"{self.name}: {file} holds no examples (empty file)")
+        return [(f"{file}:{lineno}", row) for lineno, row in rows]
 
     def _example(self, row: dict[str, Any], index: int) -> Example:
         raise NotImplementedError
@@ -121,7 +134,13 @@ class _FileMathTask(Task):
         rows = self._rows(split, path, source)
         if limit is not None:
             rows = rows[: max(0, int(limit))]
-        return [self._example(r, i) for i, r in enumerate(rows)]
+        examples = []
+        for index, (where, row) in enumerate(rows):
+            try:
+                examples.append(self._example(row, index))
+            except ValueError as err:
+                raise DataError(f"{where}: {err}") from None
+        return examples
 
     def check_reference(self, reference: Any) -> str:
         if isinstance(reference, (int, float)) and not isinstance(reference, bool):
@@ -164,7 +183,8 @@ class Gsm8kTask(_FileMathTask):
     format_hint = "'question' and 'answer' fields, the answer ending in '#### <number>'"
 
     def _example(self, row: dict[str, Any], index: int) -> Example:
-        return Example(prompt=str(row["question"]), reference=gsm8k_gold(str(row["answer"])),
+        gold = self.check_reference(gsm8k_gold(str(row["answer"])))
+        return Example(prompt=str(row["question"]), reference=gold,
                        meta={"index": index, "solution": row["answer"]})
 
     def check_reference(self, reference: Any) -> str:

@@ -1,0 +1,47 @@
+"""Errors a person can fix: bad config fields, flags, paths and data files.
+
+The CLI prints these as one line (``stabledrl <cmd>: error: <message>``) and
+exits 2; anything else is a bug and keeps its traceback. ``--debug`` or
+``STABLEDRL_DEBUG=1`` shows the traceback of user errors too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class UserError(Exception):
+    """Input that cannot be used as given; the message names it and the fix."""
+
+
+class DataError(UserError, ValueError):
+    """A data file that is empty or holds a malformed row; the message names the file and line."""
+
+
+# Older error classes of the project whose messages are written for the user, by module. They
+# are looked up in ``sys.modules`` only: an error cannot come from a module that was never imported.
+_USER_ERROR_CLASSES = (
+    ("stabledrl_mcore.config_io", "ConfigError"),
+    ("stabledrl_mcore.parallel.bootstrap", "ParallelLayoutError"),
+    ("stabledrl_mcore.models.presets", "ModelConfigError"),
+    ("stabledrl_mcore.checkpoint.errors", "ConversionError"),
+    ("stabledrl_mcore.checkpoint.state", "CheckpointError"),
+    ("stabledrl_mcore.checkpoint.optimizer_state", "OptimizerFormatError"),
+)
+
+
+def is_user_error(err: BaseException) -> bool:
+    """True for errors about the user's input (printed as one line), False for bugs."""
+    if isinstance(err, (UserError, FileNotFoundError)):
+        return True
+    for module, name in _USER_ERROR_CLASSES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(err, cls):
+            return True
+    return False
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on a single line (continuation lines joined with '; ')."""
+    text = str(err) or type(err).__name__
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())

@@ -1,0 +1,222 @@
+"""Check a whole run config once, before any rank starts (``stabledrl train``, ``--print-config``).
+
+:func:`preflight` checks what :meth:`RunConfig.validate` cannot without reading
+files: the preset name, every path (``model.checkpoint``, ``model.tokenizer``,
+``rollout.data_path``), the parallel layout against the model's own shape (from
+the preset and ``model.overrides``, or the checkpoint's config), the rows each
+rank holds against ``parallel.micro_batch_size``, and the training (and held-out)
+examples: they load and are not empty. It builds no model and reads only
+config files, safetensors headers and the data, so a bad run fails in seconds
+with one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .config import ConfigError, RunConfig
+from .errors import DataError
+from .parallel.bootstrap import ParallelLayoutError
+from .tasks import GENERATED_TASKS
+
+_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
+_GENERATED_SAMPLE = 8  # generated tasks: a few examples prove the options work; the run draws its own
+
+
+@dataclass
+class PreflightReport:
+    """What was checked; ``summary()`` is one line for the console."""
+
+    model: str
+    world_size: Optional[int]
+    data_parallel: Optional[int]
+    train_examples: int
+    eval_examples: Optional[int] = None
+    generated: bool = False
+    """The task generates its examples: ``train_examples`` is the size of the sample checked."""
+
+    def summary(self) -> str:
+        layout = (f"world {self.world_size}, data-parallel {self.data_parallel}" if self.world_size
+                  else "world size unknown (give --nproc or run under torchrun/srun to check it)")
+        kind = "generated examples checked" if self.generated else "examples"
+        data = f"train: {self.train_examples} {kind}" + (
+            f", eval: {self.eval_examples} {kind}" if self.eval_examples is not None else "")
+        return f"preflight ok: {self.model}; {layout}; {data}"
+
+
+def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
+    """Validate ``cfg`` against the files it names and the job's ``world_size`` (None = unknown).
+
+    Raises :class:`ConfigError` (a field), :class:`~.parallel.bootstrap.ParallelLayoutError`,
+    :class:`DataError` or ``FileNotFoundError`` (data), each with a one-line message.
+    """
+    if cfg.parallel.pipeline_parallel > 1:
+        raise ConfigError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: the RL loop does "
+                          f"not support pipeline parallelism yet (rollouts need a pipelined sampler); "
+                          f"use tensor and data parallelism")
+    resume = cfg.checkpoint.resume
+    if resume not in ("none", "auto") and not os.path.isdir(resume):
+        raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
+    mcfg, description = model_shape(cfg)
+    _check_tokenizer(cfg)
+    try:
+        data_parallel = _check_layout(cfg, mcfg, world_size)
+    except ParallelLayoutError as err:
+        p = cfg.parallel
+        raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
+                                  f"{p.pipeline_parallel} on {description}: {err}") from None
+    if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
+        raise ConfigError(f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; "
+                          f"{description} has no block_size")
+    task = _task(cfg)
+    train = _load(cfg, task, "train")
+    report = PreflightReport(description, world_size, data_parallel, len(train),
+                             generated=cfg.rollout.task in GENERATED_TASKS)
+    if cfg.eval.every:
+        report.eval_examples = len(_load(cfg, task, cfg.eval.split))  # a sample for generated tasks
+    return report
+
+
+def model_shape(cfg: RunConfig):
+    """``(DLLMConfig, description)``: the checkpoint's or the preset's config with ``model.overrides``.
+
+    Token ids of a random-init model come from its tokenizer at build time; they are not checked here.
+    """
+    from .models import DLLMConfig, ModelConfigError, available_presets, get_preset
+
+    if cfg.model.preset not in available_presets():
+        close = difflib.get_close_matches(cfg.model.preset, available_presets(), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"model.preset: unknown preset {cfg.model.preset!r}{hint} (choose from "
+                          f"{', '.join(available_presets())})")
+    if cfg.model.checkpoint:
+        base, description = checkpoint_config(cfg.model.checkpoint), f"model.checkpoint {cfg.model.checkpoint}"
+    else:
+        base, description = get_preset(cfg.model.preset), f"model.preset {cfg.model.preset}"
+    names = [f.name for f in dataclasses.fields(DLLMConfig)]
+    for key in cfg.model.overrides:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"model.overrides: {key!r} is not a DLLMConfig field{hint}")
+    changes = dict(cfg.model.overrides)
+    if not cfg.model.checkpoint:
+        changes.update({k: None for k in _TOKEN_FIELDS if k not in cfg.model.overrides})
+    try:
+        mcfg = dataclasses.replace(base, **changes).validate()
+    except (ModelConfigError, TypeError) as err:
+        raise ConfigError(f"model.overrides do not fit {description}: {err}") from None
+    shape = (f"{mcfg.arch}, {mcfg.num_layers} layers, {mcfg.num_attention_heads} heads, "
+             f"{mcfg.num_query_groups} query groups")
+    return mcfg, f"{description} ({shape})"
+
+
+def checkpoint_config(path: str):
+    """The :class:`DLLMConfig` of an HF directory, a converted or a training checkpoint; a missing
+    or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``."""
+    from .checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
+    from .models import DLLMConfig
+
+    if not os.path.exists(path):
+        raise ConfigError(f"model.checkpoint: {path} does not exist (give an HF model directory, a "
+                          f"converted checkpoint from 'stabledrl convert hf-to-mcore', or a training "
+                          f"checkpoint step_*; or unset it for a random init)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.checkpoint: {path} is a file, not a model directory")
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return read_checkpoint_info(path).config
+    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(os.path.join(path, ".metadata")):
+        with open(os.path.join(path, MODEL_CONFIG)) as handle:  # a training checkpoint
+            return DLLMConfig.from_dict(json.load(handle))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from .checkpoint import hf_config
+        from .checkpoint.safetensors_io import SafetensorsReader
+
+        SafetensorsReader(path)  # headers only: a missing or truncated weight file fails here
+        return hf_config.hf_to_dllm_config(hf_config.read_hf_config(path), source_dir=path)
+    raise ConfigError(f"model.checkpoint: {path} is not a model directory (no config.json, {MARKER} "
+                      f"or {MODEL_CONFIG} + .metadata)")
+
+
+def _has_tokenizer(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "tokenizer.json")) or bool(glob.glob(os.path.join(path, "*.model")))
+    return path.endswith(".model") and os.path.isfile(path)
+
+
+def _check_tokenizer(cfg: RunConfig) -> None:
+    """``model.tokenizer``, else the checkpoint's own (also under ``hf/``); random init trains one."""
+    if cfg.model.tokenizer:
+        if not _has_tokenizer(cfg.model.tokenizer):
+            raise ConfigError(f"model.tokenizer: no tokenizer at {cfg.model.tokenizer} (a directory with "
+                              f"tokenizer.json or a sentencepiece *.model, or a *.model file)")
+        return
+    path = cfg.model.checkpoint
+    if path and not (_has_tokenizer(path) or _has_tokenizer(os.path.join(path, "hf"))):
+        raise ConfigError(f"model.checkpoint {path} holds no tokenizer (tokenizer.json or *.model, "
+                          f"also looked in {os.path.join(path, 'hf')}); set model.tokenizer=DIR")
+
+
+def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[int]:
+    """The layout against the model's shape, and against ``world_size`` when it is known."""
+    from .parallel.bootstrap import validate_parallel_layout
+
+    p = cfg.parallel
+    known = world_size is not None
+    data_parallel = validate_parallel_layout(
+        world_size if known else p.tensor_parallel * p.pipeline_parallel, p.tensor_parallel,
+        p.pipeline_parallel, num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
+        num_query_groups=mcfg.num_query_groups)
+    if not known:
+        return None
+    r = cfg.rollout
+    if r.prompts_per_step % data_parallel:
+        raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the "
+                          f"data-parallel size {data_parallel} (world {world_size} / TP {p.tensor_parallel} "
+                          f"/ PP {p.pipeline_parallel})")
+    rows = r.prompts_per_step // data_parallel * r.group_size
+    if rows % p.micro_batch_size:
+        raise ConfigError(f"each data-parallel rank holds {rows} sequences (rollout.prompts_per_step / DP x "
+                          f"rollout.group_size = {r.prompts_per_step} / {data_parallel} x {r.group_size}), "
+                          f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})")
+    return data_parallel
+
+
+def _task(cfg: RunConfig):
+    from .tasks import get_task
+
+    try:
+        return get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"rollout.task_options of task {cfg.rollout.task!r}: {err}") from None
+
+
+def _load(cfg: RunConfig, task, split: str) -> list:
+    """The examples of ``split`` as training (``train``) or held-out evaluation would load them
+    (a generated task draws a few: generating the run's thousands belongs to the run)."""
+    from .rl.heldout import heldout_examples
+    from .rl.setup import load_train_examples
+
+    generated = cfg.rollout.task in GENERATED_TASKS
+    what = "training" if split == "train" else f"eval.split={split}"
+    try:
+        if split == "train":
+            examples = load_train_examples(cfg, task, sample=_GENERATED_SAMPLE if generated else None)
+        elif generated:
+            examples = task.load(split, n=min(cfg.eval.num_examples, _GENERATED_SAMPLE), seed=cfg.eval.seed)
+        else:
+            examples = heldout_examples(cfg, task)
+    except (DataError, FileNotFoundError):
+        raise
+    except ValueError as err:  # a generated task's own refusal (e.g. a path, a split it lacks)
+        raise ConfigError(f"rollout.task={cfg.rollout.task} ({what} data): {err}") from None
+    if not examples:
+        source = f"rollout.data_path={cfg.rollout.data_path}" if cfg.rollout.data_path else f"task {task.name}"
+        raise DataError(f"{source}: the {what} data holds no examples")
+    return examples

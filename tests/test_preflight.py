@@ -1,0 +1,215 @@
+"""Issue 23, items 1 and 8: every check that needs no model runs once, before any rank starts.
+
+``stabledrl train`` and ``--print-config`` (what slurm/common.sh runs in the batch shell) refuse
+bad registry names, paths, layouts and data with one line naming the field or file, exit 2; the
+data is read before any model is loaded; a truncated weight file names itself. In-process through
+``stabledrl_mcore.cli.main`` except where the process boundary (``--nproc``) is the point.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hf_fixtures import write_hf_checkpoint
+
+from stabledrl_mcore.cli import main
+from stabledrl_mcore.config import load_config
+from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.tasks import get_task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+
+
+def _gsm8k_row(question, answer):
+    return json.dumps({"question": question, "answer": answer}) + "\n"
+
+
+@pytest.fixture
+def gsm8k_file(tmp_path):
+    path = tmp_path / "gsm8k_train.jsonl"
+    path.write_text(_gsm8k_row("Tom has 3 apples and buys 4. How many?", "3 + 4 = 7\n#### 7")
+                    + _gsm8k_row("What is 6 x 7?", "6 x 7 = 42\n#### 42"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_llada(tmp_path_factory):
+    """A tiny LLaDA directory in the upstream HF format (config.json, safetensors, tokenizer)."""
+    return write_hf_checkpoint(str(tmp_path_factory.mktemp("hf") / "llada"), "llada")
+
+
+def _refused(capsys, *argv):
+    """``stabledrl *argv`` exits 2 with exactly one line on stderr and nothing on stdout; that line."""
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith(f"stabledrl {argv[0]}: error: "), lines
+    return lines[0]
+
+
+def _print_config(capsys, *overrides):
+    return _refused(capsys, "train", "--config", CONFIG, *overrides, "--print-config")
+
+
+# ------------------------------------------------------------------- item 1: --print-config refuses
+
+@pytest.mark.parametrize("override, expected", [
+    ("algo.loss=ppo", "algo.loss: unknown loss 'ppo'"),
+    ("rollout.task=gsm9k", "rollout.task must be one of"),
+    ("model.preset=llada-9b", "model.preset: unknown preset 'llada-9b'; did you mean llada-8b?"),
+    ("parallel.tensor_parallel=3", "num_attention_heads (4) is not divisible by tensor_parallel (3)"),
+    ("model.overrides.num_layerz=2", "'num_layerz' is not a DLLMConfig field; did you mean num_layers?"),
+])
+def test_print_config_refuses_bad_names_and_layouts(capsys, override, expected):
+    line = _print_config(capsys, override)
+    assert expected in line, line
+    if override.startswith("rollout.task"):
+        assert "did you mean gsm8k?" in line
+    if override.startswith("parallel"):
+        assert "parallel.tensor_parallel=3" in line and "model.preset llada-tiny" in line
+
+
+def test_print_config_refuses_a_missing_checkpoint_or_tokenizer(capsys, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    line = _print_config(capsys, f"model.checkpoint={missing}")
+    assert f"model.checkpoint: {missing} does not exist" in line and "tokenizer" not in line
+    assert "model.tokenizer: no tokenizer at" in _print_config(capsys, f"model.tokenizer={missing}")
+    assert "is not a model directory" in _print_config(capsys, f"model.checkpoint={tmp_path}")
+
+
+def test_print_config_checks_the_layout_against_the_world_size(capsys, monkeypatch):
+    # the world size comes from --nproc, else from the launcher (sbatch sets SLURM_NTASKS)
+    assert "divisible by the data-parallel size 3" in _print_config(capsys, "--nproc", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    assert "divisible by the data-parallel size 3" in _print_config(capsys)
+    monkeypatch.delenv("SLURM_NTASKS")
+    line = _print_config(capsys, "--nproc", "2", "parallel.micro_batch_size=48")
+    assert "holds 64 sequences" in line and "parallel.micro_batch_size (48)" in line
+
+
+def test_print_config_passes_and_reports_what_it_checked(capsys, gsm8k_file, hf_llada):
+    assert main(["train", "--config", CONFIG, "rollout.task=gsm8k", f"rollout.data_path={gsm8k_file}",
+                 f"model.checkpoint={hf_llada}", "--nproc", "2", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: {hf_llada}" in out
+    assert out.strip().splitlines()[-1].startswith("# preflight ok: model.checkpoint")
+    assert "world 2, data-parallel 2; train: 2 examples" in out
+
+
+# --------------------------------------------------------------------- item 8: data errors, early
+
+def test_missing_gsm8k_file_names_the_config_field_and_the_eval_flag(capsys, tmp_path):
+    missing = tmp_path / "gsm8k" / "train.jsonl"
+    line = _print_config(capsys, "rollout.task=gsm8k", f"rollout.data_path={missing}")
+    assert f"data file not found: {missing}" in line
+    assert "rollout.data_path=FILE" in line and "--data-path FILE" in line and "#### <number>" in line
+
+
+def test_gsm8k_row_without_answer_line_names_file_and_line(capsys, tmp_path, gsm8k_file):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(gsm8k_file).read() + "\n" + _gsm8k_row("And 2 + 2?", "it is four"))
+    with pytest.raises(DataError, match=f"{bad}:4: GSM8K answer has no '#### <number>' line"):
+        get_task("gsm8k").load("train", path=str(bad))  # the library names it too
+    line = _print_config(capsys, "rollout.task=gsm8k", f"rollout.data_path={bad}")
+    assert f"{bad}:4: GSM8K answer has no" in line
+
+
+def test_empty_training_data_is_an_error(capsys, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    line = _print_config(capsys, "rollout.task=gsm8k", f"rollout.data_path={empty}")
+    assert f"{empty} holds no examples (empty file)" in line
+
+
+def test_training_data_is_read_before_any_model_is_built(tmp_path, monkeypatch):
+    from stabledrl_mcore.rl import setup
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the data was read")
+
+    monkeypatch.setattr("stabledrl_mcore.models.build_model", no_model)
+    monkeypatch.setattr("stabledrl_mcore.parallel.bootstrap.initialize", no_model)
+    cfg = load_config(CONFIG, ["rollout.task=gsm8k", f"rollout.data_path={tmp_path / 'none.jsonl'}"])
+    with pytest.raises(FileNotFoundError, match="rollout.data_path=FILE"):
+        setup.build_training(cfg)
+
+
+def test_eval_refuses_an_empty_or_missing_file_before_loading_the_model(capsys, tmp_path, hf_llada):
+    empty = tmp_path / "test.jsonl"
+    empty.write_text("")
+    line = _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm8k", "--data-path", str(empty),
+                    "--no-progress")
+    assert f"{empty} holds no examples" in line
+    line = _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm8k", "--data-path",
+                    str(tmp_path / "missing.jsonl"), "--no-progress")
+    assert "--data-path FILE" in line
+    assert "valid tasks" in _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm9k")
+
+
+# ------------------------------------------------------------------ item 8: checkpoints and layout
+
+def test_train_names_a_missing_checkpoint_not_its_tokenizer(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("stabledrl_mcore.rl.trainer.install_preemption_handlers", lambda: None)
+    missing = str(tmp_path / "llada-8b-instruct-mcore")
+    line = _refused(capsys, "train", "--config", CONFIG, f"model.checkpoint={missing}", "steps=1",
+                    f"logging.run_dir={tmp_path / 'run'}")
+    assert f"model.checkpoint: {missing} does not exist" in line and "tokenizer" not in line
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path, hf_llada):
+    import shutil
+
+    from stabledrl_mcore.checkpoint.errors import ConversionError
+    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+
+    broken = str(tmp_path / "broken")
+    shutil.copytree(hf_llada, broken)
+    weights = os.path.join(broken, "model.safetensors")
+    reader = SafetensorsReader(broken)  # headers read while the file was whole
+    with open(weights, "r+b") as handle:
+        handle.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ConversionError, match=f"{weights}: cannot read tensor"):
+        reader.get(reader.keys()[-1])
+    with pytest.raises(ConversionError, match=f"{weights} is truncated"):
+        SafetensorsReader(broken)
+    line = _print_config(capsys, f"model.checkpoint={broken}")
+    assert f"{weights} is truncated" in line
+
+
+def test_nproc_with_a_bad_layout_fails_before_any_rank_starts():
+    """The process boundary is the point: one line, exit 2, seconds, no rank spawned."""
+    import psutil
+
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", CONFIG,
+                             "parallel.tensor_parallel=3", "steps=1", "--nproc", "3"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # the old code spawned three ranks that ran into a time-out: stop them by PID
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                child.kill()
+            proc.communicate()
+    elapsed = time.monotonic() - start
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
+    assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in lines[0]
+    assert elapsed < 30, elapsed
+
+
+def test_shipped_recipes_are_refused_until_their_checkpoint_exists(capsys):
+    """slurm/common.sh runs --print-config in the batch shell: a recipe whose converted checkpoint
+    is not there yet fails there, before srun starts a rank (tests/test_recipes.py passes one)."""
+    import glob
+
+    recipes = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*_8b_*.yaml")))
+    assert len(recipes) >= 10
+    for recipe in recipes:
+        line = _refused(capsys, "train", "--config", recipe, "--print-config")
+        assert "model.checkpoint: checkpoints/" in line and "does not exist" in line, (recipe, line)
