@@ -64,13 +64,16 @@ def _print_config(capsys, *overrides):
     ("model.preset=llada-9b", "model.preset: unknown preset 'llada-9b'; did you mean llada-8b?"),
     ("parallel.tensor_parallel=3", "num_attention_heads (4) is not divisible by tensor_parallel (3)"),
     ("model.overrides.num_layerz=2", "'num_layerz' is not a DLLMConfig field; did you mean num_layers?"),
+    ("algo.likelihood=staircase", "algo.likelihood=staircase needs a block-diffusion (SDAR) model"),
+    ("parallel.pipeline_parallel=2", "parallel.pipeline_parallel=2: the RL loop does not support"),
+    ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume: /no/such/step_00000005 is not"),
 ])
 def test_print_config_refuses_bad_names_and_layouts(capsys, override, expected):
     line = _print_config(capsys, override)
     assert expected in line, line
     if override.startswith("rollout.task"):
         assert "did you mean gsm8k?" in line
-    if override.startswith("parallel"):
+    if override.startswith("parallel.tensor"):
         assert "parallel.tensor_parallel=3" in line and "model.preset llada-tiny" in line
 
 
@@ -200,7 +203,7 @@ def test_nproc_with_a_bad_layout_fails_before_any_rank_starts():
     lines = err.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
     assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in lines[0]
-    assert elapsed < 30, elapsed
+    assert "rank" not in err and elapsed < 40, elapsed  # ~5 s on an idle 2-core machine; main took 68 s
 
 
 def test_shipped_recipes_are_refused_until_their_checkpoint_exists(capsys):
