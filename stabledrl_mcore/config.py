@@ -220,6 +220,9 @@ class EvalSection:
     """Evaluate every N steps, before the first step and after the last (0 = never)."""
     split: str = "test"
     """Task split to evaluate on."""
+    data_path: Optional[str] = None
+    """Local data file of that split for file-backed tasks (GSM8K, MATH500); None = the task's
+    default ``<data root>/<task>/<split>.jsonl``. Never ``rollout.data_path`` (the training file)."""
     num_examples: int = 200
     """Examples of that split (generated tasks draw this many; file tasks take the first N)."""
     seed: int = 0

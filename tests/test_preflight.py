@@ -104,6 +104,20 @@ def test_print_config_passes_and_reports_what_it_checked(capsys, gsm8k_file, hf_
     assert "world 2, data-parallel 2; train: 2 examples" in out
 
 
+def test_heldout_evaluation_reads_its_own_split_never_the_training_file(capsys, tmp_path, gsm8k_file):
+    """``eval.split`` takes effect for file tasks: the held-out set is ``eval.data_path`` or the
+    split's default file, not ``rollout.data_path`` (it used to evaluate on the training file)."""
+    from stabledrl_mcore.rl.heldout import heldout_examples
+
+    test_file = tmp_path / "gsm8k_test.jsonl"
+    test_file.write_text(_gsm8k_row("What is 9 - 4?", "9 - 4 = 5\n#### 5"))
+    train = ["rollout.task=gsm8k", f"rollout.data_path={gsm8k_file}", "eval.every=1"]
+    cfg = load_config(CONFIG, train + [f"eval.data_path={test_file}"])
+    assert [ex.reference for ex in heldout_examples(cfg, get_task("gsm8k"))] == ["5"]
+    line = _print_config(capsys, *train, f"eval.data_path={tmp_path / 'none.jsonl'}")
+    assert f"data file not found: {tmp_path / 'none.jsonl'}" in line
+
+
 # --------------------------------------------------------------------- item 8: data errors, early
 
 def test_missing_gsm8k_file_names_the_config_field_and_the_eval_flag(capsys, tmp_path):

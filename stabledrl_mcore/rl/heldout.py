@@ -17,11 +17,12 @@ from ..tasks.base import Example
 
 
 def heldout_examples(cfg: RunConfig, task) -> List[Example]:
-    """``eval.num_examples`` examples of ``eval.split`` (generated with ``eval.seed`` or read from file)."""
+    """``eval.num_examples`` examples of ``eval.split`` (generated with ``eval.seed``, or read from
+    ``eval.data_path`` / the task's default file of that split)."""
     e = cfg.eval
     if cfg.rollout.task in GENERATED_TASKS:
         return task.load(e.split, n=e.num_examples, seed=e.seed)
-    kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
+    kwargs = {"path": e.data_path} if e.data_path else {}  # held out: never the training file
     return task.load(e.split, limit=e.num_examples, **kwargs)
 
 
