@@ -46,13 +46,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             save_config(cfg, args.save_config)
         return 0
     if args.nproc > 1:
-        from .parallel.launch import spawn
+        from .parallel.launch import exit_status, spawn
 
-        from .rl.trainer import train_rank
+        from .rl.trainer import EXIT_PREEMPTED, train_rank
 
-        spawn(train_rank, args.nproc, (args.config, tuple(overrides)),
-              timeout=float("inf"), threads=cfg.parallel.threads)
-        return 0
+        # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
+        return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
+                                 threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
     from .rl.trainer import train_rank
 
     return train_rank(args.config, overrides)
