@@ -283,6 +283,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
             if proc.pid is not None:
                 proc.join()
         _restore_signals(previous)
+        if sys.exc_info()[0] is not None:  # e.g. Ctrl-C in the launcher: the ranks are gone, so is this
+            shutil.rmtree(report_dir, ignore_errors=True)
     try:
         error = _failure(procs, report_dir, expected_codes, None if reason == "a rank failed" else reason,
                          stopped, received)
