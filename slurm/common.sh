@@ -24,8 +24,9 @@
 #   <run_dir>/logs/J/restart_R/{command.txt,config.yaml,rank_<task>.log}
 # Pre-emption: the batch shell traps USR1 (sent by --signal=B:USR1@secs before the
 # time limit, or `scancel -b -s USR1 J`) and TERM, forwards them to srun (and srun to
-# every rank); ranks finish the step, checkpoint and exit 75; on USR1 the job then
-# requeues itself and the next attempt continues with --resume auto.
+# every rank); ranks finish the step, checkpoint and exit 75 (rank 0 also leaves
+# <run_dir>/PREEMPTED); on USR1 the job then requeues itself and the next attempt
+# continues with --resume auto.
 
 set -euo pipefail
 
@@ -135,8 +136,14 @@ sdrl_train() {
     sdrl_setup "$@"
     sdrl_resolve_config
     local rc=0
+    rm -f "$RUN_DIR/PREEMPTED"  # rank 0 writes it after a pre-emption checkpoint (see below)
     sdrl_run_step "$STABLEDRL_PYTHON" -m stabledrl_mcore.cli train --config "$CONFIG" \
         "${OVERRIDES[@]}" --resume auto || rc=$?
+    if ((rc != 0 && rc != EXIT_PREEMPTED)) && [[ -f "$RUN_DIR/PREEMPTED" ]]; then
+        # the checkpoint was written, but a rank did not exit 75 in time (srun --wait ended it)
+        sdrl_log "status $rc, but $RUN_DIR/PREEMPTED says the ranks checkpointed: treating it as $EXIT_PREEMPTED"
+        rc=$EXIT_PREEMPTED
+    fi
     if ((rc == EXIT_PREEMPTED)) && [[ "$CAUGHT_SIGNAL" != TERM ]]; then
         # TERM means SLURM itself is ending the job (scancel, time limit): do not requeue.
         sdrl_log "ranks checkpointed and exited $rc: requeueing job $SLURM_JOB_ID (--resume auto)"

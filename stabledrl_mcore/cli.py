@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional, Sequence
 from . import __version__
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,13 +69,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             save_config(cfg, args.save_config)
         return 0
     if args.nproc is not None and args.nproc > 1:
-        from .parallel.launch import spawn
+        from .parallel.launch import exit_status, spawn
 
-        from .rl.trainer import train_rank
+        from .rl.trainer import EXIT_PREEMPTED, train_rank
 
-        spawn(train_rank, args.nproc, (args.config, tuple(overrides)),
-              timeout=float("inf"), threads=cfg.parallel.threads)
-        return 0
+        # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
+        return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
+                                 threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
     from .rl.trainer import train_rank
 
     return train_rank(args.config, overrides)
@@ -153,7 +154,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from .errors import is_user_error, one_line
+    from .errors import is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
@@ -164,10 +165,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except Exception as err:  # noqa: BLE001 - bugs keep their traceback, input errors get one line
+        failed_rank = getattr(err, "first_error", None)  # parallel.launch.WorkerFailed (--nproc)
+        if failed_rank is not None:
+            if debug:
+                print(err.details, file=sys.stderr)
+            print(f"stabledrl {args.command}: error: {failed_rank}", file=sys.stderr)
+            return EXIT_USAGE if is_user_error_type(err.first_type) else EXIT_FAILURE
         if debug or not is_user_error(err):
             raise
-        print(f"stabledrl {args.command}: error: {one_line(err)}", file=sys.stderr)
+        if _reports_errors():
+            print(f"stabledrl {args.command}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _reports_errors() -> bool:
+    """Under torchrun/srun every rank validates the same input: only global rank 0 prints it
+    (once) unless the error came after start-up, where only the failing rank knows it."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    started = "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized()
+    return started or rank in ("", "0")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,9 @@ exits 2; anything else is a bug and keeps its traceback. ``--debug`` or
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Optional
 
 
 class UserError(Exception):
@@ -32,11 +34,27 @@ _USER_ERROR_CLASSES = (
 
 def is_user_error(err: BaseException) -> bool:
     """True for errors about the user's input (printed as one line), False for bugs."""
-    if isinstance(err, (UserError, FileNotFoundError)):
+    return _is_user_class(type(err))
+
+
+def is_user_error_type(qualified_name: Optional[str]) -> bool:
+    """:func:`is_user_error` for an exception known by its class's qualified name (a rank's)."""
+    module, _, name = (qualified_name or "").rpartition(".")
+    if not module:
+        return name == "FileNotFoundError"
+    try:
+        cls = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
+    except ImportError:
+        return False
+    return isinstance(cls, type) and _is_user_class(cls)
+
+
+def _is_user_class(cls: type) -> bool:
+    if issubclass(cls, (UserError, FileNotFoundError)):
         return True
     for module, name in _USER_ERROR_CLASSES:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(err, cls):
+        user_cls = getattr(sys.modules.get(module), name, None)
+        if user_cls is not None and issubclass(cls, user_cls):
             return True
     return False
 

@@ -86,3 +86,25 @@ def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
     monkeypatch.setenv("STABLEDRL_DEBUG", "0")
     assert main(["train", "rollout.task=gsm9k", "--print-config"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.config_io.ConfigError", 2),
+                                              ("builtins.RuntimeError", 1)])
+def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(capsys, monkeypatch, first_type,
+                                                                                code):
+    """``--nproc``: the first failing rank's error once (exit 2 for input errors, 1 for bugs);
+    ``--debug`` adds every rank's traceback."""
+    from stabledrl_mcore.parallel import launch
+
+    def failing_spawn(*args, **kwargs):
+        raise launch.WorkerFailed("rank 1: Boom: bad thing", "--- rank 1 ---\nTraceback (most recent call last)",
+                                  first_type=first_type, exit_codes=[-9, 1])
+
+    monkeypatch.setattr(launch, "spawn", failing_spawn)
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                          "tiny_cpu.yaml")
+    assert main(["train", "--config", config, "--nproc", "2", "steps=1"]) == code
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["stabledrl train: error: rank 1: Boom: bad thing"]
+    assert main(["--debug", "train", "--config", config, "--nproc", "2", "steps=1"]) == code
+    assert "Traceback (most recent call last)" in capsys.readouterr().err

@@ -12,28 +12,34 @@ one at a time from memory maps into a never-initialised model shell and saves
 once; Megatron -> HF loads one layer at a time and writes each tensor straight
 into its safetensors shard. Peak memory is about one copy of the weights
 (``tools/bench_convert.py``). Output goes to ``.tmp-<name>-*`` beside the target
-and is renamed into place only when complete, so an interrupted run never
-leaves anything that looks like a valid checkpoint.
+and is renamed into place only when complete (and, with ``--verify``, checked), so
+an interrupted run never leaves anything that looks like a valid checkpoint; any
+failure (an error, Ctrl-C, SIGTERM) removes it, and one left by a SIGKILLed run is
+removed by the next conversion to the same target. Non-finite weights (NaN/inf)
+are refused, naming the tensor, unless ``--allow-nonfinite``.
 
 CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
 
     hf-to-mcore --model {llada,sdar,<preset>} --hf-dir DIR --out DIR [--tp N] [--pp M]
                 [--dtype auto|bf16|fp32] [--vocab-multiple K] [--overwrite] [--verify]
+                [--allow-nonfinite]
     mcore-to-hf --ckpt DIR --out DIR [--hf-assets DIR] [--dtype ...]
-                [--max-shard-size 5GB] [--overwrite] [--verify]
+                [--max-shard-size 5GB] [--overwrite] [--verify] [--allow-nonfinite]
 
-Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--tolerance``,
-2 bad input (:class:`~.errors.ConversionError`, message names the culprit).
+Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--tolerance``
+(nothing is written; an existing output stays), 2 bad input
+(:class:`~.errors.ConversionError`, message names the culprit), 143 SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import signal
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -42,12 +48,49 @@ from . import hf_config as hfc
 from .engine import MappingEngine
 from .errors import ConversionError
 from .mappings import VocabRows, table_for
-from .mcore_io import (DTYPES, HF_ASSETS, attach, build_shell, copy_assets, ensure_single_process,
-                       expanded_sharded_state_dict, finalize_output, iter_full_tensors,
-                       prepare_output, read_checkpoint_info, write_json, write_marker)
+from .mcore_io import (DTYPES, HF_ASSETS, attach, build_shell, copy_assets, discard_output,
+                       ensure_single_process, expanded_sharded_state_dict, finalize_output,
+                       iter_full_tensors, prepare_output, read_checkpoint_info, write_json, write_marker)
 from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class VerificationFailed(ConversionError):
+    """``--verify``: the converted model's logits differ from the reference's beyond the tolerance."""
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
+    """Refuse a tensor with NaN/inf entries (one line naming it, its source and the flag)."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        nan = int(torch.isnan(tensor).sum())
+        raise ConversionError(f"{source}: tensor {name!r} holds {nan} NaN and {bad - nan} inf value(s) "
+                              f"of {tensor.numel()}; pass --allow-nonfinite to convert it anyway")
+
+
+class _FiniteReader:
+    """A :class:`SafetensorsReader` whose ``get`` refuses non-finite tensors."""
+
+    def __init__(self, reader: SafetensorsReader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self._reader.get(name)
+        check_finite(name, tensor, self._reader.root)
+        return tensor
+
+
+def _fault_injection_pause() -> None:
+    """Tests set ``STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT`` (seconds) to kill a conversion mid-way."""
+    pause = float(os.environ.get("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT", "0") or 0)
+    if pause > 0:
+        time.sleep(pause)
 
 
 def _by_group(items, total: int, desc: str, enabled: bool):
@@ -114,15 +157,20 @@ def check_preset_shape(cfg, preset: str) -> None:
 
 def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int = 1, pp: int = 1,
                 dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
-                progress: bool = True) -> str:
+                progress: bool = True, allow_nonfinite: bool = False,
+                before_commit: Optional[Callable[[str], None]] = None) -> str:
     """Convert an upstream LLaDA/SDAR directory to a model-only ``torch_dist`` checkpoint.
 
     ``dtype``: ``"bf16"``/``"fp32"``/``"fp16"`` or None (keep the stored dtype).
     ``vocab_multiple``: ``make_vocab_size_divisible_by`` recorded in the config
     (rows are zero-padded to it). ``tp``/``pp`` are checked and recorded as the
-    suggested layout; the checkpoint loads at any layout. Returns ``out``.
+    suggested layout; the checkpoint loads at any layout. ``before_commit(tmp)``
+    (e.g. a logit check) runs on the finished temporary output; if it raises,
+    nothing is written. Returns ``out``.
     """
     from megatron.core import dist_checkpointing
+
+    from .writers import bind_checkpoint_writers
 
     raw = hfc.read_hf_config(hf_dir)
     expected_arch, preset = resolve_model_choice(model)
@@ -143,12 +191,13 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     started, owns_megatron = time.time(), False
     try:
         owns_megatron = ensure_single_process()
+        bind_checkpoint_writers()  # no writer helper process may outlive a killed conversion
         entries = expanded_sharded_state_dict(build_shell(cfg, target))
         expected = {m.megatron for _, group in engine.groups() for m in group}
         tensors = {k for k, v in entries.items() if k.endswith(".weight")}
         if tensors != expected:
             raise ConversionError(f"mapping table and model disagree: {sorted(tensors ^ expected)[:5]}")
-        items = engine.iter_megatron(reader, target)
+        items = engine.iter_megatron(reader if allow_nonfinite else _FiniteReader(reader), target)
         for _, name, blocks in _by_group(items, len(engine.groups()), "hf-to-mcore", progress):
             attach(entries[name], blocks)
         dist_checkpointing.save(entries, tmp)
@@ -158,10 +207,12 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
                                                                  "pipeline_parallel": pp},
                      source={"hf_dir": os.path.abspath(hf_dir), "weight_bytes": reader.nbytes(),
                              "seconds": round(time.time() - started, 2)})
+        _fault_injection_pause()
+        if before_commit is not None:
+            before_commit(tmp)
         return finalize_output(tmp, out)
     finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        discard_output(tmp)  # nothing left once finalized; the unfinished output on any failure
         if owns_megatron:
             from ..parallel import bootstrap
 
@@ -178,11 +229,13 @@ def _head_still_tied(path, shell, engine, dtype) -> bool:
 
 def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: Optional[str] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-                progress: bool = True) -> str:
+                progress: bool = True, allow_nonfinite: bool = False,
+                before_commit: Optional[Callable[[str], None]] = None) -> str:
     """Export a converted (or training) checkpoint to an upstream-format HF directory.
 
     ``hf_assets``: where ``config.json``/tokenizer/``*.py`` come from (default:
     the checkpoint's ``hf/``); without any, a template config is written.
+    ``allow_nonfinite``/``before_commit``: as in :func:`hf_to_mcore`.
     """
     info = read_checkpoint_info(ckpt)
     cfg, assets = info.config, hf_assets or info.hf_assets
@@ -204,6 +257,8 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
         for _, name, full in _by_group(items, len(engine.groups()), "mcore-to-hf", progress):
             if tied and name == "output_layer.weight":
                 continue
+            if not allow_nonfinite:
+                check_finite(name, full, ckpt)
             for hf_name, tensor in engine.to_hf(name, full):
                 writer.write(hf_name, tensor.to(target))
         writer.close()
@@ -211,12 +266,13 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
             copy_assets(assets, tmp)
         config = hfc.dllm_to_hf_config(cfg, base, dtype=HF_DTYPE_NAMES[target], tied=tied)
         write_json(os.path.join(tmp, "config.json"), config)
+        if before_commit is not None:
+            before_commit(tmp)
         return finalize_output(tmp, out)
     finally:
         if writer is not None:
             writer.abort()
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        discard_output(tmp)
         if owns_megatron:
             from ..parallel import bootstrap
 
@@ -262,6 +318,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--reference", choices=("public", "remote"), default="public",
                        help="public transformers classes (default) or the upstream remote code")
         p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
+        p.add_argument("--allow-nonfinite", action="store_true",
+                       help="convert weights holding NaN/inf (refused by default, naming the tensor)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -272,27 +330,53 @@ def run_convert(args: argparse.Namespace) -> int:
     # torch.distributed.checkpoint deprecation notices raised inside megatron: noise for users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")
     dtype = None if args.dtype == "auto" else args.dtype
+    common = dict(dtype=dtype, overwrite=args.overwrite, progress=not args.no_progress,
+                  allow_nonfinite=args.allow_nonfinite,
+                  before_commit=_verifier(args) if args.verify else None)
+    restore = _exit_on_sigterm()
     try:
         if args.direction == "hf-to-mcore":
             out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp,
-                              dtype=dtype, vocab_multiple=args.vocab_multiple,
-                              overwrite=args.overwrite, progress=not args.no_progress)
-            hf_dir, ckpt = args.hf_dir, out
+                              vocab_multiple=args.vocab_multiple, **common)
         else:
-            out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets, dtype=dtype,
-                              max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                              progress=not args.no_progress)
-            hf_dir, ckpt = out, args.ckpt
+            out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets,
+                              max_shard_bytes=args.max_shard_size, **common)
         print(f"wrote {out}")
-        if args.verify:
-            from .verify import verify
-
-            diff = verify(hf_dir, ckpt, reference=args.reference)
-            ok = diff <= args.tolerance
-            print(f"verify: max abs logit difference {diff:.3e} "
-                  f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
-            return 0 if ok else 1
         return 0
+    except VerificationFailed as err:
+        print(f"stabledrl convert: error: {err}", file=sys.stderr)
+        return 1
     except ConversionError as err:
         print(f"stabledrl convert: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        restore()
+
+
+def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
+    """``--verify`` as a check of the finished temporary output (raises :class:`VerificationFailed`)."""
+    def check(tmp: str) -> None:
+        from .verify import verify
+
+        hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
+        diff = verify(hf_dir, ckpt, reference=args.reference)
+        ok = diff <= args.tolerance
+        print(f"verify: max abs logit difference {diff:.3e} "
+              f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
+        if not ok:
+            raise VerificationFailed(f"--verify: max abs logit difference {diff:.3e} is above --tolerance "
+                                     f"{args.tolerance:g}; nothing was written to {os.path.abspath(args.out)}")
+
+    return check
+
+
+def _exit_on_sigterm() -> Callable[[], None]:
+    """SIGTERM ends the conversion like Ctrl-C (its temporary output removed); returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, previous)

@@ -29,7 +29,10 @@ import json
 import os
 import random
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -131,8 +134,17 @@ def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: boo
 
 
 # ------------------------------------------------------------------ atomic output
+OWNER_SUFFIX = ".owner.json"  # beside each temporary output: who is writing it (stale ones are removed)
+
+
 def prepare_output(out: str, overwrite: bool, protect: Optional[str] = None) -> str:
-    """Check ``out`` may be written and return a fresh temporary directory beside it."""
+    """Check ``out`` may be written and return a fresh temporary directory beside it.
+
+    The directory ``.tmp-<name>-*`` gets an owner file beside it (``<dir>.owner.json``:
+    output, host, pid); temporaries of ``out`` whose owner process on this host is
+    gone (a killed conversion) are removed first. Finish with :func:`finalize_output`
+    or :func:`discard_output`.
+    """
     out = os.path.abspath(out)
     if protect is not None:
         src = os.path.abspath(protect)
@@ -146,11 +158,62 @@ def prepare_output(out: str, overwrite: bool, protect: Optional[str] = None) -> 
                                   "replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
+    remove_stale_outputs(out)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out)}-", dir=parent)
+    write_json(tmp + OWNER_SUFFIX, {"out": out, "host": socket.gethostname(), "pid": os.getpid(),
+                                    "started": time.time()})
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any directory
     return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, TypeError, ValueError):
+        return True  # someone else's process, or unreadable: assume it is still writing
+    return True
+
+
+def remove_stale_outputs(out: str) -> List[str]:
+    """Remove ``.tmp-<name>-*`` beside ``out`` left by a killed writer of ``out`` on this host.
+
+    Only directories with an owner file naming ``out``, this host and a pid that no
+    longer runs; anything else (another output's, another host's, a live one) stays.
+    """
+    out = os.path.abspath(out)
+    parent, prefix, removed = os.path.dirname(out), f".tmp-{os.path.basename(out)}-", []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        if not (name.startswith(prefix) and name.endswith(OWNER_SUFFIX)):
+            continue
+        owner_file = os.path.join(parent, name)
+        try:
+            owner = _read_json(owner_file)
+        except (ConversionError, OSError, ValueError):
+            continue
+        if (not isinstance(owner, dict) or owner.get("out") != out or owner.get("host") != socket.gethostname()
+                or _pid_alive(owner.get("pid"))):
+            continue
+        shutil.rmtree(owner_file[: -len(OWNER_SUFFIX)], ignore_errors=True)
+        os.remove(owner_file)
+        removed.append(owner_file[: -len(OWNER_SUFFIX)])
+    for path in removed:
+        print(f"stabledrl: removed {path}, left by an interrupted write of {out}", file=sys.stderr)
+    return removed
+
+
+def discard_output(tmp: str) -> None:
+    """Remove an unfinished temporary output and its owner file."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(tmp + OWNER_SUFFIX):
+        os.remove(tmp + OWNER_SUFFIX)
 
 
 def finalize_output(tmp: str, out: str) -> str:
@@ -164,6 +227,8 @@ def finalize_output(tmp: str, out: str) -> str:
         else:
             os.rmdir(out)
     os.rename(tmp, out)
+    if os.path.exists(tmp + OWNER_SUFFIX):
+        os.remove(tmp + OWNER_SUFFIX)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
@@ -218,8 +283,8 @@ def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, t
                          padded_vocab=model.padded_vocab_size)
             finalize_output(tmp, out)
     finally:
-        if rank == 0 and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            discard_output(tmp)
     torch.distributed.barrier()
     return os.path.abspath(out)
 

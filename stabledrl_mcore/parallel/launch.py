@@ -1,27 +1,51 @@
 """Run a function on N local processes with torchrun-style environment variables.
 
-Used by the tests and by single-node CPU runs (``stabledrl train --nproc N``);
+Used by the tests and by single-node runs (``stabledrl train --nproc N``);
 clusters launch with ``torchrun`` or ``srun`` instead. Every child is started
 with the ``spawn`` method, gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
 ``MASTER_ADDR``/``MASTER_PORT``, and is stopped by PID if any rank fails or the
 deadline passes, so a failing rank never leaves the others hanging.
+
+Signals and lifetime: SIGTERM/SIGUSR1 sent to the launcher are forwarded to every
+rank; each rank gets ``PR_SET_PDEATHSIG`` (Linux), so SIGKILL of the launcher
+takes its ranks with it. A rank's return value is its exit status (``fn`` may
+return e.g. 75 after a pre-emption); :func:`spawn` returns them.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_HELD: List[int] = []  # forwarded signals a rank received before ``fn`` installed its own handlers
 
 
 class WorkerFailed(RuntimeError):
-    """A spawned rank raised, crashed or timed out."""
+    """A spawned rank raised, crashed, returned an unexpected status or timed out.
+
+    ``str(err)`` and ``first_error`` are one line about the first failing rank
+    (``rank 1: ValueError: ...``); ``details`` holds every failing rank's full
+    traceback (for ``--debug``); ``first_type`` is the qualified name of the first
+    exception's class (or None); ``exit_codes`` is each rank's exit status.
+    """
+
+    def __init__(self, first_error: str, details: str = "", *, first_type: Optional[str] = None,
+                 exit_codes: Sequence[Optional[int]] = ()):
+        super().__init__(first_error)
+        self.first_error, self.details, self.first_type = first_error, details, first_type
+        self.exit_codes = list(exit_codes)
 
 
 def free_port() -> int:
@@ -29,6 +53,112 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Linux: SIGKILL this process as soon as ``parent_pid`` (its parent) dies.
+
+    If the parent already died before the request took effect, exit at once.
+    Returns False where the platform has no parent-death signal.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody would reap or stop us
+        os._exit(1)
+    return True
+
+
+def bind_forked_children() -> None:
+    """Every process the main thread forks from now on dies with this one (parent-death SIGKILL).
+
+    For helpers such as Megatron's checkpoint write workers, which are forked and
+    would otherwise outlive a SIGKILLed trainer. Forks from other threads are left
+    alone (the signal follows the forking thread, which may end first). Idempotent.
+    """
+    if getattr(bind_forked_children, "done", False) or not hasattr(os, "register_at_fork"):
+        return
+    parent = {"pid": os.getpid(), "main": True}
+
+    def before() -> None:
+        parent.update(pid=os.getpid(), main=threading.current_thread() is threading.main_thread())
+
+    def after_in_child() -> None:
+        if parent["main"]:
+            die_with_parent(parent["pid"])
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+    bind_forked_children.done = True
+
+
+def take_held_signals() -> List[int]:
+    """Forwarded signals this rank received before its own handlers were installed (then cleared)."""
+    held = list(_HELD)
+    _HELD.clear()
+    return held
+
+
+def error_line(err: BaseException, rank: Optional[int] = None, limit: int = 500) -> str:
+    """``[rank 1: ]ValueError: message`` on one line (the format of :class:`WorkerFailed`; a CLI
+    under torchrun/srun can print a rank's own error the same way)."""
+    line = " ".join(f"{type(err).__name__}: {err}".split())
+    line = line if len(line) <= limit else line[: limit - 3] + "..."
+    return line if rank is None else f"rank {rank}: {line}"
+
+
+def _write_json(path: str, data: Dict[str, Any]) -> None:
+    with open(path + ".part", "w") as handle:
+        json.dump(data, handle)
+    os.replace(path + ".part", path)
+
+
+def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_pid, hold):
+    """A rank: parent-death signal and signal holding first, then unpickle and run ``fn``."""
+    die_with_parent(parent_pid)
+    if hold:
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, lambda signum, frame: _HELD.append(signum))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    report = os.path.join(report_dir, f"rank{rank}")
+    code = 0
+    try:
+        fn, args = pickle.loads(payload)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        code = _status(fn(*args))
+    except SystemExit as exit_:  # sys.exit(75) inside fn is a status like returning 75
+        code = _status(exit_.code) if isinstance(exit_.code, int) or exit_.code is None else 1
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        _write_json(report + ".error.json", {
+            "time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
+            "line": error_line(err), "traceback": traceback.format_exc()[-20000:]})
+        code = 1
+    finally:
+        if "torch.distributed" in sys.modules:  # only ranks that may have started a process group
+            try:
+                from .bootstrap import destroy
+
+                destroy()
+            except Exception:  # pragma: no cover - best effort clean-up
+                pass
+    _write_json(report + ".code.json", {"code": code})
+    raise SystemExit(code)
+
+
+def _status(value: Any) -> int:
+    """``fn``'s return value as an exit status: an int is one, anything else is 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _kill_tree(pid: int) -> None:
@@ -46,69 +176,163 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def _entry(fn, rank, world_size, port, threads, args, error_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    try:
-        fn(*args)
-    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
-            handle.write(traceback.format_exc()[-20000:])
-        raise SystemExit(1)
-    finally:
+def _read_reports(report_dir: str, world_size: int, kind: str) -> Dict[int, Dict[str, Any]]:
+    found = {}
+    for rank in range(world_size):
+        path = os.path.join(report_dir, f"rank{rank}.{kind}.json")
         try:
-            from .bootstrap import destroy
-
-            destroy()
-        except Exception:  # pragma: no cover - best effort clean-up
+            with open(path) as handle:
+                found[rank] = json.load(handle)
+        except (OSError, ValueError):
             pass
+    return found
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _failure(procs, report_dir: str, expected: Sequence[int], reason: Optional[str],
+             stopped_by_launcher: Sequence[int], received: Sequence[int]) -> Optional[WorkerFailed]:
+    """The error to raise (None when every rank ended with 0 or an expected status)."""
+    world = len(procs)
+    codes = [p.exitcode for p in procs]
+    errors = _read_reports(report_dir, world, "error")
+    returned = {r: rep["code"] for r, rep in _read_reports(report_dir, world, "code").items()}
+    bad = [r for r, c in enumerate(codes) if r not in errors and r not in stopped_by_launcher
+           and not (c == 0 or (c in expected and returned.get(r) == c))]
+    if not errors and not bad and not reason:
+        return None
+    first_type, sent = None, "".join(f" after {signal.Signals(s).name} was forwarded to the ranks"
+                                     for s in sorted(set(received)))
+    if errors:
+        rank = min(errors, key=lambda r: (errors[r]["time"], r))
+        first, first_type = f"rank {rank}: {errors[rank]['line']}", errors[rank]["type"]
+    elif bad:
+        rank = bad[0]
+        how = (f"returned status {codes[rank]}" if returned.get(rank) == codes[rank]
+               else _describe_exit(codes[rank]))
+        first = f"rank {rank} {how}{sent}"
+    else:
+        rank, first = None, f"{reason}{sent}"
+    lines = [f"{first} (exit codes {codes})"]
+    for r in range(world):
+        if r in errors:
+            lines.append(f"--- rank {r} ---\n{errors[r]['traceback']}")
+        elif r in stopped_by_launcher:
+            lines.append(f"--- rank {r}: stopped by the launcher"
+                         + (f" after rank {rank} failed" if rank is not None else f" ({reason})") + " ---")
+        elif r in bad:
+            lines.append(f"--- rank {r}: {_describe_exit(codes[r])} ---")
+    return WorkerFailed(first, "\n".join(lines), first_type=first_type, exit_codes=codes)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
-          timeout: float = 600.0, threads: Optional[int] = 1, grace: float = 5.0) -> None:
-    """Run ``fn(*args)`` on ``world_size`` processes; raise :class:`WorkerFailed` on any failure.
+          timeout: float = 600.0, threads: Optional[int] = 1, grace: float = 5.0,
+          expected_codes: Sequence[int] = (), hold_signals: bool = False) -> List[int]:
+    """Run ``fn(*args)`` on ``world_size`` processes; return each rank's exit status.
 
-    ``fn`` must be importable (module level). ``threads`` sets torch's intra-op
-    threads per rank (1 is fastest for tiny models on a small CPU). When one rank
-    fails, the others get ``grace`` seconds to finish before they are killed.
+    ``fn`` must be picklable (module level). ``threads`` sets torch's intra-op
+    threads per rank (1 is fastest for tiny models on a small CPU). A rank's exit
+    status is ``fn``'s return value when that is an int, else 0; any status other
+    than 0 and ``expected_codes`` is a failure. When one rank fails, the others get
+    ``grace`` seconds to finish before they are killed, and :class:`WorkerFailed`
+    names the first failing rank. SIGTERM/SIGUSR1 received meanwhile are forwarded
+    to the ranks; with ``hold_signals`` a rank keeps them (see
+    :func:`take_held_signals`) until ``fn`` installs its own handlers, instead of
+    dying of one during start-up.
     """
     ctx = mp.get_context("spawn")
-    error_dir = tempfile.mkdtemp(prefix="stabledrl-spawn-")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, tuple(args), error_dir),
-                         daemon=False) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout
-    failure = None
+    report_dir = tempfile.mkdtemp(prefix="stabledrl-spawn-")
+    port, payload = free_port(), pickle.dumps((fn, tuple(args)))
+    procs = [ctx.Process(target=_entry, daemon=False,
+                         args=(payload, r, world_size, port, threads, report_dir, os.getpid(), hold_signals))
+             for r in range(world_size)]
+    received: List[int] = []
+    previous = _forward_signals(procs, received)
+    deadline, reason, stopped = time.monotonic() + timeout, None, []
     try:
+        for proc in procs:
+            proc.start()
+        for sig in sorted(set(received)):  # arrived while the ranks were being started
+            _send(procs, sig)
         while any(p.is_alive() for p in procs):
-            if os.listdir(error_dir) or any(p.exitcode not in (None, 0) for p in procs):
-                failure = "a rank failed"
+            if _read_reports(report_dir, world_size, "error") or _unexpected_exit(procs, report_dir, expected_codes):
+                reason = "a rank failed"
                 break
             if time.monotonic() > deadline:
-                failure = f"timed out after {timeout:.0f} s"
+                reason = f"timed out after {timeout:.0f} s"
                 break
             time.sleep(0.05)
     finally:
-        if failure == "a rank failed":  # let the other ranks report their own errors first
+        if reason == "a rank failed":  # let the other ranks report their own errors first
             grace_end = time.monotonic() + grace
             while any(p.is_alive() for p in procs) and time.monotonic() < grace_end:
                 time.sleep(0.05)
-        for proc in procs:
-            if proc.is_alive():
+        for rank, proc in enumerate(procs):
+            if proc.pid is not None and proc.is_alive():
+                stopped.append(rank)
                 _kill_tree(proc.pid)
-            proc.join()
-    reports = []
-    for name in sorted(os.listdir(error_dir)):
-        with open(os.path.join(error_dir, name)) as handle:
-            reports.append(f"--- {name[:-4]} ---\n{handle.read()}")
-    shutil.rmtree(error_dir, ignore_errors=True)
-    codes = [p.exitcode for p in procs]
-    if failure or reports or any(c != 0 for c in codes):
-        raise WorkerFailed(f"{failure or 'a rank failed'} (exit codes {codes})\n" + "\n".join(reports))
+            if proc.pid is not None:
+                proc.join()
+        _restore_signals(previous)
+        if sys.exc_info()[0] is not None:  # e.g. Ctrl-C in the launcher: the ranks are gone, so is this
+            shutil.rmtree(report_dir, ignore_errors=True)
+    try:
+        error = _failure(procs, report_dir, expected_codes, None if reason == "a rank failed" else reason,
+                         stopped, received)
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
+    if error is not None:
+        raise error
+    return [p.exitcode for p in procs]
+
+
+def _unexpected_exit(procs, report_dir: str, expected: Sequence[int]) -> bool:
+    """A rank ended with a status that is neither 0 nor an expected status it returned."""
+    for rank, proc in enumerate(procs):
+        code = proc.exitcode
+        if code in (None, 0):
+            continue
+        if code in expected and _read_reports(report_dir, len(procs), "code").get(rank, {}).get("code") == code:
+            continue
+        return True
+    return False
+
+
+def _forward_signals(procs, received: List[int]):
+    """Install SIGTERM/SIGUSR1 handlers that pass the signal on to every live rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, frame):
+        received.append(signum)
+        _send(procs, signum)
+
+    return {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+
+
+def _send(procs, signum: int) -> None:
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _restore_signals(previous) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def exit_status(codes: Sequence[int]) -> int:
+    """One status for a launcher: the largest of its ranks' statuses (0 when all are 0)."""
+    return max(codes, default=0)

@@ -48,6 +48,10 @@ def install_preemption_handlers() -> None:
     for name in ("SIGUSR1", "SIGTERM"):
         signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
     _PREEMPTION["installed"] = True
+    from ..parallel.launch import take_held_signals
+
+    if take_held_signals():  # forwarded by the --nproc launcher while this rank was starting
+        _PREEMPTION["caught"] = True
 
 
 def preemption_agreed() -> bool:
@@ -184,15 +188,35 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     return s
 
 
+PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by a pre-emption
+
+
 def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of a run from a config file plus dotted overrides; 75 = pre-empted (checkpoint written).
 
     Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
+    After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
+    starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """
+    import os
+
+    from ..checkpoint.writers import bind_checkpoint_writers
     from ..config import load_config
 
-    setup = train(load_config(config, list(overrides)))
-    return EXIT_PREEMPTED if setup.preempted else 0
+    bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
+    cfg = load_config(config, list(overrides))
+    marker = os.path.join(cfg.logging.run_dir, PREEMPTED_MARKER)
+    try:
+        os.remove(marker)  # every rank may try: the first one wins
+    except FileNotFoundError:
+        pass
+    setup = train(cfg)
+    if not setup.preempted:
+        return 0
+    if torch.distributed.get_rank() == 0:
+        with open(marker, "w") as handle:
+            handle.write(json.dumps({"exit_status": EXIT_PREEMPTED, "time": time.time()}) + "\n")
+    return EXIT_PREEMPTED
 
 
 def _first_chunk(s: TrainingSetup) -> int:

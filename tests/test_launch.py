@@ -1,0 +1,232 @@
+"""The ``--nproc`` launcher (``parallel/launch.py``): one error line for the first failing rank,
+returned statuses, signals forwarded to the ranks, ranks dying with a SIGKILLed launcher.
+
+These ranks are plain Python functions (no torch): each test costs about a second. The
+launcher runs in a subprocess where a signal is sent to it; every process is stopped by PID.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stabledrl_mcore.parallel.launch import WorkerFailed, spawn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _fail_worker():
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError("num_attention_heads (4) is not divisible by\n tensor_parallel (3)")
+    if rank == 2:  # a knock-on error after rank 1's, as a broken collective would raise
+        time.sleep(0.5)
+        raise RuntimeError("Connection closed by peer")
+    time.sleep(60)  # rank 0 hangs until the launcher stops it
+
+
+def test_first_failing_rank_is_one_line_and_the_others_are_not_errors():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        spawn(_fail_worker, 3, timeout=60, threads=None, grace=2)
+    assert time.monotonic() - start < 20
+    err = info.value
+    assert str(err) == err.first_error
+    assert err.first_error == "rank 1: ValueError: num_attention_heads (4) is not divisible by tensor_parallel (3)"
+    assert err.first_type == "builtins.ValueError"
+    assert "Traceback" in err.details and "Connection closed by peer" in err.details
+    assert "rank 0: stopped by the launcher after rank 1 failed" in err.details
+    assert err.exit_codes[1] == 1 and err.exit_codes[0] == -signal.SIGKILL
+
+
+def _status_worker(value):
+    return value
+
+
+def test_a_returned_status_is_reported_and_only_expected_ones_pass():
+    assert spawn(_status_worker, 2, (75,), threads=None, expected_codes=(75,)) == [75, 75]
+    with pytest.raises(WorkerFailed, match=r"^rank 0 returned status 3$"):
+        spawn(_status_worker, 1, (3,), threads=None, expected_codes=(75,))
+
+
+def _preemptible_worker(out_dir):
+    """Writes its pid, starts up for 1 s (a signal now is held), then waits for SIGTERM -> 75."""
+    from stabledrl_mcore.parallel.launch import take_held_signals
+
+    rank = os.environ["RANK"]
+    with open(os.path.join(out_dir, f"rank{rank}.pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(1.0)
+    caught = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    caught += take_held_signals()
+    deadline = time.monotonic() + 30
+    while not caught and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(os.path.join(out_dir, f"rank{rank}.caught"), "w") as handle:
+        handle.write(repr([int(s) for s in caught]))
+    return 75 if caught else 0
+
+
+LAUNCHER = ("import sys; sys.path[:0] = [{here!r}, {root!r}]\n"
+            "from test_launch import _preemptible_worker\n"
+            "from stabledrl_mcore.parallel.launch import exit_status, spawn\n"
+            "sys.exit(exit_status(spawn(_preemptible_worker, 2, ({out!r},), timeout=60, threads=None,"
+            " expected_codes=(75,), hold_signals=True)))\n")
+
+
+def _start_launcher(out_dir):
+    code = LAUNCHER.format(here=HERE, root=ROOT, out=str(out_dir))
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+
+
+def _rank_pids(out_dir, launcher, n=2, timeout=30):
+    deadline = time.monotonic() + timeout
+    paths = [os.path.join(out_dir, f"rank{r}.pid") for r in range(n)]
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if all(os.path.exists(p) for p in paths):
+            time.sleep(0.05)
+            return [int(open(p).read()) for p in paths]
+        time.sleep(0.02)
+    raise AssertionError(f"ranks did not start: {launcher.poll()} {launcher.stderr.read()}")
+
+
+def _alive(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_sigterm_to_the_launcher_reaches_starting_ranks_and_exits_75(tmp_path):
+    launcher, pids = _start_launcher(tmp_path), []
+    try:
+        pids = _rank_pids(tmp_path, launcher)
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)  # the ranks are still "starting": they must hold it
+        assert launcher.wait(timeout=20) == 75, launcher.stderr.read()
+        assert time.monotonic() - start < 10
+        for rank in (0, 1):
+            assert open(tmp_path / f"rank{rank}.caught").read() == repr([int(signal.SIGTERM)])
+    finally:
+        _kill([launcher.pid] + pids)
+        launcher.wait()
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    launcher, pids = _start_launcher(tmp_path), []
+    try:
+        pids = _rank_pids(tmp_path, launcher)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a rank outlived its SIGKILLed launcher"
+    finally:
+        _kill([launcher.pid] + pids)
+        launcher.wait()
+
+
+# ------------------------------------------------------------------ real training runs (gloo, 2 ranks)
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+TINY = ["logging.wandb_mode=disabled", "logging.progress=false", "rollout.prompts_per_step=4",
+        "rollout.group_size=4", "rollout.gen_length=8", "rollout.steps=4", "rollout.block_length=8",
+        "parallel.micro_batch_size=4", "algo.inner_iterations=1", "algo.num_mc=1", "steps=200"]
+
+
+def _train(run_dir, launcher, *extra, env=None):
+    """A 2-rank tiny run (200 steps: it never ends by itself within the test's time)."""
+    over = TINY + [f"logging.run_dir={run_dir}", *extra]
+    cli = ["-m", "stabledrl_mcore.cli", "train", "--config", CONFIG, *over]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cli] if launcher == "torchrun"
+           else [sys.executable, *cli, "--nproc", "2"])
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc, ready, timeout=150):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not ready (status {proc.poll()}): {proc.stderr.read()[-3000:] if proc.poll() else ''}")
+
+
+def _stop_tree(proc, pids=()):
+    import psutil
+
+    try:
+        pids = list(pids) + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    _kill([proc.pid] + list(pids))
+    proc.wait()
+
+
+def _stepped(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return os.path.exists(path) and open(path).read().count("\n") >= 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["nproc", "torchrun"])
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_reports_the_preemption(tmp_path, launcher):
+    """--nproc: the launcher forwards SIGTERM and exits 75. torchrun forwards it too but exits 1:
+    the run directory's PREEMPTED marker is what tells a job script to requeue (slurm/README.md)."""
+    run_dir = str(tmp_path / "run")
+    proc = _train(run_dir, launcher)
+    try:
+        _wait_for(proc, lambda: _stepped(run_dir))
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+        seconds = time.monotonic() - start
+    finally:
+        _stop_tree(proc)
+    assert code == (75 if launcher == "nproc" else 1), proc.stderr.read()[-3000:]
+    assert seconds < 60, seconds
+    steps = [int(n.split("_")[1]) for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n.startswith("step_")]
+    rows = open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()
+    assert steps == [len(rows)] and 0 < len(rows) < 200, (steps, len(rows))
+    assert os.path.isfile(os.path.join(run_dir, "PREEMPTED"))
+
+
+@pytest.mark.multiprocess
+def test_sigkill_of_the_launcher_mid_save_leaves_no_rank_or_writer_process(tmp_path):
+    import psutil
+
+    run_dir = str(tmp_path / "run")
+    ckpt = os.path.join(run_dir, "checkpoints")
+    proc, pids = _train(run_dir, "nproc", "checkpoint.save_every=1",
+                        env={"STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT": "60"}), []
+    try:
+        _wait_for(proc, lambda: os.path.isdir(ckpt) and any(n.startswith(".tmp-") for n in os.listdir(ckpt)))
+        time.sleep(1.0)  # the ranks are now in the pause after the dist-checkpoint write
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(pids) >= 2
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [(p, " ".join(psutil.Process(p).cmdline())[:80]) for p in pids if _alive(p)]
+        assert not survivors, f"outlived the SIGKILLed launcher: {survivors}"
+    finally:
+        _stop_tree(proc, pids)
+    assert not any(n.startswith("step_") for n in os.listdir(ckpt)), "a rank went on to commit a checkpoint"
