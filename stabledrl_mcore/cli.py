@@ -37,6 +37,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
     cfg = load_config(args.config, overrides)
     if args.print_config:
         import yaml
@@ -45,6 +46,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.save_config:
             save_config(cfg, args.save_config)
         return 0
+    from .checkpoint.resume import preflight
+
+    preflight(cfg)  # a used run directory or a resume that cannot fit: refused before any rank starts
     if args.nproc > 1:
         from .parallel.launch import spawn
 
@@ -84,6 +88,9 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
     _add_config_args(train)
     train.add_argument("--resume", default=None, metavar="auto|none|PATH",
                        help="resume from the newest complete checkpoint (auto) or PATH")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a run directory that holds an earlier run (moved aside, "
+                            "never deleted)")
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
     train.add_argument("--print-config", action="store_true",
@@ -114,6 +121,7 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
+    from .checkpoint.integrity import CheckpointError
     from .config import ConfigError
     from .parallel.bootstrap import ParallelLayoutError
 
@@ -123,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except (ConfigError, ParallelLayoutError) as err:
+    except (ConfigError, ParallelLayoutError, CheckpointError) as err:
         print(f"stabledrl {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 
