@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -116,7 +117,8 @@ def read_manifest(directory: str) -> Dict[str, Dict[str, Any]]:
         return files
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {directory} has no {CHECKSUM_FILE} (incomplete, or written "
-                              f"by an older stabledrl); it cannot be verified") from None
+                              f"by an older stabledrl), so it cannot be verified; its weights still load "
+                              f"as model.checkpoint={directory} in a new run") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is unreadable ({err}); the checkpoint is corrupt") from None
 
@@ -210,7 +212,10 @@ def load_rng_file(path: str) -> Dict[str, Any]:
     try:
         saved = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # the unpickler names the refused global; never fall back to pickle
-        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        text = str(err)
+        refused = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
+        reason = f"it holds an object built by {refused.group(1)}" if refused else \
+            (text.strip().splitlines() or [type(err).__name__])[0][:200]
         raise CheckpointError(f"{path} is not a safe RNG state file (refused to load it: {reason}); the "
                               f"checkpoint is corrupt or untrusted") from None
     if not isinstance(saved, dict) or saved.get("format") != RNG_FORMAT:

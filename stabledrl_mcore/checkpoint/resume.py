@@ -57,7 +57,7 @@ def _show(value: Any) -> str:
 
 def _flatten(data: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]]:
     for key, value in data.items():
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):  # an empty mapping (e.g. no model.overrides) adds no key
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
