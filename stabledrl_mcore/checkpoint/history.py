@@ -88,8 +88,8 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str] = None) -> None:
                           f"with checkpoint.resume={resume}")
     if resume_requested(resume):  # auto without a checkpoint starts afresh: metrics moved aside
         if resume != "auto":
-            source = os.path.dirname(os.path.abspath(os.path.normpath(resume)))
-            if source != os.path.abspath(root) and _checkpoint_entries(root):
+            source = os.path.dirname(os.path.realpath(resume))
+            if source != os.path.realpath(root) and _checkpoint_entries(root):
                 raise RunDirInUseError(
                     f"cannot resume from {resume} into {root}: it holds checkpoints of another run "
                     f"({', '.join(_checkpoint_entries(root)[-2:])}); choose a fresh logging.run_dir "

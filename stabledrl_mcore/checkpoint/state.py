@@ -230,8 +230,12 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
 
 def sharded_tensors(sharded: Any, prefix: str = ""):
     """``(key, local tensor)`` of every sharded tensor (or factory) in a sharded state dict."""
-    values = sharded.items() if isinstance(sharded, dict) else enumerate(sharded) \
-        if isinstance(sharded, (list, tuple)) else ()
+    if isinstance(sharded, dict):
+        values = sharded.items()
+    elif isinstance(sharded, (list, tuple)):
+        values = enumerate(sharded)
+    else:
+        return
     for name, value in values:
         if isinstance(value, (dict, list, tuple)):
             yield from sharded_tensors(value, f"{prefix}{name}.")
