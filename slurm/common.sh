@@ -71,8 +71,9 @@ sdrl_setup() {
 # and records the resolved config in LOG_DIR.
 sdrl_resolve_config() {
     local resolved
+    # --resume auto as the ranks will run: a requeue's resume plan is checked here too
     resolved=$("$STABLEDRL_PYTHON" -m stabledrl_mcore.cli train --config "$CONFIG" "${OVERRIDES[@]}" \
-        --print-config) || sdrl_die "invalid config $CONFIG ${OVERRIDES[*]}"
+        --resume auto --print-config) || sdrl_die "invalid config $CONFIG ${OVERRIDES[*]}"
     RUN_DIR=$("$STABLEDRL_PYTHON" -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["logging"]["run_dir"])' \
         <<<"$resolved")
     sdrl_log_dir "$RUN_DIR"

@@ -57,9 +57,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
     cfg = load_config(args.config, overrides)
     # every check that needs no model, before any rank starts; a plain `train` is one process
     report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
+    from .checkpoint.resume import preflight as check_run_directory
+
+    check_run_directory(cfg)  # a used run directory or a resume that cannot fit the config
     if args.print_config:
         import yaml
 
@@ -109,6 +113,9 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
     _add_config_args(train)
     train.add_argument("--resume", default=None, metavar="auto|none|PATH",
                        help="resume from the newest complete checkpoint (auto) or PATH")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a run directory that holds an earlier run (moved aside, "
+                            "never deleted)")
     train.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
     train.add_argument("--print-config", action="store_true",

@@ -210,6 +210,9 @@ class CheckpointSection:
     """Keep the newest K complete checkpoints."""
     resume: str = "none"
     """``none``, ``auto`` (newest complete checkpoint) or a checkpoint path."""
+    overwrite: bool = False
+    """A fresh run into a directory that holds an earlier run moves that run aside (never deletes);
+    without it such a run is refused (docs/checkpoints.md)."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ _USER_ERROR_CLASSES = (
     ("stabledrl_mcore.parallel.bootstrap", "ParallelLayoutError"),
     ("stabledrl_mcore.models.presets", "ModelConfigError"),
     ("stabledrl_mcore.checkpoint.errors", "ConversionError"),
-    ("stabledrl_mcore.checkpoint.state", "CheckpointError"),
+    ("stabledrl_mcore.checkpoint.integrity", "CheckpointError"),
     ("stabledrl_mcore.checkpoint.optimizer_state", "OptimizerFormatError"),
 )
 

@@ -115,6 +115,39 @@ def create_logger(run_dir: str, *, rank: Optional[int] = None, **kwargs) -> Null
     return MetricsLogger(run_dir, **kwargs) if rank == 0 else NullLogger()
 
 
+def keep_steps_through(path: str, step: int, attic: str) -> Optional[str]:
+    """Drop the records of steps after ``step`` from the JSONL file ``path`` (a resume from
+    ``step`` repeats them), losslessly: the old file is first copied to ``attic`` (returned),
+    then the kept lines replace it atomically. Unreadable lines (a write cut by a kill) are
+    dropped too. Nothing happens (None) when every line is kept."""
+    import shutil
+
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        lines = handle.readlines()
+    kept = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
+    if len(kept) == len(lines) and all(line.endswith("\n") for line in lines):
+        return None
+    os.makedirs(attic, exist_ok=True)
+    saved = os.path.join(attic, os.path.basename(path))
+    shutil.copy2(path, saved)
+    with open(path + ".part", "w") as handle:
+        handle.writelines(kept)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".part", path)
+    return saved
+
+
+def _record_step(line: str) -> Optional[int]:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def read_metrics(path: str) -> list:
     """Records of a metrics JSONL file (for plots and tests)."""
     with open(path) as handle:

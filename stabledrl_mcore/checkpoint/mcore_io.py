@@ -425,9 +425,14 @@ def _as_list(entry: Any) -> List[Any]:
 def load_model_weights(model, path: str) -> None:
     """Load a converted (or training) checkpoint into ``model`` at this process's TP/PP layout.
 
-    Every rank calls it with its own stage of :func:`build_model`; missing tensors raise."""
+    Every rank calls it with its own stage of :func:`build_model`; missing tensors raise, and so
+    do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters."""
     from megatron.core import dist_checkpointing
 
+    from .integrity import CHECKSUM_FILE, check_finite, verify_checksums
+
+    if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
+        verify_checksums(path)
     sharded = model.sharded_state_dict()
     check_keys_present(expanded_sharded_state_dict(model), path)
     loaded = dist_checkpointing.load(sharded, path)
@@ -438,3 +443,4 @@ def load_model_weights(model, path: str) -> None:
     if missing or unexpected:
         raise ConversionError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
+    check_finite(model.named_parameters(), f"after loading {path}: the checkpoint is corrupt")

@@ -5,17 +5,31 @@ Layout of a checkpoint root::
     <root>/step_00000010/        a complete checkpoint (model + optimizer shards,
         train_state.json          step, data position, scheduler state, world layout)
         config.yaml               the resolved run config
-        rng/rank00000.pt          each rank's RNG states (Python, NumPy, torch, CUDA, Megatron tracker)
+        rng/rank00000.pt          each rank's RNG states (tensors, ints, lists: no pickled objects)
         optimizer_format.json     how the optimizer state is stored (:mod:`.optimizer_state`)
-        ...dist_checkpointing files
+        checksums.json            size and SHA-256 of every other file (:mod:`.integrity`)
+        ...dist_checkpointing files (.metadata, common.pt, metadata.json, __*.distcp)
     <root>/.tmp-step_00000012/   a save in progress (ignored by resume)
+    <root>/abandoned-<UTC>-after-step_00000002/   later steps of a history a resume left
+                                                 (:mod:`.history`; never pruned)
 
 Every rank writes into the temporary directory; after a barrier rank 0 checks
-that every file a resume reads is there, writes ``train_state.json`` last and
-renames the directory to ``step_N``. A crash at
-any point (even SIGKILL of a rank mid-write) leaves either the previous
-complete checkpoints or a ``.tmp-*`` directory that :func:`find_latest` never
-returns. Only the newest ``keep_last`` complete checkpoints are kept.
+that every file a resume reads is there, writes ``train_state.json``, the ranks
+hash every file into ``checksums.json``, and rank 0 renames the directory to
+``step_N``. A crash at any point (even SIGKILL of a rank mid-write) leaves either
+the previous complete checkpoints or a ``.tmp-*`` directory that :func:`find_latest`
+never returns. Only the newest ``keep_last`` complete checkpoints at the top of the
+root are kept: those are the current history (a resume moves later steps aside).
+
+A save refuses non-finite parameters (nothing is written); a load first verifies
+the checksums, checks ``train_state.json`` against its directory name and the
+loaded parameters for NaN/inf: each failure is a one-line :class:`CheckpointError`
+naming the file or tensor. Trust: ``.metadata`` (read by torch's
+``FileSystemReader`` with ``pickle``) is the one file whose loading can run code;
+``common.pt`` is read by Megatron with ``torch.load``'s default
+(``weights_only=True`` since torch 2.6); the RNG files with ``weights_only=True``;
+the rest is JSON, YAML (``safe_load``) and raw tensor bytes. Load checkpoints
+from trusted sources only (checksums detect corruption, not tampering).
 
 Model and optimizer tensors are stored as sharded tensors, so a checkpoint
 written at one TP/PP/DP layout loads at another (Megatron reshards on load).
@@ -40,14 +54,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import optimizer_state
+from .integrity import (CheckpointError, check_finite, load_rng_file, save_rng_file,
+                        verify_checksums, write_checksums)
 from .optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A training checkpoint that cannot be written or read as asked (one-line message)."""
 
 
 @dataclass
@@ -81,7 +93,8 @@ def list_checkpoints(root: str) -> List[str]:
 
 
 def find_latest(root: str) -> Optional[str]:
-    """The newest complete checkpoint under ``root`` (``--resume auto``), or None."""
+    """The newest complete checkpoint under ``root`` (``--resume auto``), or None. The top of a
+    root holds only the current history (:mod:`.history` moves abandoned branches aside)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -160,6 +173,9 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
 
     final = os.path.join(root, step_dir_name(state.step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(state.step))
+    sharded = {"model": model_sharded_state_dict()}
+    check_finite(sharded_tensors(sharded["model"]),
+                 f"at step {state.step}: not saving a non-finite checkpoint (the previous ones are kept)")
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(tmp):
@@ -167,7 +183,6 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         os.makedirs(tmp)  # dist_checkpointing needs it to exist, and empty
     _barrier()
     fmt = optimizer_state.describe(optimizer)  # collective
-    sharded = {"model": model_sharded_state_dict()}
     if optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
             optimizer, sharded["model"], fmt, is_loading=False)
@@ -175,8 +190,8 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(rng_state if rng_state is not None else capture_rng_state(),
-               os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"))
+    save_rng_file(os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"),
+                  rng_state if rng_state is not None else capture_rng_state())
     _barrier()
     _fault_injection_pause()
     problem = ""
@@ -199,6 +214,8 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         if config_yaml is not None:
             _write_text(os.path.join(tmp, "config.yaml"), config_yaml)
         _write_text(os.path.join(tmp, STATE_FILE), json.dumps(state.__dict__, indent=2))
+    write_checksums(tmp)  # collective; starts when rank 0 has written everything above
+    if _rank() == 0:
         if os.path.isdir(final):  # re-saving the same step (e.g. after a resume)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -209,6 +226,21 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     _barrier()
     return final
+
+
+def sharded_tensors(sharded: Any, prefix: str = ""):
+    """``(key, local tensor)`` of every sharded tensor (or factory) in a sharded state dict."""
+    if isinstance(sharded, dict):
+        values = sharded.items()
+    elif isinstance(sharded, (list, tuple)):
+        values = enumerate(sharded)
+    else:
+        return
+    for name, value in values:
+        if isinstance(value, (dict, list, tuple)):
+            yield from sharded_tensors(value, f"{prefix}{name}.")
+        elif isinstance(getattr(value, "data", None), torch.Tensor):
+            yield getattr(value, "key", f"{prefix}{name}"), value.data
 
 
 def _missing_files(directory: str, world: int) -> str:
@@ -243,22 +275,44 @@ def _write_text(path: str, text: str) -> None:
     os.replace(path + ".part", path)
 
 
+def read_train_state(path: str) -> TrainState:
+    """``path/train_state.json``, checked: known fields, an int step that matches ``step_N``."""
+    state_file = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    try:
+        with open(state_file) as handle:
+            data = json.load(handle)
+        state = TrainState(**data)
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{state_file} is unreadable ({err}); the checkpoint is corrupt") from None
+    if not isinstance(state.step, int) or isinstance(state.step, bool) or state.step < 0:
+        raise CheckpointError(f"{state_file}: step {state.step!r} is not a step count; the checkpoint is corrupt")
+    match = STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if match and int(match.group(1)) != state.step:
+        raise CheckpointError(f"{state_file} says step {state.step} but its directory is "
+                              f"{os.path.basename(os.path.normpath(path))}; the checkpoint is corrupt "
+                              f"(or was renamed)")
+    return state
+
+
 def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = True,
                     extra_modules: Optional[Dict[str, Any]] = None) -> TrainState:
     """Load model (and optimizer, and ``extra_modules``) shards from ``path`` into the current layout.
 
     ``model`` is a module (or list of chunks) with ``sharded_state_dict()`` and
     ``load_state_dict()``. Returns the :class:`TrainState`. RNG streams are
-    restored when the world size matches the one that saved.
+    restored when the world size matches the one that saved. Verifies the
+    checksums first and the loaded parameters after (:class:`CheckpointError`).
     """
     from megatron.core import dist_checkpointing
 
     path = _broadcast_str(path)
-    state_file = os.path.join(path, STATE_FILE)
-    if not os.path.isfile(state_file):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    with open(state_file) as handle:
-        state = TrainState(**json.load(handle))
+    state = read_train_state(path)
+    verify_checksums(path)  # collective
+    rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
+    rng = load_rng_file(rng_file) if (restore_rng and state.world_size == _world()
+                                      and os.path.isfile(rng_file)) else None
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise NotImplementedError("virtual pipeline chunks are not supported yet")
@@ -276,10 +330,12 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
     chunks[0].load_state_dict(loaded["model"])
     for name, module in (extra_modules or {}).items():
         module.load_state_dict({k[len(name) + 1:]: v for k, v in loaded[name].items()})
+    named = list(chunks[0].named_parameters())
+    for name, module in (extra_modules or {}).items():
+        named += [(f"{name}.{k}", v) for k, v in module.named_parameters()]
+    check_finite(named, f"after loading {path}: the checkpoint is corrupt")
     if optimizer is not None:
         optimizer_state.load_optimizer_state(optimizer, loaded["optimizer"])
-    rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
-    if restore_rng and state.world_size == _world() and os.path.isfile(rng_file):
-        restore_rng_state(torch.load(rng_file, weights_only=False))
+    if rng is not None:
+        restore_rng_state(rng)
     return state
-

@@ -97,7 +97,7 @@ def run_stress(opts: StressOptions, log=print) -> List[Dict]:
     for algo, noisy in arms:
         run_dir = os.path.join(opts.out, f"{algo}_{'noise' if noisy else 'clean'}")
         overrides = [*base, *opts.overrides, *arm_overrides(algo, noisy, opts),
-                     f"logging.run_dir={run_dir}", "parallel.threads=1"]
+                     f"logging.run_dir={run_dir}", "parallel.threads=1", "checkpoint.overwrite=true"]
         configs.append(write_run_config(run_dir, overrides, config=opts.config))
     log(f"[stress] {len(arms)} arms x {opts.steps} steps, {opts.parallel} at a time; "
         f"noise {opts.noise} sigma {opts.sigma}; logs in <arm>/train.log")

@@ -227,4 +227,5 @@ def rl_overrides(sft: Dict[str, object], run_dir: str, *, seed: int, steps: int,
         f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"steps={steps}",
         f"eval.every={eval_every}", f"eval.num_examples={eval_examples}", f"eval.seed={seed}",
         f"logging.run_dir={run_dir}", "checkpoint.save_every=0", "checkpoint.keep_last=1",
+        "checkpoint.overwrite=true",  # a re-run starts its RL run afresh (the old one moves to attic/)
         *(extra or [])]

@@ -18,7 +18,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from ..checkpoint.state import (TrainState, find_latest, load_checkpoint, save_checkpoint)
+from ..checkpoint.history import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
+from ..checkpoint.resume import ResumePlan, check_model_config, plan_resume
+from ..checkpoint.state import TrainState, load_checkpoint, save_checkpoint
 from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger
 from ..models.placement import model_device
@@ -140,10 +142,16 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     On SIGUSR1 or SIGTERM (SLURM's pre-emption warning) every rank finishes the
     current step, a checkpoint is written, and ``setup.preempted`` is set; the
     CLI then exits with :data:`EXIT_PREEMPTED` so the job script can requeue.
+
+    Before anything is built, a fresh run into a used directory and a resume the current
+    config cannot continue are refused (:mod:`..checkpoint.history`, :mod:`..checkpoint.resume`).
     """
+    resume = resume or cfg.checkpoint.resume
+    plan, moved_aside = prepare_start(cfg, resume)
     s = setup or build_training(cfg)
-    ckpt_root = cfg.checkpoint.dir or f"{cfg.logging.run_dir}/checkpoints"
-    start = _maybe_resume(s, ckpt_root, resume or cfg.checkpoint.resume)
+    ckpt_root = checkpoint_root(cfg)
+    start, notes = _maybe_resume(s, ckpt_root, plan)
+    notes = moved_aside + notes
     spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
     logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
                            wandb_project=cfg.logging.wandb_project,
@@ -151,8 +159,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
                                          "test_accuracy"))
     if torch.distributed.get_rank() == 0:
         save_config(cfg, f"{cfg.logging.run_dir}/config.yaml")
-        if start:
-            logger.info(f"resumed from {ckpt_root}/step_{start:08d} at step {start}")
+        for note in notes:
+            logger.info(note)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = _progress(cfg, start, end)
     install_preemption_handlers()
@@ -281,15 +289,45 @@ def _synced_reference(s: TrainingSetup) -> Optional[Dict[str, Any]]:
     return {"reference": s.reference} if s.reference is not None and s.cfg.algo.reference_sync_every else None
 
 
-def _maybe_resume(s: TrainingSetup, root: str, resume: Optional[str]) -> int:
-    if not resume or resume == "none":
-        return 0
-    path = find_latest(root) if resume == "auto" else resume
-    if path is None:
-        return 0
-    state = load_checkpoint(path, s.model, optimizer=s.optimizer, extra_modules=_synced_reference(s))
-    if state.scheduler:
-        s.scheduler.load_state_dict(state.scheduler)
-    return state.step
+def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
+    """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
+    model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
+    from ..parallel.bootstrap import detect_launch_env
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
+    moved = prepare_run_dir(cfg, resume, rank=rank)
+    notes = [f"--overwrite: the earlier run in {cfg.logging.run_dir} was moved aside (run files to {moved}, "
+             f"checkpoints to {checkpoint_root(cfg)}/overwritten-*)"] if moved else []
+    return plan_resume(cfg, resume), notes
 
 
+def _maybe_resume(s: TrainingSetup, root: str, plan: Optional[ResumePlan]):
+    """Load the plan's checkpoint with the current config's hyper-parameters and LR schedule (its
+    progress from the checkpoint); on rank 0 move the abandoned history aside. Returns
+    ``(start step, messages for the console)``."""
+    rank0 = torch.distributed.get_rank() == 0
+    if plan is None:
+        moved = continue_metrics(s.cfg.logging.run_dir, -1) if rank0 else None  # --resume auto, no checkpoint
+        return 0, [f"no checkpoint to resume: starting at step 0 (old metrics moved to {moved})"] if moved else []
+    check_model_config(plan.path, s.model.dllm_config.to_dict())
+    fresh = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in s.optimizer.param_groups]
+    state = load_checkpoint(plan.path, s.model, optimizer=s.optimizer, extra_modules=_synced_reference(s))
+    for group, hyper in zip(s.optimizer.param_groups, fresh):
+        group.update(hyper)  # lr bounds, betas, weight decay: the current config's
+    if state.scheduler:  # the current schedule, advanced to the checkpoint's progress
+        s.scheduler.step(increment=int(state.scheduler["num_steps"]))
+    notes = [f"resumed from {plan.path} at step {state.step}"]
+    if plan.changes:
+        notes.append(f"config changed since that checkpoint (now in effect): {plan.describe_changes()}")
+    if plan.complete:
+        notes.append(f"run already complete: {plan.path} is at steps={plan.steps}; nothing to train "
+                     f"(raise steps to continue)")
+    if rank0:
+        aside = abandon_later_steps(root, state.step)
+        if aside:
+            notes.append(f"later checkpoints of the abandoned history moved to {aside}")
+        moved = continue_metrics(s.cfg.logging.run_dir, state.step)
+        if moved:
+            notes.append(f"metrics.jsonl now ends at step {state.step} (the old file is kept at {moved})")
+    torch.distributed.barrier()
+    return state.step, notes

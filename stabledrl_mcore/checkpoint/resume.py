@@ -1,0 +1,158 @@
+"""Resuming with the current config: which checkpoint, whether it fits, what changed.
+
+:func:`plan_resume` reads only small files (``train_state.json``, ``config.yaml``), so the CLI
+runs it before any rank starts. The differences between the checkpoint's ``config.yaml`` and
+the current config are listed as dotted keys (``optim.lr: 3e-05 -> 0.001``) and take effect:
+the LR schedule is the current config's (only its progress, ``num_steps``, comes from the
+checkpoint), as are ``steps``, ``eval.*``, ``logging.*``, ``checkpoint.*``, ``algo.*`` and
+``rollout.*``. Refused by name: changes of :data:`FROZEN` keys (model shape and vocabulary,
+initial weights, dtype, optimizer kind) and a synced KL reference the checkpoint does not
+hold; the model shape is also compared field by field with ``model_config.json`` once the
+model is built (:func:`check_model_config`). A checkpoint past ``steps`` is refused; one
+exactly at ``steps`` means the run is complete (the trainer says so and exits 0, so a
+requeued finished job does not fail).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from ..config import ConfigError, RunConfig, to_dict
+from .history import check_run_dir, checkpoint_root, resume_requested
+from .integrity import CheckpointError
+from .state import TrainState, find_latest, read_train_state
+
+FROZEN = ("model.preset", "model.checkpoint", "model.tokenizer", "model.dtype", "model.overrides",
+          "optim.name", "optim.distributed")
+NOT_COMPARED = ("checkpoint.resume", "checkpoint.overwrite")
+UNSET = "<unset>"
+
+
+class ResumeConfigError(ConfigError):
+    """The current config cannot continue this checkpoint (one line, names the key and the fix)."""
+
+
+@dataclass
+class ResumePlan:
+    path: str
+    state: TrainState
+    steps: int
+    """The current config's ``steps``."""
+    changes: List[Tuple[str, Any, Any]] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.state.step >= self.steps
+
+    def describe_changes(self) -> str:
+        return "; ".join(f"{key}: {_show(old)} -> {_show(new)}" for key, old, new in self.changes)
+
+
+def _show(value: Any) -> str:
+    return UNSET if value is UNSET else json.dumps(value) if isinstance(value, (str, list, dict)) else str(value)
+
+
+def _flatten(data: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    for key, value in data.items():
+        if isinstance(value, dict):  # an empty mapping (e.g. no model.overrides) adds no key
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """``(dotted key, old, new)`` for every difference (``UNSET`` where a side lacks the key)."""
+    old, new = dict(_flatten(saved)), dict(_flatten(current))
+    return [(key, old.get(key, UNSET), new.get(key, UNSET)) for key in sorted(set(old) | set(new))
+            if key not in NOT_COMPARED and old.get(key, UNSET) != new.get(key, UNSET)]
+
+
+def _as_saved(cfg: RunConfig) -> Dict[str, Any]:
+    """``cfg`` as a checkpoint's ``config.yaml`` holds it (YAML types: lists, not tuples)."""
+    import yaml
+
+    return yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def read_saved_config(path: str) -> Optional[Dict[str, Any]]:
+    import yaml
+
+    file = os.path.join(path, "config.yaml")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as handle:
+            data = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as err:
+        raise CheckpointError(f"{file} is unreadable ({err}); the checkpoint is corrupt") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is not a config mapping; the checkpoint is corrupt")
+    return data
+
+
+def resolve_checkpoint(cfg: RunConfig, resume: Optional[str] = None) -> Optional[str]:
+    """The checkpoint ``resume`` (default ``cfg.checkpoint.resume``) names, or None."""
+    resume = resume or cfg.checkpoint.resume
+    if not resume_requested(resume):
+        return None
+    if resume == "auto":
+        return find_latest(checkpoint_root(cfg))
+    return resume
+
+
+def _synced_reference(section: Dict[str, Any]) -> bool:
+    algo = section.get("algo") or {}
+    return bool(algo.get("kl_coef")) and bool(algo.get("reference_sync_every"))
+
+
+def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[ResumePlan]:
+    """Check that ``cfg`` can continue the checkpoint it resumes from; None for a fresh start."""
+    path = resolve_checkpoint(cfg, resume)
+    if path is None:
+        return None
+    state = read_train_state(path)
+    if state.step > cfg.steps:
+        raise ResumeConfigError(f"checkpoint {path} is at step {state.step}, past steps={cfg.steps}; "
+                                f"raise steps (e.g. steps={state.step + max(cfg.steps, 1)}) to continue it")
+    current = _as_saved(cfg)
+    saved = read_saved_config(path)
+    changes = config_changes(saved, current) if saved is not None else []
+    frozen = [(k, o, n) for k, o, n in changes if any(k == f or k.startswith(f + ".") for f in FROZEN)]
+    if frozen:
+        shown = "; ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in frozen)
+        raise ResumeConfigError(f"cannot resume {path} with a changed {shown} (the model, its vocabulary "
+                                f"or the optimizer would not match); set it back, or start a new run "
+                                f"from the weights with model.checkpoint={path}")
+    if saved is not None and _synced_reference(current) and not _synced_reference(saved):
+        raise ResumeConfigError(f"cannot resume {path} with algo.kl_coef>0 and algo.reference_sync_every>0: "
+                                f"the checkpoint holds no synced reference policy; set "
+                                f"algo.reference_sync_every=0 or start a new run")
+    return ResumePlan(path, state, cfg.steps, changes)
+
+
+def check_model_config(path: str, model_config: Dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``model_config.json`` differs from the built model's config."""
+    file = os.path.join(path, "model_config.json")
+    if not os.path.isfile(file):
+        return
+    try:
+        with open(file) as handle:
+            saved = json.load(handle)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} is unreadable ({err}); the checkpoint is corrupt") from None
+    current = json.loads(json.dumps(model_config))
+    differ = [k for k in sorted(set(saved) | set(current)) if saved.get(k, UNSET) != current.get(k, UNSET)]
+    if differ:
+        shown = ", ".join(f"{k} {_show(saved.get(k, UNSET))} -> {_show(current.get(k, UNSET))}" for k in differ[:6])
+        raise ResumeConfigError(f"cannot resume {path}: the model differs from the checkpoint's ({shown}); "
+                                f"resume with the model settings it was saved with")
+
+
+def preflight(cfg: RunConfig) -> Optional[ResumePlan]:
+    """Every start-up refusal that reads only files (run directory, resume plan): the CLI calls
+    it before any rank starts; :func:`~..rl.trainer.train` repeats it."""
+    check_run_dir(cfg)
+    return plan_resume(cfg)
