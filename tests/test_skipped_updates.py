@@ -32,11 +32,11 @@ def tiny_run():
     from stabledrl_mcore.config import load_config
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import available_tasks, base as task_base
 
-    for task in (DigitsTask, ConstantTask):
-        if task.name not in available_tasks():
-            register_task(task.name)(task)
+    added = [task for task in (DigitsTask, ConstantTask) if task.name not in available_tasks()]
+    for task in added:
+        register_task(task.name)(task)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
@@ -48,6 +48,8 @@ def tiny_run():
         return train(cfg)
 
     yield run
+    for task in added:  # other modules check the registry's exact contents
+        task_base._REGISTRY.pop(task.name)
     bootstrap.destroy()
     cpu_compat.disable()
     torch.set_num_threads(threads)
