@@ -9,7 +9,6 @@ command from a laptop (``--nproc``) to a cluster (torchrun / srun).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import List
@@ -47,14 +46,35 @@ def _sampling(args, cfg):
                 temperature=args.temperature, threshold=args.threshold)
 
 
+def chat_prompt(text: str, tokenizer) -> str:
+    """``text`` as a user turn of ``tokenizer``'s chat template (no system prompt), as ``eval``
+    formats its prompts (:func:`~.tasks.prompts.build_prompt`); unchanged without a template."""
+    from .tasks.prompts import build_prompt
+
+    return build_prompt(text, tokenizer, system_prompt="") if tokenizer.chat_template else text
+
+
+def _refuse_existing(command: str, path: str, overwrite: bool) -> bool:
+    """Print the one-line refusal (and return True) when ``path`` exists and ``overwrite`` is off."""
+    if overwrite or not os.path.exists(path):
+        return False
+    print(f"stabledrl {command}: error: {path} exists; pass --overwrite to replace it or --out FILE to "
+          f"write elsewhere", file=sys.stderr)
+    return True
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    """Single process: print (or write as JSONL) one completion per prompt."""
+    """Single process: print (or write as JSONL) one completion per prompt.
+
+    Prompts go through the tokenizer's chat template (``--no-chat-template``: as given);
+    each JSONL record holds the ``input`` as given and the exact ``prompt`` the model saw."""
     import torch
 
     from .checkpoint.loader import load_model
     from .diffusion import generate
     from .models.placement import eval_mode, model_device
     from .rl.rollout import encode_prompts
+    from .tasks import write_jsonl
 
     prompts: List[str] = list(args.prompt or [])
     if args.prompts:
@@ -63,32 +83,44 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("stabledrl generate: error: give --prompt TEXT or --prompts FILE", file=sys.stderr)
         return 2
-    model = load_model(args.ckpt)
+    if args.out and _refuse_existing("generate", args.out, args.overwrite):
+        return 2
     tokenizer = _tokenizer(args)
+    texts = prompts if args.no_chat_template else [chat_prompt(p, tokenizer) for p in prompts]
+    model = load_model(args.ckpt)
     sampling = _sampling(args, model.config)
-    device = model_device(model.model)
+    device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     results = []
     for start in range(0, len(prompts), args.batch_size):
-        chunk = prompts[start:start + args.batch_size]
+        chunk = texts[start:start + args.batch_size]
         ids, valid = encode_prompts(tokenizer, chunk, device=device)
-        with torch.no_grad(), eval_mode(model.model):
-            out = generate(model.model, ids, generator=generator, prompt_valid=valid,
+        with torch.no_grad(), eval_mode(model):
+            out = generate(model, ids, generator=generator, prompt_valid=valid,
                            progress=not args.no_progress, **sampling)
-        results += [{"prompt": p, "completion": tokenizer.decode(row)}
-                    for p, row in zip(chunk, out[:, ids.shape[1]:].tolist())]
+        results += [{"input": given, "prompt": text, "completion": tokenizer.decode(row)}
+                    for given, text, row in zip(prompts[start:], chunk, out[:, ids.shape[1]:].tolist())]
     if args.out:
-        with open(args.out, "w") as handle:
-            for record in results:
-                handle.write(json.dumps(record) + "\n")
+        write_jsonl(args.out, results)
     else:
         for record in results:
             print(record["completion"])
     return 0
 
 
+def default_eval_out(task: str, split: str) -> str:
+    """``./eval_<task>_<split>.jsonl`` in the working directory (never beside the checkpoint)."""
+    return os.path.abspath(f"eval_{task}_{split}.jsonl")
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    """Distributed evaluation (``--nproc`` local ranks, or under torchrun/srun)."""
+    """Distributed evaluation (``--nproc`` local ranks, or under torchrun/srun).
+
+    The output file is chosen (and an existing one refused without ``--overwrite``) here,
+    before any rank loads the model."""
+    args.out = args.out or default_eval_out(args.task, args.split)
+    if _refuse_existing("eval", args.out, args.overwrite):
+        return 2
     options = {key: value for key, value in vars(args).items() if key != "handler"}
     if args.nproc > 1:
         from .parallel.launch import spawn
@@ -149,7 +181,7 @@ def _eval_rank(options: dict) -> int:
     result = evaluate_model(model, tokenizer, task, examples, micro_batch=args.batch_size,
                             seed=args.seed, progress=not args.no_progress, **_sampling(args, cfg))
     if bootstrap.is_main_rank():
-        out = args.out or os.path.join(args.ckpt, f"eval_{args.task}_{args.split}.jsonl")
+        out = args.out or default_eval_out(args.task, args.split)
         write_jsonl(out, result.records)
         print(f"{args.task}/{args.split}: accuracy {result.accuracy:.4f} "
               f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}")
@@ -160,7 +192,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     parser.add_argument("--prompts", metavar="FILE", help="one prompt per line")
-    parser.add_argument("--out", metavar="FILE", help="write JSONL instead of printing")
+    parser.add_argument("--out", metavar="FILE", help="write JSONL (input, exact prompt, completion) "
+                                                      "instead of printing")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed the prompts as given (default: the tokenizer's chat template, as eval)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -171,7 +207,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N examples")
     parser.add_argument("--data-path", metavar="PATH", help="local data file/root (GSM8K, MATH500)")
     parser.add_argument("--prompt-style", default="chat", choices=("chat", "compact"))
-    parser.add_argument("--out", metavar="FILE", help="per-example JSONL (default: beside the checkpoint)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="per-example JSONL with the exact prompts (default: ./eval_<task>_<split>.jsonl)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--nproc", type=int, default=1, help="local ranks (DP = nproc / tp)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")

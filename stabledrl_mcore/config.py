@@ -167,6 +167,11 @@ class AlgorithmSection:
     """Scale of the stress noise."""
     ratio_noise_dof: float = 3.0
     """Degrees of freedom of the Student-t stress noise."""
+    max_skipped_updates: Optional[int] = 10
+    """Optimizer updates that may be skipped in a row (a non-finite estimate, loss or gradient on
+    any rank skips the update on every rank, logged with its reason); one more ends the run with
+    ``SkippedUpdatesError`` and a non-zero exit. None = no limit. Whatever the limit, a run none
+    of whose updates was applied fails at its end."""
 
 
 @dataclass
@@ -328,6 +333,8 @@ class RunConfig:
             raise ConfigError("algo.spg_beta / algo.spg_omega shape SPG's bound: set algo.likelihood=spg")
         if a.kl_coef < 0:
             raise ConfigError(f"algo.kl_coef must be >= 0, got {a.kl_coef}")
+        if a.max_skipped_updates is not None and a.max_skipped_updates < 0:
+            raise ConfigError(f"algo.max_skipped_updates must be >= 0 or null (no limit), got {a.max_skipped_updates}")
         if a.kl_estimator != "k3" and a.kl_coef == 0:
             raise ConfigError("algo.kl_estimator has no effect with algo.kl_coef=0")
         if a.reference_sync_every < 0 or not 0.0 < a.reference_mixup <= 1.0:

@@ -40,22 +40,23 @@ def _dp_group():
 def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_length: int, steps: int,
                    block_length: int, temperature: float = 0.0, threshold: Optional[float] = None,
                    micro_batch: int = 16, seed: int = 0, progress: bool = False) -> EvalResult:
-    """Greedy (or sampled) completions for ``examples``; accuracy = share with full reward."""
+    """Greedy (or sampled) completions for ``examples``; accuracy = share with full reward.
+
+    Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``."""
     group, rank, world = _dp_group()
     mine = shard_examples(list(examples), rank, world)
     completions: List[str] = []
+    prompts = [task.prompt(ex, tokenizer) for ex in mine]  # the exact texts, recorded with the results
     device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(seed + rank)
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
-            chunk = mine[start:start + micro_batch]
-            ids, valid = encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in chunk],
-                                        device=device)
+            ids, valid = encode_prompts(tokenizer, prompts[start:start + micro_batch], device=device)
             out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
                            temperature=temperature, threshold=threshold, generator=generator,
                            prompt_valid=valid, progress=progress)
             completions += [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
-    _, records = evaluate_completions(task, mine, completions)
+    _, records = evaluate_completions(task, mine, completions, prompts)
     if world > 1:
         gathered: List[Any] = [None] * world
         torch.distributed.all_gather_object(gathered, records, group=group)

@@ -82,6 +82,7 @@ def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):
     stress = load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1)
                          + arm_overrides("grpo", True, StressOptions(sigma=2.0)))
     assert (stress.algo.loss, stress.algo.ratio_noise, stress.algo.ratio_noise_sigma) == ("grpo", "lognormal", 2.0)
+    assert stress.algo.max_skipped_updates is None  # deliberate overflows are counted, not fatal
 
 
 def test_percentile_matches_numpy():

@@ -1,11 +1,15 @@
 """``load_model``: one call from an HF directory or a converted checkpoint to a working model.
 
-For inspection and tests, in a single process (Megatron is initialised with
-TP=PP=1 if it is not already; the caller's RNG streams are left untouched).
+For inspection, scripts and tests, in a single process (Megatron is initialised
+with TP=PP=1 if it is not already; the caller's RNG streams are left untouched).
 The returned :class:`InspectionModel` wraps the Megatron :class:`DLLMModel`
 and applies each model's *inference* attention by default: LLaDA is fully
 bidirectional; SDAR is block-causal with the block size from its config
 (query in block ``b`` sees keys in blocks ``<= b``), as upstream decoding runs it.
+It follows the library's model contract (``dllm_config``, ``kv_cache=`` and
+``gather_output=`` pass through), so ``diffusion.generate``, the likelihood
+estimators and ``evaluation.evaluate_model`` take it as they take the DLLMModel;
+only an omitted ``attention_mask`` means the inference attention above.
 
 :func:`load_hf_weights` fills any (TP/PP-sharded) :class:`DLLMModel` straight
 from an upstream directory; converted checkpoints load with
@@ -39,7 +43,8 @@ class InspectionModel(torch.nn.Module):
     docstring); a 2-D ``[B, S]`` HF-style key mask (1/True = real token),
     combined with SDAR's block-causal pattern; or anything
     :meth:`DLLMModel.forward` accepts (4-D bool with True = blocked, or an
-    :class:`AttentionLayout`), passed through unchanged.
+    :class:`AttentionLayout`), passed through unchanged. Other keywords (``kv_cache``,
+    ``gather_output``) go to :meth:`DLLMModel.forward`.
     """
 
     def __init__(self, model, config: DLLMConfig):
@@ -47,13 +52,18 @@ class InspectionModel(torch.nn.Module):
         self.model = model
         self.config = config
 
+    @property
+    def dllm_config(self) -> DLLMConfig:
+        """The wrapped model's config (what the samplers and estimators read)."""
+        return self.model.dllm_config
+
     def default_layout(self) -> Optional[AttentionLayout]:
         if self.config.arch == "sdar":
             return AttentionLayout.block_causal(self.config.block_size)
         return None
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask=None) -> torch.Tensor:
+                attention_mask=None, **kwargs) -> torch.Tensor:
         if attention_mask is None:
             attention_mask = self.default_layout()
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -63,7 +73,7 @@ class InspectionModel(torch.nn.Module):
                 blocked = blocked | block_causal_mask(seq, self.config.block_size,
                                                       device=blocked.device)
             attention_mask = blocked
-        return self.model(input_ids, position_ids, attention_mask)
+        return self.model(input_ids, position_ids, attention_mask, **kwargs)
 
 
 def is_hf_dir(path: str) -> bool:

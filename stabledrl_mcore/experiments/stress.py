@@ -45,8 +45,9 @@ class StressOptions:
 
 
 def arm_overrides(algo: str, noisy: bool, opts: StressOptions) -> List[str]:
-    noise = [f"algo.ratio_noise={opts.noise}", f"algo.ratio_noise_sigma={opts.sigma}"] if noisy \
-        else ["algo.ratio_noise=null"]
+    # a noisy arm may overflow its loss on purpose: its skips are counted (skipped_updates), not fatal
+    noise = [f"algo.ratio_noise={opts.noise}", f"algo.ratio_noise_sigma={opts.sigma}",
+             "algo.max_skipped_updates=null"] if noisy else ["algo.ratio_noise=null"]
     return [f"algo.loss={algo}", *noise, f"steps={opts.steps}", "eval.every=0"]
 
 

@@ -20,31 +20,37 @@ def _dp_sum(values: torch.Tensor) -> list:
 
 
 def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
-    """Reward mean/std and accuracy over the global batch; the update's loss diagnostics
-    (averaged over DP ranks); learning rate; wall seconds and tokens/s per phase."""
+    """Reward mean/std and accuracy over the global batch; ``groups_varied``, the share of prompt
+    groups whose rewards are not all equal (0: every advantage is zero, no learning signal);
+    the update's loss diagnostics (averaged over DP ranks); learning rate; wall seconds and
+    tokens/s per phase."""
     rewards = batch.rewards.double()
     keys = sorted(k for k, v in update.items() if isinstance(v, (int, float)))
-    host = [float(rewards.numel()), float(batch.reward_errors), float(batch.sequences.numel())]
+    groups = rewards.reshape(-1, s.cfg.rollout.group_size)  # the rollout keeps each group contiguous
+    host = [float(rewards.numel()), float(batch.reward_errors), float(batch.sequences.numel()),
+            float(groups.shape[0])]
     host += [float(update[k]) for k in keys]
     device = rewards.device  # the batch's statistics stay there until the one reduction
     correct = batch.correct if batch.correct is not None else rewards >= 1.0
+    varied = (groups.amax(1) > groups.amin(1)).sum().double()
     local = torch.cat([torch.stack([rewards.sum(), (rewards ** 2).sum(), correct.sum().double(),
-                                    batch.completion_mask.sum().double()]),
+                                    batch.completion_mask.sum().double(), varied]),
                        torch.tensor(host, dtype=torch.float64, device=device)])
     total = _dp_sum(local)
-    n = max(total[4], 1.0)
+    n = max(total[5], 1.0)
     mean = total[0] / n
     out = {
         "reward_mean": mean,
         "reward_std": max(total[1] / n - mean * mean, 0.0) ** 0.5,
         f"accuracy/{s.cfg.rollout.task}": total[2] / n,
-        "reward_errors": total[5],
+        "reward_errors": total[6],
+        "groups_varied": total[4] / max(total[8], 1.0),
         "completion_tokens": total[3],
         "lr": float(s.optimizer.param_groups[0]["lr"]),
     }
     dp = float(s.dp_size)
     for i, key in enumerate(keys):
-        value = total[7 + i]
+        value = total[9 + i]
         out[key] = value if key in ("skipped_updates",) else value / dp
     out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
     for phase, secs in seconds.items():
@@ -53,8 +59,8 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) 
     if seconds.get("rollout"):
         out["tokens_per_s/rollout"] = total[3] / seconds["rollout"]
     if seconds.get("update"):
-        out["tokens_per_s/update"] = total[6] * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
+        out["tokens_per_s/update"] = total[7] * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
             / seconds["update"]
     if seconds.get("old_logp"):
-        out["tokens_per_s/old_logp"] = total[6] * s.cfg.algo.num_mc / seconds["old_logp"]
+        out["tokens_per_s/old_logp"] = total[7] * s.cfg.algo.num_mc / seconds["old_logp"]
     return out

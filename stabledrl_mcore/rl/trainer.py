@@ -31,7 +31,8 @@ from .rollout import generate_rollouts, score_rollouts
 from .setup import TrainingSetup, build_training, phase_generator, sync_reference
 from .step_metrics import step_metrics
 from .estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
-from .update import accumulate_gradients, agree_ok, grads_finite, loss_coefficients
+from .health import RunHealth
+from .update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -84,13 +85,16 @@ def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
                           prefix_mask_prob=a.prefix_mask_prob, post_eos=a.post_eos, normalize_by=a.normalize_by)
 
 
-def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, float]:
+def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, Any]:
     """Phase 4: ``inner_iterations`` optimizer steps on one rollout batch (the LR schedule
-    advances once per optimizer update, as the release counts steps)."""
+    advances once per optimizer update, as the release counts steps).
+
+    ``update_skips`` lists, per optimizer update, None (applied) or the reason it was skipped,
+    the same on every rank; ``skipped_updates`` counts the skips."""
     cfg, a, mask_id, micro = s.cfg, s.cfg.algo, s.model.dllm_config.mask_token_id, s.cfg.parallel.micro_batch_size
     device = model_device(s.model)
     noise = RatioNoise(a.ratio_noise, a.ratio_noise_sigma, a.ratio_noise_dof) if a.ratio_noise else None
-    metrics: Dict[str, float] = {"skipped_updates": 0.0}
+    metrics: Dict[str, Any] = {"skipped_updates": 0.0, "update_skips": []}
     ref, ref_plan = None, None  # the reference's log-probs, scored once per plan until it is synced
     for inner in range(a.inner_iterations):
         old, plan, current, retained = iteration_inputs(
@@ -118,9 +122,12 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         # every rank skips together: never short-circuit one rank past grads_finite's all-reduce
         if not finite_loss or not grads_finite(s.model):
             metrics["skipped_updates"] += 1
+            metrics["update_skips"].append(agreed_reason(loss_metrics.get("nonfinite_reason")) if not finite_loss
+                                           else "non-finite gradients")
             s.optimizer.zero_grad()
             continue
         _, grad_norm, _ = s.optimizer.step()
+        metrics["update_skips"].append(None)
         if s.reference is not None and a.reference_sync_every and s.scheduler.num_steps % a.reference_sync_every == 0:
             sync_reference(s.reference, s.model, a.reference_mixup)
             ref_plan = None
@@ -168,6 +175,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     with logger:
         if evaluate and start == 0:
             logger.log(0, evaluate(s.model))
+        health = RunHealth(cfg.algo.max_skipped_updates, logger)
         for step in range(start, end):
             timer.seconds.clear()
             with timer("rollout"):
@@ -184,6 +192,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
+            health.after_step(step + 1, update["update_skips"], metrics, final=step + 1 == end)
             bar.update(1)
             stop = preemption_agreed()
             if stop or step + 1 == end or cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
@@ -202,7 +211,9 @@ PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by
 def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of a run from a config file plus dotted overrides; 75 = pre-empted (checkpoint written).
 
-    Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
+    Never 0 for a run that did not train: too many skipped updates in a row, or none applied at
+    all, raise :class:`~.update.SkippedUpdatesError` (on every rank together; see
+    :mod:`.health`). Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """

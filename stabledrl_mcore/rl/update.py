@@ -14,7 +14,7 @@ micro-batching.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,22 +27,45 @@ from .noise import RatioNoise
 from .rollout import RolloutBatch
 
 
+class SkippedUpdatesError(RuntimeError):
+    """The run skipped too many optimizer updates (non-finite losses or gradients) to go on."""
+
+
+def first_nonfinite(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
+    """``"non-finite values in NAME: k of n entries"`` for the first tensor holding NaN/inf, else
+    None (one host sync for all of them)."""
+    named = [(name, t) for name, t in named if t is not None]
+    if not named:
+        return None
+    ok = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
+    for (name, t), good in zip(named, ok):
+        if not good:
+            return f"non-finite values in {name}: {int((~torch.isfinite(t)).sum())} of {t.numel()} entries"
+    return None
+
+
 def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: LikelihoodSpec, *,
                       loss: str, eps: float, ratio_noise: Optional[RatioNoise],
                       noise_generator: Optional[torch.Generator], plan: Optional[MaskPlan] = None,
                       old: Optional[OldEstimate] = None, loss_options: Optional[Mapping[str, Any]] = None,
                       kl_coef: float = 0.0, kl_estimator: str = "k3",
                       ref_tok: Optional[torch.Tensor] = None
-                      ) -> Tuple[Optional[torch.Tensor], Dict[str, float]]:
-    """``(d loss / d token_logp, metrics)``; ``(None, {...})`` when the loss is not finite.
+                      ) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]:
+    """``(d loss / d token_logp, metrics)``; ``(None, {"nonfinite_reason": ...})`` when a value is
+    not finite: an input log-prob or estimate, the loss, or its gradient.
 
-    ``current_tok`` [M, N, S] are the current policy's token log-probs under ``plan``
-    (default: the batch's), compared with ``old`` (default: the batch's old-policy
-    estimate). ``ref_tok``: the frozen reference policy under the same plan (KL term).
+    Only non-finite *values* give ``None``: every exception (an unknown loss, a bad option,
+    a shape error) propagates. ``current_tok`` [M, N, S] are the current policy's token
+    log-probs under ``plan`` (default: the batch's), compared with ``old`` (default: the
+    batch's old-policy estimate). ``ref_tok``: the frozen reference policy under the same plan.
     """
     plan = batch.plan if plan is None else plan
     old = old_estimate(batch) if old is None else old
     options = dict(loss_options or {})
+    reason = first_nonfinite([("current token log-probs", current_tok), ("old token log-probs", old.token_logp),
+                              ("reference token log-probs", ref_tok)])
+    if reason is not None:
+        return None, {"nonfinite_reason": reason}
     leaf = current_tok.detach().clone().requires_grad_(True)
     try:
         if loss in available_token_policy_losses():  # d1: per-token ratios of the one-step estimate
@@ -54,20 +77,26 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
         else:
             ref_logp = None if ref_tok is None else sequence_estimates(ref_tok, plan, batch, spec)
             logp, elbo = sequence_estimates_and_elbo(leaf, plan, batch, spec)
+            reason = first_nonfinite([("current sequence estimates", logp), ("current ELBO", elbo),
+                                      ("old sequence estimates", old.logp), ("old ELBO", old.ratio_logp),
+                                      ("reference sequence estimates", ref_logp)])
+            if reason is not None:
+                return None, {"nonfinite_reason": reason}
             value, metrics = sequence_policy_loss(
                 loss, logp, old.logp, batch.advantages, batch.group_index, eps=eps,
                 ratio_noise=ratio_noise, noise_generator=noise_generator,
                 ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
                 completion_lengths=scored_region(batch, spec).sum(-1), kl_coef=kl_coef, ref_logp=ref_logp,
                 kl_estimator=kl_estimator, **options)
-        if not torch.isfinite(value):
-            raise FloatingPointError(f"loss is {value.item()}")
-        value.backward()
-    except (ValueError, FloatingPointError) as err:
+    except FloatingPointError as err:  # the losses' one signal of a value that overflowed (exp of a ratio)
         return None, {"nonfinite_reason": str(err)[:200]}
+    if not torch.isfinite(value):
+        return None, {"nonfinite_reason": f"{loss} loss is {value.item()}"}
+    value.backward()
     coef = leaf.grad
-    if not torch.isfinite(coef).all():
-        return None, {"nonfinite_reason": "non-finite loss gradient"}
+    reason = first_nonfinite([("loss gradient", coef)])
+    if reason is not None:
+        return None, {"nonfinite_reason": reason}
     return coef, metrics
 
 
@@ -111,6 +140,17 @@ def grads_finite(model) -> bool:
         return not any_rank(False)
     bad = torch.stack([torch.isfinite(g).logical_not().any() for g in grads]).any()
     return not any_rank(bad)
+
+
+def agreed_reason(local: Optional[str]) -> str:
+    """The reason of a skip every rank agreed on: the first rank's that had one (all ranks call it)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        return local or "non-finite loss"
+    reasons: list = [None] * world
+    torch.distributed.all_gather_object(reasons, local)
+    rank, reason = next(((r, text) for r, text in enumerate(reasons) if text), (0, "non-finite loss"))
+    return f"rank {rank}: {reason}"
 
 
 def agree_ok(ok: bool) -> bool:

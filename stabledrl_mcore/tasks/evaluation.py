@@ -26,15 +26,19 @@ T = TypeVar("T")
 SHARD_MODES = ("contiguous", "strided")
 
 
-def evaluate_completions(task: Task, examples: Sequence[Example],
-                         completions: Sequence[str]) -> tuple[float, list[dict[str, Any]]]:
+def evaluate_completions(task: Task, examples: Sequence[Example], completions: Sequence[str],
+                         prompts: Sequence[str] | None = None) -> tuple[float, list[dict[str, Any]]]:
     """Score one completion per example; returns (accuracy, records).
 
     accuracy = mean of ``task.is_correct`` (full reward), 0.0 for no examples.
-    Each record: index, prompt, reference, completion, extracted, reward, correct.
+    Each record: index, prompt, reference, completion, extracted, reward, correct. With
+    ``prompts`` (the exact texts the model was given, chat template included) ``prompt`` is
+    that text and ``question`` the example's own; without, ``prompt`` is the example's.
     """
     if len(examples) != len(completions):
         raise ValueError(f"got {len(examples)} examples but {len(completions)} completions")
+    if prompts is not None and len(prompts) != len(examples):
+        raise ValueError(f"got {len(examples)} examples but {len(prompts)} prompts")
     records: list[dict[str, Any]] = []
     for i, (ex, completion) in enumerate(zip(examples, completions)):
         try:
@@ -44,7 +48,8 @@ def evaluate_completions(task: Task, examples: Sequence[Example],
         reward = task.reward(completion, ex.reference)
         records.append({
             "index": ex.meta.get("index", i),
-            "prompt": ex.prompt,
+            "prompt": ex.prompt if prompts is None else prompts[i],
+            **({} if prompts is None else {"question": ex.prompt}),
             "reference": ex.reference,
             "completion": completion,
             "extracted": extracted,

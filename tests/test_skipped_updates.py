@@ -1,0 +1,158 @@
+"""An exception is an exception: only non-finite values skip an update, skips are reported with
+their reason, too many end the run by name, a run that trained nothing fails; no-signal warning.
+
+In-process runs (one gloo rank) of the tiny CPU config, a few tenths of a second per step."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from stabledrl_mcore.tasks.base import register_task
+from stabledrl_mcore.tasks.sudoku import SudokuTask
+
+from test_trainer import CONFIG, DigitsTask, overrides
+
+
+class ConstantTask(SudokuTask):
+    """Every completion scores the same: no group ever has a learning signal."""
+
+    name = "test_constant"
+
+    def _reward(self, completion, reference):
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    """``run(run_dir, **overrides) -> setup``: an in-process training run; Megatron torn down after."""
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.parallel import bootstrap, cpu_compat
+    from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.tasks import available_tasks, base as task_base
+
+    added = [task for task in (DigitsTask, ConstantTask) if task.name not in available_tasks()]
+    for task in added:
+        register_task(task.name)(task)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def run(run_dir, mutate=None, **extra):
+        cfg = load_config(CONFIG, overrides(str(run_dir), **{"logging.progress": False,
+                                                              "rollout.prompts_per_step": 2, **extra}))
+        if mutate:
+            mutate(cfg)  # after validation: what library callers can do
+        return train(cfg)
+
+    yield run
+    for task in added:  # other modules check the registry's exact contents
+        task_base._REGISTRY.pop(task.name)
+    bootstrap.destroy()
+    cpu_compat.disable()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def console(monkeypatch):
+    """The rank-0 logger's console lines (``MetricsLogger.info``) of the test, as one string."""
+    from stabledrl_mcore.metrics import MetricsLogger
+
+    lines, real = [], MetricsLogger.info
+    monkeypatch.setattr(MetricsLogger, "info", lambda self, message: (lines.append(message), real(self, message))[1])
+
+    class Lines:
+        def text(self):
+            out = "\n".join(lines)
+            lines.clear()
+            return out
+
+    return Lines()
+
+
+def _rows(run_dir):
+    from stabledrl_mcore.metrics import read_metrics
+
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def test_an_unknown_loss_raises_instead_of_being_counted_as_a_skip(tiny_run, tmp_path):
+    from test_mask_sampling import toy_batch, toy_model
+
+    from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, draw_plan, estimate
+    from stabledrl_mcore.rl.update import loss_coefficients
+
+    batch, spec = toy_batch(n=6), LikelihoodSpec(kind="elbo", num_mc=2)
+    plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(k), micro_batch=3)
+    tok = all_token_logp(toy_model(), batch, plan, spec, micro_batch=3, mask_id=11)
+    common = dict(plan=plan, old=estimate(tok, plan, batch, spec), eps=0.2, ratio_noise=None, noise_generator=None)
+    with pytest.raises(ValueError, match="ppo"):
+        loss_coefficients(tok, batch, spec, loss="ppo", **common)
+    bad = tok.clone()
+    bad[0, 0, -1] = float("nan")  # a non-finite value is a skip, with its reason
+    coef, metrics = loss_coefficients(bad, batch, spec, loss="stabledrl", **common)
+    assert coef is None and metrics["nonfinite_reason"].startswith("non-finite values in current token log-probs")
+    # the same through train() with a config changed after validation: the run fails, no skip is counted
+    run_dir = tmp_path / "typo"
+    with pytest.raises(ValueError, match="ppo"):
+        tiny_run(run_dir, mutate=lambda cfg: setattr(cfg.algo, "loss", "ppo"), steps=1)
+    assert not os.path.exists(run_dir / "metrics.jsonl") or not _rows(run_dir)
+
+
+def _nan_loss_after(monkeypatch, applied_updates):
+    """From optimizer update ``applied_updates + 1`` on, every loss value is NaN (the losses themselves
+    run; only their value is replaced)."""
+    from stabledrl_mcore.rl import update
+
+    real, calls = update.sequence_policy_loss, []
+
+    def nan_loss(*args, **kwargs):
+        value, metrics = real(*args, **kwargs)
+        calls.append(1)
+        return (value * math.nan if len(calls) > applied_updates else value), metrics
+
+    monkeypatch.setattr(update, "sequence_policy_loss", nan_loss)
+
+
+def test_a_run_whose_every_update_was_skipped_fails_with_the_reason(tiny_run, tmp_path, monkeypatch, console):
+    from stabledrl_mcore.rl.update import SkippedUpdatesError
+
+    _nan_loss_after(monkeypatch, 0)
+    run_dir = tmp_path / "nan"
+    with pytest.raises(SkippedUpdatesError, match="every one of this run's 4 optimizer updates was skipped"):
+        tiny_run(run_dir, steps=2)
+    out = console.text()
+    assert "skipped=2 of 2 optimizer updates (stabledrl loss is nan)" in out, out
+    assert [r["skipped_updates"] for r in _rows(run_dir)] == [2.0, 2.0]
+    assert not os.path.exists(run_dir / "checkpoints" / "step_00000002")  # nothing trained, nothing saved
+
+
+def test_max_skipped_updates_ends_the_run_by_name(tiny_run, tmp_path, monkeypatch, console):
+    from stabledrl_mcore.config import ConfigError, load_config
+    from stabledrl_mcore.rl.update import SkippedUpdatesError
+
+    _nan_loss_after(monkeypatch, 2)  # step 1 trains, then every update is skipped
+    run_dir = tmp_path / "diverged"
+    with pytest.raises(SkippedUpdatesError, match=r"4 optimizer updates in a row were skipped at step 3 "
+                                                  r"\(algo.max_skipped_updates=3\); last reason: stabledrl loss"):
+        tiny_run(run_dir, steps=6, **{"algo.max_skipped_updates": 3})
+    assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3]
+    assert "2 in a row (the run stops after 3" in console.text()
+    with pytest.raises(ConfigError, match="algo.max_skipped_updates must be >= 0"):
+        load_config(CONFIG, ["algo.max_skipped_updates=-1"])
+
+
+def test_no_learning_signal_is_warned_once_and_only_without_signal(tiny_run, tmp_path, console):
+    from stabledrl_mcore.rl.health import NO_SIGNAL_STEPS
+
+    steps = NO_SIGNAL_STEPS + 1
+    tiny_run(tmp_path / "constant", steps=steps, **{"rollout.task": "test_constant"})
+    out = console.text()
+    assert out.count("no learning signal: every group had identical rewards for") == 1, out
+    assert f"identical rewards for {NO_SIGNAL_STEPS} steps" in out
+    assert all(r["groups_varied"] == 0.0 for r in _rows(tmp_path / "constant"))
+    tiny_run(tmp_path / "digits", steps=steps)
+    assert "no learning signal" not in console.text()
+    assert all(r["groups_varied"] > 0 for r in _rows(tmp_path / "digits"))
