@@ -161,7 +161,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from .errors import is_user_error, is_user_error_type, one_line
+    from .errors import RunFailed, is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
@@ -178,11 +178,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(err.details, file=sys.stderr)
             print(f"stabledrl {args.command}: error: {failed_rank}", file=sys.stderr)
             return EXIT_USAGE if is_user_error_type(err.first_type) else EXIT_FAILURE
-        if debug or not is_user_error(err):
+        failed_run = isinstance(err, RunFailed)
+        if debug or not (failed_run or is_user_error(err)):
             raise
-        if _reports_errors():
+        if failed_run or _reports_errors():
             print(f"stabledrl {args.command}: error: {one_line(err)}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_FAILURE if failed_run else EXIT_USAGE
 
 
 def _reports_errors() -> bool:

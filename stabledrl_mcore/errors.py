@@ -16,6 +16,11 @@ class UserError(Exception):
     """Input that cannot be used as given; the message names it and the fix."""
 
 
+class RunFailed(RuntimeError):
+    """A run that cannot go on for a reason its message names (e.g. every update skipped):
+    one line and exit 1, not a traceback (``--debug`` shows it)."""
+
+
 class DataError(UserError, ValueError):
     """A data file that is empty or holds a malformed row; the message names the file and line."""
 

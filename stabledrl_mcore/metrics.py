@@ -50,12 +50,12 @@ class MetricsLogger(NullLogger):
     def __init__(self, run_dir: str, *, config: Optional[Dict[str, Any]] = None,
                  wandb_mode: str = "offline", wandb_project: str = "stabledrl",
                  run_name: Optional[str] = None, console_keys: Iterable[str] = (),
-                 stream: TextIO = sys.stdout, jsonl_name: str = "metrics.jsonl"):
+                 stream: Optional[TextIO] = None, jsonl_name: str = "metrics.jsonl"):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, jsonl_name)
         self._jsonl = open(self.path, "a", buffering=1)
-        self._stream = stream
+        self._stream = stream  # None: sys.stdout as it is when a line is written
         self._console_keys = tuple(console_keys)
         self._start = time.time()
         self._wandb = None
@@ -88,9 +88,9 @@ class MetricsLogger(NullLogger):
         try:
             from tqdm import tqdm
 
-            tqdm.write(message, file=self._stream)
+            tqdm.write(message, file=self._stream or sys.stdout)
         except ImportError:  # pragma: no cover
-            print(message, file=self._stream, flush=True)
+            print(message, file=self._stream or sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._wandb is not None:

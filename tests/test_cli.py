@@ -108,3 +108,19 @@ def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(ca
     assert err.strip().splitlines() == ["stabledrl train: error: rank 1: Boom: bad thing"]
     assert main(["--debug", "train", "--config", config, "--nproc", "2", "steps=1"]) == code
     assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_a_run_that_trained_nothing_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
+    """``SkippedUpdatesError`` (a run that cannot go on) reaches the console as one line, exit 1."""
+    from stabledrl_mcore.rl import trainer
+    from stabledrl_mcore.rl.update import SkippedUpdatesError
+
+    def diverged(config, overrides=()):
+        raise SkippedUpdatesError("every one of this run's 4 optimizer updates was skipped (loss is nan)")
+
+    monkeypatch.setattr(trainer, "train_rank", diverged)
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                          "tiny_cpu.yaml")
+    assert main(["train", "--config", config, f"logging.run_dir={tmp_path / 'run'}", "steps=1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "stabledrl train: error: every one of this run's 4 optimizer updates was skipped (loss is nan)"]

@@ -19,6 +19,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..diffusion.masking import MaskPlan
+from ..errors import RunFailed
 from ..parallel.bootstrap import any_rank
 from .estimates import (LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates,
                         sequence_estimates_and_elbo, token_logp)
@@ -27,7 +28,7 @@ from .noise import RatioNoise
 from .rollout import RolloutBatch
 
 
-class SkippedUpdatesError(RuntimeError):
+class SkippedUpdatesError(RunFailed):
     """The run skipped too many optimizer updates (non-finite losses or gradients) to go on."""
 
 
