@@ -1,6 +1,5 @@
 """The README's main job and the stress experiment: the pieces that are cheap to check."""
 
-import json
 import math
 import sys
 
