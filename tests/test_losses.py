@@ -262,12 +262,20 @@ def tiny_setup():
     completions = torch.randint(0, 11, (10, 5), generator=torch.Generator().manual_seed(1))
     logp = model(prompts, completions)
     per_sample = torch.stack([flat_grad(logp[i], params) for i in range(10)])
-    return params, logp, per_sample.norm(dim=1), gi
+    return params, logp, per_sample, gi
+
+
+def expected_weights(name, log_ratio, gi, eps=0.2, cap=math.log(5.0)):
+    """The self-normalised weights re-derived from the paper (clip then normalise per group) and
+    from the release (upper-capped log-weight, group softmax)."""
+    raw = log_ratio.exp().clamp(1 - eps, 1 + eps) if name == "stabledrl" else log_ratio.clamp_max(cap).exp()
+    return raw / torch.stack([raw[gi == k].sum() for k in (0, 1)])[gi]
 
 
 @pytest.mark.parametrize("name", ["stabledrl", "stabledrl_released"])
 def test_convex_hull_bound_on_tiny_model(tiny_setup, name):
-    params, logp, per_norm, gi = tiny_setup
+    params, logp, per_sample, gi = tiny_setup
+    per_norm = per_sample.norm(dim=1)
     g = torch.Generator().manual_seed(123)
     for trial in range(60):
         rewards = torch.randn(10, generator=g, dtype=torch.float64)
@@ -277,13 +285,20 @@ def test_convex_hull_bound_on_tiny_model(tiny_setup, name):
         signs = torch.where(torch.rand(10, generator=g) < 0.5, -1.0, 1.0).double()
         log_ratio = torch.where(outliers, signs * OUTLIER, log_ratio)
         loss, _ = sequence_policy_loss(name, logp, logp.detach() - log_ratio, adv, gi)
-        norm = flat_grad(loss, params).norm()
+        grad = flat_grad(loss, params)
         bound = (adv.abs() * per_norm).max()
-        assert norm <= bound + 1e-6, (trial, norm.item(), bound.item())
+        assert grad.norm() <= bound + 1e-6, (trial, grad.norm().item(), bound.item())
+        # the convex hull itself: non-negative weights summing to 1 per group, and the update is
+        # exactly -(1/groups) sum_i w_i A_i grad logp_i
+        w = expected_weights(name, log_ratio, gi)
+        assert (w >= 0).all() and torch.allclose(torch.stack([w[gi == k].sum() for k in (0, 1)]),
+                                                 torch.ones(2, dtype=w.dtype))
+        torch.testing.assert_close(grad, -(w * adv) @ per_sample / 2, rtol=1e-9, atol=1e-12)
 
 
 def test_grpo_outlier_spike_vs_stabledrl_on_tiny_model(tiny_setup):
-    params, logp, per_norm, gi = tiny_setup
+    params, logp, per_sample, gi = tiny_setup
+    per_norm = per_sample.norm(dim=1)
     g = torch.Generator().manual_seed(7)
     rewards = torch.randn(10, generator=g, dtype=torch.float64)
     adv = rewards - torch.stack([rewards[gi == k].mean() for k in (0, 1)])[gi]
@@ -296,6 +311,8 @@ def test_grpo_outlier_spike_vs_stabledrl_on_tiny_model(tiny_setup):
     n_grpo, n_sdrl = flat_grad(grpo, params).norm(), flat_grad(sdrl, params).norm()
     assert n_grpo >= 1e3 * n_sdrl, (n_grpo.item(), n_sdrl.item())
     assert n_sdrl <= (adv.abs() * per_norm).max() + 1e-6
+    w = expected_weights("stabledrl", log_ratio, gi)  # the outlier's weight is clipped, then normalised
+    torch.testing.assert_close(flat_grad(sdrl, params), -(w * adv) @ per_sample / 2, rtol=1e-9, atol=1e-12)
     assert m["ratio_max"] == pytest.approx(1e4, rel=1e-6)
 
 
