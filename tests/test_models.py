@@ -345,12 +345,8 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
     from stabledrl_mcore.models.gated_mlp import SwiGLU
     from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
-    from stabledrl_mcore.models.specs import te_available
-
-    if te_available():
-        pytest.skip("the TE spec keeps Megatron's rotation")
     cfg = get_preset(name, init_std=0.2)
-    ours = build_model(cfg)
+    ours = build_model(cfg, use_te=False)  # the local spec, also where TE is installed
     assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
     reference = build_model(cfg, use_te=False, stock_local=True)
     assert type(reference.decoder.layers[0].self_attention) is SelfAttention  # rotation from angles
@@ -387,13 +383,9 @@ def test_fc1_gate_up_split_matches_the_fused_fc1(megatron_tp1, name):
     blocks (the local spec, TP=1): logits and every gradient match fc1's fused output
     chunked in two (Megatron's layout) to fp32 rounding; the parameter is the same."""
     from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear
-    from stabledrl_mcore.models.specs import te_available
-
-    if te_available():
-        pytest.skip("the TE spec keeps Megatron's MLP")
     cfg = get_preset(name, init_std=0.2)
-    split = build_model(cfg)
-    fused = build_model(cfg)
+    split = build_model(cfg, use_te=False)  # the local spec, also where TE is installed
+    fused = build_model(cfg, use_te=False)
     fused.load_state_dict(split.state_dict())
     fc1 = split.decoder.layers[0].mlp.linear_fc1
     assert isinstance(fc1, GateUpColumnParallelLinear) and split.config.use_te_activation_func
