@@ -167,10 +167,15 @@ def test_sigkill_during_checkpoint_save_resumes_from_last_complete(tmp_path):
     assert sorted(os.listdir(ckpt)) == [".tmp-step_00000002", "step_00000001"]
     from stabledrl_mcore.checkpoint.state import find_latest
 
+    from stabledrl_mcore.checkpoint.state import CheckpointError, read_train_state
+
     assert find_latest(ckpt).endswith("step_00000001")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):  # the killed save is never loadable
+        read_train_state(os.path.join(ckpt, ".tmp-step_00000002"))
     env.pop("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT")
     done = subprocess.run(cmd + ["--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {ckpt}/step_00000001 at step 1" in done.stdout, done.stdout[-3000:]  # not the killed save
     assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]  # keep_last: 2
     steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert steps == [1, 2, 3], "each step once: the killed run's step 2 is dropped at the resume"
