@@ -202,3 +202,62 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
     assert row["skipped_updates"] == 0 and row["reward_std"] > 0, row
     assert row["log_ratio_var_first"] == pytest.approx(0.0, abs=1e-12), row
     assert abs(row["ratio_max"] - 1.0) > 1e-5, row
+
+
+def test_one_trainer_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch):
+    """Absolute anchor for the trainer comparisons (DP=2 vs DP=1, resumed vs straight): one real
+    step of the in-process trainer (Megatron model, DDP, optimizer, micro-batches) moves the weights
+    by exactly -lr x the autograd gradient of the loss computed in one graph on that step's batch."""
+    from test_trainer import CONFIG, DigitsTask, overrides
+
+    from stabledrl_mcore.parallel import bootstrap, cpu_compat
+    from stabledrl_mcore.rl import trainer
+    from stabledrl_mcore.tasks import available_tasks, base as task_base
+
+    lr, seen = 0.05, {}
+    real_update = trainer.policy_update
+
+    def anchored_update(s, batch, spec, step):
+        params = [p for p in s.model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        old = estimate(batch.old_token_logp, batch.plan, batch, spec)
+        value = one_graph_loss_model(s.model, batch, spec, old, s.model.dllm_config.mask_token_id)
+        grads = torch.autograd.grad(value, params)
+        out = real_update(s, batch, spec, step)
+        seen["pairs"] = [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)]
+        seen["moved"] = max(float((p - b).abs().max()) for p, b in zip(params, before))
+        return out
+
+    monkeypatch.setattr(trainer, "policy_update", anchored_update)
+    added = DigitsTask.name not in available_tasks()
+    if added:
+        task_base.register_task(DigitsTask.name)(DigitsTask)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(CONFIG, overrides(str(tmp_path / "run"), **{
+            "logging.progress": False, "rollout.prompts_per_step": 2, "steps": 1, "rollout.temperature": 1.0,
+            "optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0, "optim.clip_grad": 0.0,
+            "optim.lr": lr, "optim.decay_style": "constant", "parallel.micro_batch_size": 2,
+            "algo.inner_iterations": 1, "algo.mask_sampling": "replay"}))
+        trainer.train(cfg)
+    finally:
+        if added:
+            task_base._REGISTRY.pop(DigitsTask.name)
+        bootstrap.destroy()
+        cpu_compat.disable()
+        torch.set_num_threads(threads)
+    assert seen["moved"] > 1e-6  # the step did move the weights
+    for got, want in seen["pairs"]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def one_graph_loss_model(model, batch, spec, old, mask_id):
+    """:func:`one_graph_loss` for the trainer's model and loss (``stabledrl``, eps 0.2)."""
+    tok = torch.stack([token_logp(model, batch, batch.plan, spec, rows=slice(0, batch.size), mask_id=mask_id,
+                                  draw=d) for d in range(batch.plan.num_mc)])
+    logp, elbo = sequence_estimates_and_elbo(tok, batch.plan, batch, spec)
+    value, _ = sequence_policy_loss("stabledrl", logp, old.logp, batch.advantages, batch.group_index, eps=0.2,
+                                    ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
+                                    completion_lengths=scored_region(batch, spec).sum(-1))
+    return value
