@@ -127,11 +127,17 @@ def test_every_accepted_combination_is_covered():
     assert {lik for _, lik in COMBOS} == set(LIKELIHOODS)
 
 
+@pytest.mark.parametrize("sampling", ["replay", "fresh"])
 @pytest.mark.parametrize("loss,likelihood", COMBOS)
-def test_trainer_gradient_equals_autograd_at_iterations_one_and_two(loss, likelihood):
+def test_trainer_gradient_equals_autograd_at_iterations_one_and_two(loss, likelihood, sampling):
+    """``replay``: the current policy is scored under the old estimate's masks; ``fresh``: under
+    masks of its own (the old estimate keeps the rollout-time masks)."""
     batch, spec, model = make_batch(), spec_for(likelihood), toy(likelihood)
-    plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(100 + k), micro_batch=MICRO)
-    old = estimate(all_token_logp(model, batch, plan, spec, micro_batch=MICRO, mask_id=MASK), plan, batch, spec)
+    old_plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(100 + k), micro_batch=MICRO)
+    plan = old_plan if sampling == "replay" else draw_plan(
+        batch, spec, lambda k: torch.Generator().manual_seed(300 + k), micro_batch=MICRO)
+    old = estimate(all_token_logp(model, batch, old_plan, spec, micro_batch=MICRO, mask_id=MASK), old_plan,
+                   batch, spec)
 
     # iteration 1: the current weights are the old ones (ratio 1)
     got, metrics = trainer_gradient(model, batch, plan, spec, old, loss)
