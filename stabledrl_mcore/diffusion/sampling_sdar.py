@@ -18,11 +18,20 @@ every masked position above it when that is at least k (upstream's
 ``use_cache=False`` is the reference: every step re-runs the prefix
 ``x[:, :end_of_block]`` with the block-causal mask; greedy decoding gives the
 same tokens with and without the cache.
+
+Prefix sharing (``repeats``): an RL group decodes G completions of one prompt.
+With ``repeats=G`` the prompt rows are given once; their whole prompt blocks are
+prefilled once per prompt and the cache rows are repeated G times
+(``cache.repeat_interleave``), then every block, including the first one holding
+the prompt's tail, is decoded for all ``B x G`` rows, prompt-major. Only the
+prefill is shared, so the result equals decoding the repeated prompts: the same
+tokens greedily, and the same draws from ``generator`` when sampling (the prefill
+draws nothing; every decoding step draws for all ``B x G`` rows as before).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -61,20 +70,24 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
                   use_cache: bool = True, generator: Optional[torch.Generator] = None,
                   mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
                   prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
-                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None
-                  ) -> Tensor:
+                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None,
+                  repeats: Union[int, Sequence[int], None] = None) -> Tensor:
     """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
 
     ``steps`` is the number of denoising steps *per block* (upstream
     ``denoising_steps``); ``block_length`` defaults to ``model.dllm_config.block_size``.
     ``stop_at_eos``: after each block, if every row has an EOS in its generated
     part, decoding stops; in every row, positions after its first EOS become EOS.
+    ``repeats``: decode prompt row ``b`` ``repeats[b]`` times (or an int for every row),
+    sharing its prefill; the result has ``sum(repeats)`` rows, prompt-major, equal to
+    decoding ``prompt_ids.repeat_interleave(repeats, 0)``.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
     bs = int(cfg.block_size) if block_length is None else int(block_length)
     mask_id = int(cfg.mask_token_id) if mask_id is None else int(mask_id)
     eos_id = int(cfg.eos_token_id) if eos_id is None else int(eos_id)
+    counts = repeat_counts(repeats, prompt_ids.shape[0])
     B, P = prompt_ids.shape
     device = prompt_ids.device
     num_blocks = -(-(P + gen_length) // bs)
@@ -82,30 +95,25 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     x = torch.full((B, total), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
     pos = torch.arange(total, device=device)[None]
-    # A left-padded prompt (the usual case) travels as the layout's pad counts (one
-    # device->host copy here); any other key mask falls back to a dense mask.
-    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
-    layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
-    valid = None
-    if layout is None:
-        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
-
-    def mask(offset: int, length: int):
-        """The attention of queries ``offset..offset+length-1`` over keys ``0..offset+length-1``."""
-        if layout is not None:  # queries are the last `length` keys: what the layout assumes
-            return layout
-        m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
-        return m | padding_mask(valid[:, :offset + length])
-
-    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
     prefill = P // bs
     cache = None
     if use_cache:
         cache = kv_cache_factory() if kv_cache_factory is not None else default_kv_cache(model)
-        if prefill > 0:
-            with cache.storing():
-                model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
-                      kv_cache=cache)
+    share = counts is not None and use_cache and prefill > 0 and callable(getattr(cache, "repeat_interleave", None))
+    if counts is not None and not share:  # nothing to share: decode the repeated prompts
+        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        B = x.shape[0]
+    mask = _mask_fn(prompt_valid, B, total, P, bs, device)
+    if use_cache and prefill > 0:
+        with cache.storing():
+            model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
+                  kv_cache=cache)
+    if share:  # the prompt's cache rows serve each of its completions
+        cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
+        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        B = x.shape[0]
+        mask = _mask_fn(prompt_valid, B, total, P, bs, device)
+    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
 
     bar = progress_bar((num_blocks - prefill) * steps, progress, "sdar")
     step = 0
@@ -134,3 +142,41 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     if stop_at_eos:
         x = fill_after_eos(x, P, eos_id)
     return x
+
+
+def repeat_counts(repeats, rows: int):
+    """``repeats`` as one count per prompt row (None: no repetition); refuses bad counts by name."""
+    if repeats is None:
+        return None
+    counts = [int(repeats)] * rows if isinstance(repeats, int) else [int(c) for c in repeats]
+    if len(counts) != rows or any(c < 1 for c in counts):
+        raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
+                         f"got {repeats!r}")
+    return counts
+
+
+def _repeat_rows(t: Optional[Tensor], counts) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if len(set(counts)) == 1:
+        return t.repeat_interleave(counts[0], 0)
+    return t.repeat_interleave(torch.tensor(counts, device=t.device), 0, output_size=sum(counts))
+
+
+def _mask_fn(prompt_valid: Optional[Tensor], B: int, total: int, P: int, bs: int, device):
+    """``mask(offset, length)``: the attention of queries ``offset..offset+length-1`` over keys
+    ``0..offset+length-1``. A left-padded prompt (the usual case) travels as the layout's pad
+    counts (one device->host copy here); any other key mask falls back to a dense mask."""
+    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
+    layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
+    valid = None
+    if layout is None:
+        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
+
+    def mask(offset: int, length: int):
+        if layout is not None:  # queries are the last `length` keys: what the layout assumes
+            return layout
+        m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
+        return m | padding_mask(valid[:, :offset + length])
+
+    return mask
