@@ -70,12 +70,38 @@ def test_uneven_repeats_and_no_cache_reference():
         generate_sdar(toy(), ids, repeats=[1, 2], **kw)
 
 
-def test_chunk_groups_cover_partial_groups():
-    from stabledrl_mcore.rl.rollout import chunk_groups
+def test_decoding_batches_cover_whole_groups():
+    from stabledrl_mcore.rl.sdar_rollout import decode_rows, prompt_counts
 
-    assert chunk_groups(0, 8, 4) == (slice(0, 2), [4, 4])
-    assert chunk_groups(3, 6, 4) == (slice(0, 2), [1, 2])
-    assert chunk_groups(6, 8, 4) == (slice(1, 2), [2])
+    assert prompt_counts(0, 8, 4) == (slice(0, 2), [4, 4])
+    assert prompt_counts(3, 6, 4) == (slice(0, 2), [1, 2])
+    assert prompt_counts(6, 8, 4) == (slice(1, 2), [2])
+    assert decode_rows(2, 16) == 16 and decode_rows(8, 8) == 8 and decode_rows(12, 8) == 24
+    assert decode_rows(16, 4) == 16 and decode_rows(7, 16) == 7  # lcm 112 > 4 x 16: one micro-batch
+
+
+@pytest.mark.parametrize("threshold, stop_at_eos", [(None, False), (0.1, False), (0.2, True)])
+def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
+    """row_chunks: one batch of three micro-batches gives each the tokens it gets alone."""
+    ids, valid = left_padded(P=10)
+    kw = dict(gen_length=12, steps=3, threshold=threshold, temperature=1.0, stop_at_eos=stop_at_eos,
+              progress=False)
+    counts, sizes = [3, 3, 2], [3, 2, 3]
+    rep = torch.tensor(counts)
+    full_ids, full_valid = ids.repeat_interleave(rep, 0), valid.repeat_interleave(rep, 0)
+    together = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                             row_chunks=[(n, torch.Generator().manual_seed(10 + k)) for k, n in enumerate(sizes)],
+                             **kw)
+    alone, start = [], 0
+    for k, n in enumerate(sizes):
+        alone.append(generate_sdar(toy(), full_ids[start:start + n], prompt_valid=full_valid[start:start + n],
+                                   generator=torch.Generator().manual_seed(10 + k), **kw))
+        start += n
+    width = max(a.shape[1] for a in alone)
+    assert together.shape[1] == width
+    assert torch.equal(together, torch.cat(alone))
+    with pytest.raises(ValueError, match="row_chunks must split"):
+        generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts, row_chunks=[(3, None)], **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -109,10 +135,10 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, tempe
             chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k))
 
     shared = run()
-    assert len(repeats) == 2, "every micro-batch shares its prompts' prefill"
+    assert len(repeats) == 1, "one decoding batch of 6 rows (lcm of 3 and 2), each prompt prefilled once"
     monkeypatch.setattr(rollout, "shares_prefix", lambda model: False)
     plain = run()
-    assert len(repeats) == 2
+    assert len(repeats) == 1
     assert torch.equal(shared.sequences, plain.sequences)
     assert shared.completions == plain.completions and shared.prompt_len == plain.prompt_len
     for name in ("prompt_valid", "completion_mask", "group_index"):

@@ -31,7 +31,7 @@ draws nothing; every decoding step draws for all ``B x G`` rows as before).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -71,7 +71,8 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
                   mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
                   prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
                   on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None,
-                  repeats: Union[int, Sequence[int], None] = None) -> Tensor:
+                  repeats: Union[int, Sequence[int], None] = None,
+                  row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None) -> Tensor:
     """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
 
     ``steps`` is the number of denoising steps *per block* (upstream
@@ -81,6 +82,10 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     ``repeats``: decode prompt row ``b`` ``repeats[b]`` times (or an int for every row),
     sharing its prefill; the result has ``sum(repeats)`` rows, prompt-major, equal to
     decoding ``prompt_ids.repeat_interleave(repeats, 0)``.
+    ``row_chunks``: ``[(rows, generator), ...]`` splitting the result's rows into consecutive
+    chunks, each decoded as if it ran alone with its own generator (it draws, and its
+    block's steps go on, only while one of its rows has a masked position in the block;
+    with ``stop_at_eos`` it stops once each of its rows has an EOS); ``generator`` is then None.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
@@ -114,6 +119,8 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         B = x.shape[0]
         mask = _mask_fn(prompt_valid, B, total, P, bs, device)
     schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
+    chunks = _chunk_bounds(row_chunks, generator, B)
+    done = [False] * len(chunks)  # with stop_at_eos: every row of the chunk has an EOS
 
     bar = progress_bar((num_blocks - prefill) * steps, progress, "sdar")
     step = 0
@@ -122,17 +129,32 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         for i in range(steps):
             cur = x[:, s:e]
             masked = cur == mask_id
-            if not bool(masked.any()):
+            if len(chunks) == 1:
+                active = chunks if not done[0] and bool(masked.any()) else []
+            else:  # one device->host copy for every chunk
+                rows = masked.any(-1).tolist()
+                active = [c for c, d in zip(chunks, done) if not d and any(rows[c[0]:c[1]])]
+            if not active:
                 break
             if use_cache:
                 logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
             else:
                 logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e))[:, s:e]
-            x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
-            conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
-            transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+            if len(chunks) == 1:
+                x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
+                conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
+                transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+            else:
+                x0, transfer = cur.clone(), torch.zeros_like(masked)
+                for a, b, gen in active:
+                    x0[a:b], p = sample_tokens(logits[a:b], temperature, top_k, top_p, gen)
+                    conf = torch.where(masked[a:b], p, torch.full_like(p, -torch.inf))
+                    transfer[a:b] = select_transfer(conf, schedule[i].expand(b - a), threshold)
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
-        finished = stop_at_eos and bool((x[:, P:e] == eos_id).any(-1).all())
+        if stop_at_eos:
+            has_eos = (x[:, P:e] == eos_id).any(-1).tolist()
+            done = [all(has_eos[a:b]) for a, b, _ in chunks]
+        finished = all(done)
         if use_cache and blk < num_blocks - 1 and not finished:
             with cache.storing():
                 model(x[:, s:e], position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
@@ -153,6 +175,22 @@ def repeat_counts(repeats, rows: int):
         raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
                          f"got {repeats!r}")
     return counts
+
+
+def _chunk_bounds(row_chunks, generator, rows: int) -> List[Tuple[int, int, Optional[torch.Generator]]]:
+    """``[(first row, end row, generator)]`` of ``row_chunks`` (one chunk of every row by default)."""
+    if row_chunks is None:
+        return [(0, rows, generator)]
+    if generator is not None:
+        raise ValueError("pass either generator or row_chunks (each chunk's generator), not both")
+    bounds, start = [], 0
+    for n, gen in row_chunks:
+        bounds.append((start, start + int(n), gen))
+        start += int(n)
+    if start != rows or any(a >= b for a, b, _ in bounds):
+        raise ValueError(f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
+                         f"got sizes {[int(n) for n, _ in row_chunks]}")
+    return bounds
 
 
 def _repeat_rows(t: Optional[Tensor], counts) -> Optional[Tensor]:

@@ -16,6 +16,7 @@ from ..diffusion import generate
 from ..models.placement import eval_mode, model_device
 from ..tasks.base import Example
 from .advantages import group_advantages
+from .sdar_rollout import shared_prefix_rollouts, shares_prefix
 
 
 @dataclass
@@ -98,16 +99,18 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     group_index = torch.arange(len(examples), device=device).repeat_interleave(group_size)
     outputs = []
     with torch.no_grad(), eval_mode(model):
-        for k, start in enumerate(range(0, prompt_ids.shape[0], micro_batch)):
+        if shares_prefix(model):  # SDAR: whole groups per decoding batch, each prompt prefilled once
+            outputs = shared_prefix_rollouts(
+                model, unique_ids, unique_valid, group_size=group_size, gen_length=gen_length, steps=steps,
+                block_length=block_length, temperature=temperature, threshold=threshold,
+                micro_batch=micro_batch, chunk_generator=chunk_generator, first_chunk=first_chunk,
+                progress=progress)
+        for k, start in enumerate([] if outputs else range(0, prompt_ids.shape[0], micro_batch)):
             sl = slice(start, start + micro_batch)
-            ids, valid, share = prompt_ids[sl], prompt_valid[sl], {}
-            if shares_prefix(model):  # each prompt once, its prefill shared by its rows of the chunk
-                rows, counts = chunk_groups(start, min(start + micro_batch, prompt_ids.shape[0]), group_size)
-                ids, valid, share = unique_ids[rows], unique_valid[rows], {"repeats": counts}
-            outputs.append(generate(model, ids, gen_length=gen_length, steps=steps,
+            outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
                                     block_length=block_length, temperature=temperature,
                                     threshold=threshold, generator=chunk_generator(first_chunk + k),
-                                    prompt_valid=valid, progress=progress, **share))
+                                    prompt_valid=prompt_valid[sl], progress=progress))
     sequences = torch.cat(outputs)
     width = prompt_ids.shape[1]
     completion = sequences[:, width:]
@@ -120,20 +123,6 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
         completions=[tokenizer.decode(row) for row in completion.tolist()],  # one device->host copy
         references=[ex.reference for ex in examples for _ in range(group_size)],
     )
-
-
-def shares_prefix(model) -> bool:
-    """Whether the model's sampler shares a prompt's prefill over its completions (SDAR)."""
-    from ..diffusion import dllm_config
-
-    return str(dllm_config(model).arch).lower() == "sdar"
-
-
-def chunk_groups(start: int, stop: int, group_size: int):
-    """Rows ``start..stop-1`` of a prompt-major ``[prompts x G]`` batch as (prompt slice, rows per prompt)."""
-    first, last = start // group_size, (stop - 1) // group_size
-    counts = [min(stop, (p + 1) * group_size) - max(start, p * group_size) for p in range(first, last + 1)]
-    return slice(first, last + 1), counts
 
 
 def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> RolloutBatch:
