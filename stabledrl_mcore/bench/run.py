@@ -16,7 +16,9 @@ when the baseline ran; ``speedup_vs_baseline_cpu_time`` is the same from process
 CPU time), ``weak_scaling_efficiency`` (with ``--dp-scaling``),
 ``phases`` / ``baseline.phases`` (median, quartiles, IQR, min/max seconds,
 tokens/s, model FLOP/s, MFU per phase), ``model``, ``layout``, ``workload``,
-``peak``, ``config``, ``load_average``.
+``peak``, ``config``, ``load_average``; with ``--rollout-mode``: ``rollout_modes`` (per mode:
+tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-ups; see
+:mod:`.modes`) and ``rollout_modes_baseline`` (the baseline's rollout, timed alongside).
 """
 
 from __future__ import annotations
