@@ -87,6 +87,10 @@ def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
     kw = dict(gen_length=12, steps=3, threshold=threshold, temperature=1.0, stop_at_eos=stop_at_eos,
               progress=False)
     counts, sizes = [3, 3, 2], [3, 2, 3]
+    one = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                        row_chunks=[(8, torch.Generator().manual_seed(10))], **kw)
+    assert torch.equal(one, generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                                          generator=torch.Generator().manual_seed(10), **kw))
     rep = torch.tensor(counts)
     full_ids, full_valid = ids.repeat_interleave(rep, 0), valid.repeat_interleave(rep, 0)
     together = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,

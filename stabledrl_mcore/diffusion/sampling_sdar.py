@@ -141,7 +141,7 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
             else:
                 logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e))[:, s:e]
             if len(chunks) == 1:
-                x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
+                x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
                 conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
                 transfer = select_transfer(conf, schedule[i].expand(B), threshold)
             else:
