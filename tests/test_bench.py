@@ -173,9 +173,15 @@ def test_machine_ceiling_is_the_median_of_alternating_rounds():
 
 
 def test_bench_rollout_modes_side_by_side(tmp_path):
-    """Two rollout modes in one run, next to the baseline's rollout; NFE = forwards per completion."""
+    """Two rollout modes in one run, next to the baseline's rollout; NFE = forwards per completion;
+    a checkpoint (a tiny random HF LLaDA) adds greedy held-out accuracy per mode."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_fixtures import write_hf_checkpoint
+
+    checkpoint = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=3)
     out = tmp_path / "modes.json"
     code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
+                                   f"model.checkpoint={checkpoint}", "eval.num_examples=4",
                                    "--phases", "rollout", "--warmup", "0", "--repeats", "1", "--json", str(out),
                                    "--rollout-mode", "exact:", "--rollout-mode", "fast:rollout.steps=2")
     assert code == 0, stderr[-3000:]
@@ -185,13 +191,14 @@ def test_bench_rollout_modes_side_by_side(tmp_path):
     exact, fast = modes["exact"], modes["fast"]
     for m in (exact, fast):
         assert m["tokens_per_s"] > 0 and m["median_s"] > 0 and m["completions"] == 8
-        assert m["greedy_accuracy"] is None  # no checkpoint: random weights, no accuracy
+        assert 0.0 <= m["greedy_accuracy"] <= 1.0 and m["accuracy_examples"] == 4
     # LLaDA: one forward of every row per denoising step (rollout.steps total)
     assert exact["nfe_per_completion"] == 4 and fast["nfe_per_completion"] == 2
     assert fast["overrides"] == ["rollout.steps=2"] and fast["settings"]["steps"] == 2
     assert exact["speedup_vs_first"] == 1.0 and fast["speedup_vs_baseline"] > 0
     assert data["rollout_modes_baseline"]["tokens_per_s"] > 0 and "baseline" in data
     assert "rollout mode" in stdout and "NFE/compl." in stdout and "rollout.steps=2" in stdout
+    assert "4 held-out examples" in stdout
 
 
 def test_rollout_mode_parsing_refuses_by_name():
