@@ -13,7 +13,9 @@ the KV cache, exactly as ``generate_rollouts`` does:
 
 Sampling uses the same generators, and the tokens of both are checked equal.
 Timings are interleaved (unshared, shared, shared, unshared, ...); every
-repetition is printed and the median reported.
+repetition is printed with its wall and process CPU time (on a shared machine
+with one thread the CPU time is far less disturbed by other jobs), and the
+medians reported.
 
     PYTHONPATH=. python tools/bench_sdar_sharing.py --model sdar-100m --group 8 --new-tokens 256 \\
         --micro-batch 8 --repeats 2 --json sdar_sharing.json
@@ -33,6 +35,12 @@ import torch
 def build(args):
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    if "MASTER_PORT" not in os.environ:  # a free port: another benchmark may hold the default one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     from stabledrl_mcore.models import build_model, get_preset
     from stabledrl_mcore.parallel import bootstrap
 
@@ -102,15 +110,18 @@ def main(argv=None) -> int:
 
     variants = {"unshared": unshared, "shared": shared}
     seconds = {n: [] for n in variants}
+    cpu_seconds = {n: [] for n in variants}
     outputs = {}
     with torch.no_grad():
         for r in range(args.repeats):
             order = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for name in order:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 outputs[name] = variants[name](model, ids, valid, args, chunk_generator)
                 seconds[name].append(time.perf_counter() - start)
-                print(f"repetition {r + 1} {name}: {seconds[name][-1]:.2f} s", flush=True)
+                cpu_seconds[name].append(time.process_time() - cpu)
+                print(f"repetition {r + 1} {name}: {seconds[name][-1]:.2f} s (CPU {cpu_seconds[name][-1]:.2f} s)",
+                      flush=True)
     same = torch.equal(outputs["unshared"], outputs["shared"])
     rows = args.prompts * args.group
     tokens = rows * (outputs["shared"].shape[1] - ids.shape[1])  # generated positions
@@ -118,17 +129,23 @@ def main(argv=None) -> int:
               "prompts": args.prompts, "prompt_len": args.prompt_len, "group": args.group,
               "new_tokens": args.new_tokens, "steps": args.steps, "threshold": args.threshold,
               "temperature": args.temperature, "micro_batch": args.micro_batch, "same_tokens": same,
-              "seconds": seconds, "tokens": tokens}
+              "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens,
+              "load_average": os.getloadavg()}
     for name in variants:
         result[f"{name}_tokens_per_s"] = tokens / statistics.median(seconds[name])
+        result[f"{name}_tokens_per_cpu_s"] = tokens / statistics.median(cpu_seconds[name])
     result["speedup"] = result["shared_tokens_per_s"] / result["unshared_tokens_per_s"]
+    result["speedup_cpu_time"] = result["shared_tokens_per_cpu_s"] / result["unshared_tokens_per_cpu_s"]
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s): {args.prompts} prompts x G={args.group}, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.steps} steps/block, "
           f"threshold {args.threshold}, micro-batch {args.micro_batch}")
     for name in variants:
-        print(f"  {name:<9} {result[f'{name}_tokens_per_s']:8.1f} tokens/s  "
-              f"(seconds {', '.join(f'{s:.2f}' for s in seconds[name])})")
-    print(f"  speed-up {result['speedup']:.2f}x; same tokens: {same}")
+        print(f"  {name:<9} {result[f'{name}_tokens_per_s']:8.1f} tokens/s, "
+              f"{result[f'{name}_tokens_per_cpu_s']:8.1f} tokens/CPU-s  "
+              f"(seconds {', '.join(f'{s:.2f}' for s in seconds[name])}; "
+              f"CPU {', '.join(f'{s:.2f}' for s in cpu_seconds[name])})")
+    print(f"  speed-up {result['speedup']:.2f}x wall, {result['speedup_cpu_time']:.2f}x CPU time "
+          f"(load average {result['load_average'][0]:.1f}); same tokens: {same}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -171,16 +171,18 @@ def format_modes(result: Dict[str, Any]) -> List[str]:
         return []
     base = result.get("rollout_modes_baseline") or {}
     first = next(iter(modes))
-    header = (f"{'rollout mode':<16}{'median s':>10}{'IQR s':>8}{'tokens/s':>11}{'NFE/compl.':>12}"
+    header = (f"{'rollout mode':<16}{'median s':>10}{'IQR s':>8}{'CPU s':>8}{'tokens/s':>11}{'NFE/compl.':>12}"
               f"{'vs ' + first:>12}{'vs base':>9}{'greedy acc':>12}  overrides")
     lines = ["", header, "-" * len(header)]
     for name, m in modes.items():
         acc = "-" if m.get("greedy_accuracy") is None else f"{100 * m['greedy_accuracy']:.1f}%"
-        lines.append(f"{name:<16}{m['median_s']:>10.3f}{m['iqr_s']:>8.3f}{_f(m['tokens_per_s'], '{:.1f}'):>11}"
+        lines.append(f"{name:<16}{m['median_s']:>10.3f}{m['iqr_s']:>8.3f}{_f(m['cpu_median_s'], '{:.3f}'):>8}"
+                     f"{_f(m['tokens_per_s'], '{:.1f}'):>11}"
                      f"{_f(m['nfe_per_completion'], '{:.2f}'):>12}{_f(m['speedup_vs_first'], '{:.2f}x'):>12}"
                      f"{_f(m['speedup_vs_baseline'], '{:.2f}x'):>9}{acc:>12}  {','.join(m['overrides']) or '-'}")
     if base:
         lines.append(f"{'baseline (HF)':<16}{base['median_s']:>10.3f}{base['iqr_s']:>8.3f}"
+                     f"{_f(base.get('cpu_median_s'), '{:.3f}'):>8}"
                      f"{_f(base['tokens_per_s'], '{:.1f}'):>11}  (the config's rollout settings)")
     n = next((m["accuracy_examples"] for m in modes.values() if m.get("accuracy_examples")), None)
     if n:
