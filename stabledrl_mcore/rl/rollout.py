@@ -88,7 +88,8 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
     so results do not depend on how the global batch is split over DP ranks. Runs on
     the model's device, in eval mode (no recompute, no dropout) whatever the training
-    mode; the mode is restored afterwards.
+    mode; the mode is restored afterwards. SDAR decodes whole groups together, each prompt
+    prefilled once, with the same draws (:mod:`.sdar_rollout`).
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
