@@ -132,6 +132,7 @@ def test_bench_cli_json(tmp_path):
     (["--phases", "warp"], "unknown bench phase"),
     (["--repeats", "0"], "--repeats"),
     (["algo.epz=1"], "did you mean algo.eps"),
+    (["--rollout-mode", "fast:rollout.stepz=2"], "--rollout-mode fast: unknown"),
 ])
 def test_bench_bad_input_is_one_line_exit_2(args, message):
     code, _, err = run_cli("bench", "--config", CONFIG, *args, timeout=120)
@@ -175,3 +176,75 @@ def test_machine_ceiling_is_the_median_of_alternating_rounds():
     assert all(r > 0 for r in result["per_round"])
     assert result["ceiling"] == sorted(result["per_round"])[1]
     assert result["one_process_flops"] > 0 and result["per_process_flops"] > 0
+
+
+def test_bench_rollout_modes_side_by_side(tmp_path):
+    """Two rollout modes in one run, next to the baseline's rollout; NFE = forwards per completion;
+    a checkpoint (a tiny random HF LLaDA) adds greedy held-out accuracy per mode."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_fixtures import write_hf_checkpoint
+
+    checkpoint = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=3)
+    out = tmp_path / "modes.json"
+    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
+                                   f"model.checkpoint={checkpoint}", "eval.num_examples=4",
+                                   "--phases", "rollout", "--warmup", "0", "--repeats", "1", "--json", str(out),
+                                   "--rollout-mode", "exact:", "--rollout-mode", "fast:rollout.steps=2")
+    assert code == 0, stderr[-3000:]
+    data = json.loads(out.read_text())
+    modes = data["rollout_modes"]
+    assert list(modes) == ["exact", "fast"]
+    exact, fast = modes["exact"], modes["fast"]
+    for m in (exact, fast):
+        assert m["tokens_per_s"] > 0 and m["median_s"] > 0 and m["completions"] == 8
+        assert 0.0 <= m["greedy_accuracy"] <= 1.0 and m["accuracy_examples"] == 4
+    # LLaDA: one forward of every row per denoising step (rollout.steps total)
+    assert exact["nfe_per_completion"] == 4 and fast["nfe_per_completion"] == 2
+    assert fast["overrides"] == ["rollout.steps=2"] and fast["settings"]["steps"] == 2
+    assert exact["speedup_vs_first"] == 1.0 and fast["speedup_vs_baseline"] > 0
+    assert data["rollout_modes_baseline"]["tokens_per_s"] > 0 and "baseline" in data
+    assert "rollout mode" in stdout and "NFE/compl." in stdout and "rollout.steps=2" in stdout
+    assert "4 held-out examples" in stdout
+
+
+def test_rollout_mode_parsing_refuses_by_name():
+    from stabledrl_mcore.bench.modes import parse_rollout_modes
+
+    assert parse_rollout_modes(["exact:", "fast:rollout.threshold=0.9, rollout.steps=2"]) == [
+        ("exact", []), ("fast", ["rollout.threshold=0.9", "rollout.steps=2"])]
+    for bad, message in ((["fast"], "expected NAME:"), (["a:", "a:"], "given twice"),
+                         (["a:algo.eps=1"], "not a rollout.FIELD"),
+                         (["a:rollout.prompts_per_step=4"], "fixed when the set-up is built")):
+        with pytest.raises(ConfigError, match=message):
+            parse_rollout_modes(bad)
+
+
+def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
+    """Held-out accuracy decodes each example once, at temperature 0, with the mode's own settings."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from stabledrl_mcore.bench import modes
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.rl import heldout, rollout, trainer
+
+    cfg = load_config(CONFIG, ["rollout.steps=2", "eval.num_examples=3"])
+    seen = {}
+
+    def fake_rollout(s, step):
+        seen.update(rollout=s.cfg.rollout, mb=s.cfg.parallel.micro_batch_size, examples=s.prompts.for_step(0))
+        return SimpleNamespace(examples=seen["examples"])
+
+    monkeypatch.setattr(trainer, "rollout_phase", fake_rollout)
+    monkeypatch.setattr(rollout, "score_rollouts", lambda b, task: SimpleNamespace(
+        correct=torch.tensor([True, False, True]), size=3))
+    monkeypatch.setattr(heldout, "heldout_examples", lambda c, task: ["a", "b", "c"])
+    Setup = dataclasses.make_dataclass("Setup", ["cfg", "task", "dp_rank", "dp_size", "prompts", "model"])
+    setup = Setup(cfg=cfg, task=None, dp_rank=0, dp_size=1, prompts=None, model=None)
+    mode = modes.RolloutMode(setup, "fast", cfg, ["rollout.steps=2"])
+    result = mode.accuracy()
+    assert result == {"greedy_accuracy": pytest.approx(2 / 3), "accuracy_examples": 3}
+    r = seen["rollout"]
+    assert r.group_size == 1 and r.temperature == 0.0 and r.steps == 2
+    assert seen["mb"] == cfg.eval.micro_batch_size and seen["examples"] == ["a", "b", "c"]
+

@@ -56,6 +56,9 @@ def format_table(result: Dict[str, Any]) -> str:
             row += (f"{_num(b and b['median_s'], fmt='{:.3f}'):>12}{_num(b and b['tokens_per_s']):>12}"
                     f"{_num(speed.get(name), fmt='{:.2f}x'):>9}{_num(speed_cpu.get(name), fmt='{:.2f}x'):>8}")
         lines.append(row)
+    from .modes import format_modes
+
+    lines += format_modes(result)
     lines.append("")
     fp32 = f"   (vs measured fp32 matmul: {_pct(result['mfu_vs_fp32'])})" if result.get("mfu_vs_fp32") else ""
     if result.get("mfu_cpu_time") and result["layout"]["threads"] == 1:

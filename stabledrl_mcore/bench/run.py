@@ -16,7 +16,9 @@ when the baseline ran; ``speedup_vs_baseline_cpu_time`` is the same from process
 CPU time), ``weak_scaling_efficiency`` (with ``--dp-scaling``),
 ``phases`` / ``baseline.phases`` (median, quartiles, IQR, min/max seconds,
 tokens/s, model FLOP/s, MFU per phase), ``model``, ``layout``, ``workload``,
-``peak``, ``config``, ``load_average``.
+``peak``, ``config``, ``load_average``; with ``--rollout-mode``: ``rollout_modes`` (per mode:
+tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-ups; see
+:mod:`.modes`) and ``rollout_modes_baseline`` (the baseline's rollout, timed alongside).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="phases measured at 1 and 2 ranks (default: step)")
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="X",
                         help="peak to take MFU against (TFLOP/s), e.g. for a GPU missing from the table")
+    parser.add_argument("--rollout-mode", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="also time the rollout with these rollout.* overrides (repeatable; 'NAME:' alone is "
+                             "the config as given), e.g. --rollout-mode exact: --rollout-mode "
+                             "fast:rollout.threshold=0.9,rollout.steps=2; reports tokens/s, forwards per "
+                             "completion (NFE) and, with model.checkpoint, greedy held-out accuracy per mode")
     parser.add_argument("--keep-tokenizer-vocab", action="store_true",
                         help="size the embedding to the tokenizer (default: keep the preset's vocabulary)")
 
@@ -92,8 +99,11 @@ def _load() -> Optional[List[float]]:
 
 def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repeats: int,
                      baseline: Optional[bool] = None, peak_tflops: Optional[float] = None,
-                     measure_peak: bool = True) -> Dict[str, Any]:
+                     measure_peak: bool = True, rollout_modes: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Build the training set-up of ``cfg`` on this process's ranks and time ``phases``.
+
+    ``rollout_modes``: name -> (overrides, the mode's RunConfig) (see :mod:`.modes`), timed
+    after the phases, with the baseline's rollout alongside when the baseline runs.
 
     Returns the result dict (the same on every rank); everything built is freed
     and the process group destroyed before returning.
@@ -150,6 +160,8 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
             finally:
                 if base_counter:
                     base_counter.__exit__(None, None, None)
+        mode_out = _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter,
+                                warmup, repeats) if rollout_modes else None
         if peak:
             log("measuring the matmul peak again (the best of both measurements is kept)")
             peak = device_peak(override_tflops=peak_tflops, previous=peak)
@@ -157,12 +169,45 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         peak_flops = peak["peak_flops"] if peak else None
         out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
                         matmul_params(dcfg), with_baseline=base is not None)
+        if mode_out:
+            from .modes import summarize_modes
+
+            modes, mode_results, accuracy = mode_out
+            base_rollout = (mode_results["baseline/rollout"].summary(peak_flops, mp)
+                            if "baseline/rollout" in mode_results else None)
+            out["rollout_modes"] = summarize_modes(modes, mode_results, peak_flops, mp, accuracy, base_rollout)
+            out["rollout_modes_baseline"] = base_rollout
         out["load_average"] = {"before": load_before, "after": _load()}
         return out
     finally:
         s = ours = base = None  # noqa: F841 - free both models before any scaling run starts
         gc.collect()
         bootstrap.destroy()
+
+
+def _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter, warmup, repeats):
+    """Time each rollout mode (interleaved, with the baseline's rollout); greedy accuracy with a checkpoint."""
+    from .modes import RolloutMode
+
+    modes = [RolloutMode(s, name, mcfg, overrides) for name, (overrides, mcfg) in rollout_modes.items()]
+    jobs = {f"rollout[{m.name}]": m.rollout for m in modes}
+    mode_counters = {name: ours_counter for name in jobs}
+    if base:
+        jobs["baseline/rollout"], mode_counters["baseline/rollout"] = base.rollout, base_counter
+    with ours_counter:
+        if base_counter:
+            base_counter.__enter__()
+        try:
+            mode_results = measure(jobs, warmup=warmup, repeats=repeats, counters=mode_counters)
+        finally:
+            if base_counter:
+                base_counter.__exit__(None, None, None)
+    accuracy = {}
+    if s.cfg.model.checkpoint:
+        for m in modes:
+            log(f"rollout[{m.name}]: greedy held-out accuracy")
+            accuracy[m.name] = m.accuracy()
+    return modes, mode_results, accuracy
 
 
 def _measure_by_phase(jobs, counters, phases, warmup, repeats):
@@ -247,6 +292,13 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     scaling_phases = parse_phases(args.scaling_phases) if args.dp_scaling else []
     cfg = bench_config(args.config, args.overrides, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
+    rollout_modes = None
+    if args.rollout_mode:
+        from .modes import mode_configs, parse_rollout_modes
+
+        parsed = parse_rollout_modes(args.rollout_mode)
+        configs = mode_configs(args.config, args.overrides, parsed, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
+        rollout_modes = {name: (overrides, configs[name]) for name, overrides in parsed}
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
     from ..parallel.bootstrap import detect_launch_env
@@ -255,7 +307,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.dp_scaling and launch.world_size > 1:
         raise ConfigError("--dp-scaling starts its own local ranks: run it as one process, not under torchrun/srun")
     result = bench_in_process(cfg, phases, warmup=args.warmup, repeats=args.repeats, baseline=args.baseline,
-                              peak_tflops=args.peak_tflops)
+                              peak_tflops=args.peak_tflops, rollout_modes=rollout_modes)
     if launch.rank != 0:
         return 0
     if args.dp_scaling:

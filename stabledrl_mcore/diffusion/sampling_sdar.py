@@ -18,11 +18,20 @@ every masked position above it when that is at least k (upstream's
 ``use_cache=False`` is the reference: every step re-runs the prefix
 ``x[:, :end_of_block]`` with the block-causal mask; greedy decoding gives the
 same tokens with and without the cache.
+
+Prefix sharing (``repeats``): an RL group decodes G completions of one prompt.
+With ``repeats=G`` the prompt rows are given once; their whole prompt blocks are
+prefilled once per prompt and the cache rows are repeated G times
+(``cache.repeat_interleave``), then every block, including the first one holding
+the prompt's tail, is decoded for all ``B x G`` rows, prompt-major. Only the
+prefill is shared, so the result equals decoding the repeated prompts: the same
+tokens greedily, and the same draws from ``generator`` when sampling (the prefill
+draws nothing; every decoding step draws for all ``B x G`` rows as before).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -61,20 +70,29 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
                   use_cache: bool = True, generator: Optional[torch.Generator] = None,
                   mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
                   prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
-                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None
-                  ) -> Tensor:
+                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None,
+                  repeats: Union[int, Sequence[int], None] = None,
+                  row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None) -> Tensor:
     """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
 
     ``steps`` is the number of denoising steps *per block* (upstream
     ``denoising_steps``); ``block_length`` defaults to ``model.dllm_config.block_size``.
     ``stop_at_eos``: after each block, if every row has an EOS in its generated
     part, decoding stops; in every row, positions after its first EOS become EOS.
+    ``repeats``: decode prompt row ``b`` ``repeats[b]`` times (or an int for every row),
+    sharing its prefill; the result has ``sum(repeats)`` rows, prompt-major, equal to
+    decoding ``prompt_ids.repeat_interleave(repeats, 0)``.
+    ``row_chunks``: ``[(rows, generator), ...]`` splitting the result's rows into consecutive
+    chunks, each decoded as if it ran alone with its own generator (it draws, and its
+    block's steps go on, only while one of its rows has a masked position in the block;
+    with ``stop_at_eos`` it stops once each of its rows has an EOS); ``generator`` is then None.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
     bs = int(cfg.block_size) if block_length is None else int(block_length)
     mask_id = int(cfg.mask_token_id) if mask_id is None else int(mask_id)
     eos_id = int(cfg.eos_token_id) if eos_id is None else int(eos_id)
+    counts = repeat_counts(repeats, prompt_ids.shape[0])
     B, P = prompt_ids.shape
     device = prompt_ids.device
     num_blocks = -(-(P + gen_length) // bs)
@@ -82,30 +100,27 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     x = torch.full((B, total), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
     pos = torch.arange(total, device=device)[None]
-    # A left-padded prompt (the usual case) travels as the layout's pad counts (one
-    # device->host copy here); any other key mask falls back to a dense mask.
-    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
-    layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
-    valid = None
-    if layout is None:
-        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
-
-    def mask(offset: int, length: int):
-        """The attention of queries ``offset..offset+length-1`` over keys ``0..offset+length-1``."""
-        if layout is not None:  # queries are the last `length` keys: what the layout assumes
-            return layout
-        m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
-        return m | padding_mask(valid[:, :offset + length])
-
-    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
     prefill = P // bs
     cache = None
     if use_cache:
         cache = kv_cache_factory() if kv_cache_factory is not None else default_kv_cache(model)
-        if prefill > 0:
-            with cache.storing():
-                model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
-                      kv_cache=cache)
+    share = counts is not None and use_cache and prefill > 0 and callable(getattr(cache, "repeat_interleave", None))
+    if counts is not None and not share:  # nothing to share: decode the repeated prompts
+        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        B = x.shape[0]
+    mask = _mask_fn(prompt_valid, B, total, P, bs, device)
+    if use_cache and prefill > 0:
+        with cache.storing():
+            model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
+                  kv_cache=cache)
+    if share:  # the prompt's cache rows serve each of its completions
+        cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
+        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        B = x.shape[0]
+        mask = _mask_fn(prompt_valid, B, total, P, bs, device)
+    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
+    chunks = _chunk_bounds(row_chunks, generator, B)
+    done = [False] * len(chunks)  # with stop_at_eos: every row of the chunk has an EOS
 
     bar = progress_bar((num_blocks - prefill) * steps, progress, "sdar")
     step = 0
@@ -114,17 +129,32 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         for i in range(steps):
             cur = x[:, s:e]
             masked = cur == mask_id
-            if not bool(masked.any()):
+            if len(chunks) == 1:
+                active = chunks if not done[0] and bool(masked.any()) else []
+            else:  # one device->host copy for every chunk
+                rows = masked.any(-1).tolist()
+                active = [c for c, d in zip(chunks, done) if not d and any(rows[c[0]:c[1]])]
+            if not active:
                 break
             if use_cache:
                 logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
             else:
                 logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e))[:, s:e]
-            x0, p = sample_tokens(logits, temperature, top_k, top_p, generator)
-            conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
-            transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+            if len(chunks) == 1:
+                x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
+                conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
+                transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+            else:
+                x0, transfer = cur.clone(), torch.zeros_like(masked)
+                for a, b, gen in active:
+                    x0[a:b], p = sample_tokens(logits[a:b], temperature, top_k, top_p, gen)
+                    conf = torch.where(masked[a:b], p, torch.full_like(p, -torch.inf))
+                    transfer[a:b] = select_transfer(conf, schedule[i].expand(b - a), threshold)
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
-        finished = stop_at_eos and bool((x[:, P:e] == eos_id).any(-1).all())
+        if stop_at_eos:
+            has_eos = (x[:, P:e] == eos_id).any(-1).tolist()
+            done = [all(has_eos[a:b]) for a, b, _ in chunks]
+        finished = all(done)
         if use_cache and blk < num_blocks - 1 and not finished:
             with cache.storing():
                 model(x[:, s:e], position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
@@ -134,3 +164,57 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     if stop_at_eos:
         x = fill_after_eos(x, P, eos_id)
     return x
+
+
+def repeat_counts(repeats, rows: int):
+    """``repeats`` as one count per prompt row (None: no repetition); refuses bad counts by name."""
+    if repeats is None:
+        return None
+    counts = [int(repeats)] * rows if isinstance(repeats, int) else [int(c) for c in repeats]
+    if len(counts) != rows or any(c < 1 for c in counts):
+        raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
+                         f"got {repeats!r}")
+    return counts
+
+
+def _chunk_bounds(row_chunks, generator, rows: int) -> List[Tuple[int, int, Optional[torch.Generator]]]:
+    """``[(first row, end row, generator)]`` of ``row_chunks`` (one chunk of every row by default)."""
+    if row_chunks is None:
+        return [(0, rows, generator)]
+    if generator is not None:
+        raise ValueError("pass either generator or row_chunks (each chunk's generator), not both")
+    bounds, start = [], 0
+    for n, gen in row_chunks:
+        bounds.append((start, start + int(n), gen))
+        start += int(n)
+    if start != rows or any(a >= b for a, b, _ in bounds):
+        raise ValueError(f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
+                         f"got sizes {[int(n) for n, _ in row_chunks]}")
+    return bounds
+
+
+def _repeat_rows(t: Optional[Tensor], counts) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if len(set(counts)) == 1:
+        return t.repeat_interleave(counts[0], 0)
+    return t.repeat_interleave(torch.tensor(counts, device=t.device), 0, output_size=sum(counts))
+
+
+def _mask_fn(prompt_valid: Optional[Tensor], B: int, total: int, P: int, bs: int, device):
+    """``mask(offset, length)``: the attention of queries ``offset..offset+length-1`` over keys
+    ``0..offset+length-1``. A left-padded prompt (the usual case) travels as the layout's pad
+    counts (one device->host copy here); any other key mask falls back to a dense mask."""
+    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
+    layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
+    valid = None
+    if layout is None:
+        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
+
+    def mask(offset: int, length: int):
+        if layout is not None:  # queries are the last `length` keys: what the layout assumes
+            return layout
+        m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
+        return m | padding_mask(valid[:, :offset + length])
+
+    return mask

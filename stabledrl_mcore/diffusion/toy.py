@@ -70,6 +70,11 @@ class ToyKVCache:
     def past(self, layer: int):
         return (self.keys[layer], self.values[layer]) if layer < len(self.keys) else (None, None)
 
+    def repeat_interleave(self, repeats) -> None:
+        """Repeat every cached row ``repeats`` times along the batch (prefix sharing)."""
+        self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
+
     def stage(self, layer: int, k: Tensor, v: Tensor) -> None:
         if self._storing:
             if self._pending is None:

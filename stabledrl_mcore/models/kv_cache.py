@@ -74,6 +74,14 @@ class KVCache:
         self._layers = {n: (k[:length], v[:length]) for n, (k, v) in self._layers.items()}
         self._length = length
 
+    def repeat_interleave(self, repeats) -> None:
+        """Repeat every cached row ``repeats`` times along the batch, in place (an int, or
+        one count per row as a tensor): a prompt's prefix shared by its G completions."""
+        if self._pending:
+            raise RuntimeError("cannot repeat a KV cache with staged keys; commit or discard them first")
+        self._layers = {n: (k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1))
+                        for n, (k, v) in self._layers.items()}
+
     # -- used by the core attention and the model ----------------------------------
     def get(self, layer_number: int) -> Optional[KV]:
         """Cached ``(key, value)`` of one layer, or None if empty."""

@@ -16,6 +16,7 @@ from ..diffusion import generate
 from ..models.placement import eval_mode, model_device
 from ..tasks.base import Example
 from .advantages import group_advantages
+from .sdar_rollout import shared_prefix_rollouts, shares_prefix
 
 
 @dataclass
@@ -87,17 +88,25 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
     so results do not depend on how the global batch is split over DP ranks. Runs on
     the model's device, in eval mode (no recompute, no dropout) whatever the training
-    mode; the mode is restored afterwards.
+    mode; the mode is restored afterwards. SDAR decodes whole groups together, each prompt
+    prefilled once, with the same draws (:mod:`.sdar_rollout`).
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
     prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device)
+    unique_ids, unique_valid = prompt_ids, prompt_valid
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
     group_index = torch.arange(len(examples), device=device).repeat_interleave(group_size)
     outputs = []
     with torch.no_grad(), eval_mode(model):
-        for k, start in enumerate(range(0, prompt_ids.shape[0], micro_batch)):
+        if shares_prefix(model):  # SDAR: whole groups per decoding batch, each prompt prefilled once
+            outputs = shared_prefix_rollouts(
+                model, unique_ids, unique_valid, group_size=group_size, gen_length=gen_length, steps=steps,
+                block_length=block_length, temperature=temperature, threshold=threshold,
+                micro_batch=micro_batch, chunk_generator=chunk_generator, first_chunk=first_chunk,
+                progress=progress)
+        for k, start in enumerate([] if outputs else range(0, prompt_ids.shape[0], micro_batch)):
             sl = slice(start, start + micro_batch)
             outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
                                     block_length=block_length, temperature=temperature,

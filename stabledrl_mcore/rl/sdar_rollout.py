@@ -1,0 +1,65 @@
+"""SDAR rollouts with prefix sharing: a prompt's prefill is computed once for its G completions.
+
+Rows (prompt-major groups of G) are decoded in batches of whole micro-batches
+that end on a group boundary (:func:`decode_rows`: ``lcm(micro_batch, G)`` rows),
+so a prompt's completions are decoded together and its whole prompt blocks are
+prefilled once (``generate_sdar(repeats=...)``) whatever the micro-batch. Inside
+a batch, micro-batch ``k`` still draws from ``chunk_generator(first_chunk + k)``
+exactly as when decoded alone (``generate_sdar(row_chunks=...)``: a chunk draws,
+and its block's steps go on, only while one of its rows has a masked position),
+so the rollout equals micro-batch by micro-batch decoding of the repeated prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional
+
+import torch
+
+from ..diffusion import dllm_config, generate
+
+MAX_DECODE_FACTOR = 4
+"""A decoding batch holds at most this many times ``max(micro_batch, G)`` rows (else one micro-batch)."""
+
+
+def shares_prefix(model) -> bool:
+    """Whether the model's sampler shares a prompt's prefill over its completions (SDAR)."""
+    return str(dllm_config(model).arch).lower() == "sdar"
+
+
+def decode_rows(micro_batch: int, group_size: int) -> int:
+    """Rows decoded together: the smallest run of whole micro-batches ending on a group boundary
+    (``lcm(micro_batch, G)``), or one micro-batch when that would exceed
+    ``MAX_DECODE_FACTOR x max(micro_batch, G)`` rows (odd sizes such as 7 and 16)."""
+    rows = math.lcm(micro_batch, group_size)
+    return rows if rows <= MAX_DECODE_FACTOR * max(micro_batch, group_size) else micro_batch
+
+
+def prompt_counts(start: int, stop: int, group_size: int):
+    """Rows ``start..stop-1`` of a prompt-major ``[prompts x G]`` batch as (prompt slice, rows per prompt)."""
+    first, last = start // group_size, (stop - 1) // group_size
+    counts = [min(stop, (p + 1) * group_size) - max(start, p * group_size) for p in range(first, last + 1)]
+    return slice(first, last + 1), counts
+
+
+def shared_prefix_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, *, group_size: int,
+                           gen_length: int, steps: int, block_length: int, temperature: float,
+                           threshold: Optional[float], micro_batch: int,
+                           chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
+                           progress: bool = False) -> List[torch.Tensor]:
+    """``group_size`` completions of each prompt row (``[B, P]``, each prompt once): the decoded
+    batches, rows prompt-major (what ``generate_rollouts`` concatenates)."""
+    total = prompt_ids.shape[0] * group_size
+    rows = decode_rows(micro_batch, group_size)
+    outputs = []
+    for start in range(0, total, rows):
+        stop = min(start + rows, total)
+        prompts, counts = prompt_counts(start, stop, group_size)
+        chunks = [(min(micro_batch, stop - a), chunk_generator(first_chunk + a // micro_batch))
+                  for a in range(start, stop, micro_batch)]
+        outputs.append(generate(model, prompt_ids[prompts], gen_length=gen_length, steps=steps,
+                                block_length=block_length, temperature=temperature, threshold=threshold,
+                                prompt_valid=prompt_valid[prompts], progress=progress, repeats=counts,
+                                row_chunks=chunks))
+    return outputs

@@ -1,0 +1,149 @@
+"""SDAR prefix sharing: a prompt's prefill computed once for its G completions, same tokens as without."""
+
+import pytest
+import torch
+
+from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
+
+from stabledrl_mcore.diffusion import generate_sdar
+from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
+
+MASK = 15
+
+
+def toy():
+    cfg = ToyDLLMConfig(arch="sdar", vocab_size=16, mask_token_id=MASK, eos_token_id=1, block_size=4,
+                        hidden_size=32, num_layers=2, logit_scale=3.0)
+    return ToyDiffusionLM(cfg, seed=0, dtype=torch.float64)
+
+
+def left_padded(B=3, P=10):
+    ids = torch.randint(2, 15, (B, P), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(B, P, dtype=torch.bool)
+    valid[1, :3] = False  # row 1 is left padded
+    ids[1, :3] = 0
+    return ids, valid
+
+
+class Spy(torch.nn.Module):
+    """Records the batch size and length of every forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.dllm_config, self.calls = model, model.dllm_config, []
+
+    def new_kv_cache(self):
+        return self.model.new_kv_cache()
+
+    def forward(self, ids, *args, **kwargs):
+        self.calls.append(tuple(ids.shape))
+        return self.model(ids, *args, **kwargs)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.3])
+@pytest.mark.parametrize("P", [10, 8])  # the first decoded block holds the prompt's tail / starts clean
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefill_gives_the_tokens_of_repeated_prompts(threshold, P, temperature):
+    ids, valid = left_padded(P=P)
+    kw = dict(gen_length=8, steps=2, threshold=threshold, temperature=temperature, progress=False)
+    spy = Spy(toy())
+    shared = generate_sdar(spy, ids, prompt_valid=valid, repeats=3, generator=torch.Generator().manual_seed(5), **kw)
+    plain = generate_sdar(toy(), ids.repeat_interleave(3, 0), prompt_valid=valid.repeat_interleave(3, 0),
+                          generator=torch.Generator().manual_seed(5), **kw)
+    assert shared.shape == plain.shape == (9, -(-(P + 8) // 4) * 4)
+    assert torch.equal(shared, plain)
+    assert spy.calls[0] == (3, P // 4 * 4), "the prompt blocks are prefilled once per prompt"
+    assert all(b == 9 for b, _ in spy.calls[1:])
+
+
+def test_uneven_repeats_and_no_cache_reference():
+    ids, valid = left_padded(P=10)
+    kw = dict(gen_length=8, steps=4, progress=False, prompt_valid=valid)
+    counts = [1, 3, 2]
+    shared = generate_sdar(toy(), ids, repeats=counts, **kw)
+    rep = torch.tensor(counts)
+    reference = generate_sdar(toy(), ids.repeat_interleave(rep, 0), use_cache=False,
+                              **{**kw, "prompt_valid": valid.repeat_interleave(rep, 0)})
+    assert torch.equal(shared, reference)
+    assert torch.equal(generate_sdar(toy(), ids, repeats=counts, use_cache=False, **kw), reference)
+    with pytest.raises(ValueError, match="repeats must be"):
+        generate_sdar(toy(), ids, repeats=[1, 2], **kw)
+
+
+def test_decoding_batches_cover_whole_groups():
+    from stabledrl_mcore.rl.sdar_rollout import decode_rows, prompt_counts
+
+    assert prompt_counts(0, 8, 4) == (slice(0, 2), [4, 4])
+    assert prompt_counts(3, 6, 4) == (slice(0, 2), [1, 2])
+    assert prompt_counts(6, 8, 4) == (slice(1, 2), [2])
+    assert decode_rows(2, 16) == 16 and decode_rows(8, 8) == 8 and decode_rows(12, 8) == 24
+    assert decode_rows(16, 4) == 16 and decode_rows(7, 16) == 7  # lcm 112 > 4 x 16: one micro-batch
+
+
+@pytest.mark.parametrize("threshold, stop_at_eos", [(None, False), (0.1, False), (0.2, True)])
+def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
+    """row_chunks: one batch of three micro-batches gives each the tokens it gets alone."""
+    ids, valid = left_padded(P=10)
+    kw = dict(gen_length=12, steps=3, threshold=threshold, temperature=1.0, stop_at_eos=stop_at_eos,
+              progress=False)
+    counts, sizes = [3, 3, 2], [3, 2, 3]
+    one = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                        row_chunks=[(8, torch.Generator().manual_seed(10))], **kw)
+    assert torch.equal(one, generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                                          generator=torch.Generator().manual_seed(10), **kw))
+    rep = torch.tensor(counts)
+    full_ids, full_valid = ids.repeat_interleave(rep, 0), valid.repeat_interleave(rep, 0)
+    together = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
+                             row_chunks=[(n, torch.Generator().manual_seed(10 + k)) for k, n in enumerate(sizes)],
+                             **kw)
+    alone, start = [], 0
+    for k, n in enumerate(sizes):
+        alone.append(generate_sdar(toy(), full_ids[start:start + n], prompt_valid=full_valid[start:start + n],
+                                   generator=torch.Generator().manual_seed(10 + k), **kw))
+        start += n
+    width = max(a.shape[1] for a in alone)
+    assert together.shape[1] == width
+    assert torch.equal(together, torch.cat(alone))
+    with pytest.raises(ValueError, match="row_chunks must split"):
+        generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts, row_chunks=[(3, None)], **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, temperature):
+    """Megatron sdar-tiny through generate_rollouts; micro-batches of 3 rows split groups of 2."""
+    from stabledrl_mcore.models import KVCache, build_model, get_preset
+    from stabledrl_mcore.rl import rollout
+    from stabledrl_mcore.tasks import get_task
+
+    class CharTokenizer:
+        pad_token_id, eos_token_id, chat_template = 0, 2, None
+
+        def encode(self, text):
+            return [3 + ord(ch) % 200 for ch in text]
+
+        def decode(self, ids):
+            return "".join(chr(i - 3) if 3 <= i < 203 else "" for i in ids)
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("sdar-tiny"))
+    task = get_task("sudoku", prompt_style="compact")
+    examples = task.load("train", n=3, seed=0)
+    repeats = []
+    original = KVCache.repeat_interleave
+    monkeypatch.setattr(KVCache, "repeat_interleave", lambda self, r: (repeats.append(r), original(self, r)))
+
+    def run():
+        return rollout.generate_rollouts(
+            model, CharTokenizer(), task, examples, group_size=2, gen_length=8, steps=2, block_length=4,
+            temperature=temperature, threshold=0.9, micro_batch=3,
+            chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k))
+
+    shared = run()
+    assert len(repeats) == 1, "one decoding batch of 6 rows (lcm of 3 and 2), each prompt prefilled once"
+    monkeypatch.setattr(rollout, "shares_prefix", lambda model: False)
+    plain = run()
+    assert len(repeats) == 1
+    assert torch.equal(shared.sequences, plain.sequences)
+    assert shared.completions == plain.completions and shared.prompt_len == plain.prompt_len
+    for name in ("prompt_valid", "completion_mask", "group_index"):
+        assert torch.equal(getattr(shared, name), getattr(plain, name)), name
