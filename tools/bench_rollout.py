@@ -8,13 +8,17 @@ median repeat), the speed-up over exact decoding, and the forwards per completio
 cached mode's mean ``|log p_cached - log p_exact|`` of the committed tokens (it runs the
 exact forward beside every cached step: slow, and excluded from the timing). Wall and
 process CPU time are both reported: on a shared machine with ``--threads 1`` the CPU time
-is the steadier figure.
-
-A random model is never confident, so ``threshold`` commits only the schedule's count
-there; give a trained ``--ckpt`` to see parallel decoding cut the forwards.
+is the steadier figure::
 
     PYTHONPATH=. .venv/bin/python tools/bench_rollout.py --preset llada-100m --gen-length 256 \\
-        --block-length 32 --steps 128 --batch 4 --repeats 2
+        --block-length 32 --steps 128 --batch 2 --repeats 2 --threads 1
+
+A random model is never confident, so ``threshold`` commits only the schedule's count
+there; give a trained ``--ckpt`` (and ``--task`` for its prompts) to see parallel decoding
+cut the forwards, e.g. the demo's SFT model (``make demo``)::
+
+    PYTHONPATH=. .venv/bin/python tools/bench_rollout.py --ckpt runs/demo/sft_checkpoint --task sudoku \\
+        --gen-length 18 --block-length 6 --steps 18 --batch 100 --gap
 """
 
 from __future__ import annotations
@@ -51,6 +55,18 @@ def _prompts(cfg, batch, length, device):
     return ids.to(device), valid.to(device)
 
 
+def _task_prompts(args):
+    """The first ``--batch`` test prompts of ``--task``, encoded with the checkpoint's tokenizer."""
+    from stabledrl_mcore.commands import _tokenizer
+    from stabledrl_mcore.rl.rollout import encode_prompts
+    from stabledrl_mcore.tasks import get_task
+
+    tokenizer = _tokenizer(argparse.Namespace(tokenizer=None, ckpt=args.ckpt))
+    task = get_task(args.task, prompt_style=args.prompt_style)
+    examples = task.load("test", n=args.batch, seed=0)
+    return encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in examples], device=args.device)
+
+
 def run(args) -> dict:
     from stabledrl_mcore.diffusion import DecodeStats, generate_llada
 
@@ -58,7 +74,11 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     model = _model(args)
     cfg = model.dllm_config
-    ids, valid = _prompts(cfg, args.batch, args.prompt_length, args.device)
+    if args.task:
+        ids, valid = _task_prompts(args)
+        args.prompt_length = ids.shape[1]
+    else:
+        ids, valid = _prompts(cfg, args.batch, args.prompt_length, args.device)
     sampling = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
                     prompt_valid=valid, progress=False, temperature=args.temperature)
     rows = {name: dict(seconds=[], cpu_seconds=[]) for name in args.modes}
@@ -127,7 +147,10 @@ def main(argv=None) -> int:
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--prompt-length", type=int, default=64, help="random prompts' length (without --task)")
+    parser.add_argument("--task", help="with --ckpt: the task's test prompts (generated tasks: sudoku, countdown) "
+                                       "instead of random ones")
+    parser.add_argument("--prompt-style", default="compact", choices=("chat", "compact"))
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--modes", nargs="+", default=["exact", "prefix", "dual", "dual+t0.9"], choices=list(MODES))
     parser.add_argument("--repeats", type=int, default=2)
@@ -136,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", action="store_true", help="also measure the cached modes' log-prob gap")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures")
     args = parser.parse_args(argv)
+    if args.task and not args.ckpt:
+        parser.error("--task needs --ckpt (a model and tokenizer trained on it)")
     result = run(args)
     print(format_table(result))
     if args.json:
