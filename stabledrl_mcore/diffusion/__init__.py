@@ -52,7 +52,8 @@ from stabledrl_mcore.diffusion.sampling_sdar import generate_sdar
 from stabledrl_mcore.diffusion.staircase import block_elbo_loop, block_elbo_staircase
 
 __all__ = [
-    "CACHE_MODES", "DecodeStats", "POST_EOS_POLICIES", "BlockRandomDraw", "MaskRegions", "apply_post_eos", "available_mask_schemes",
+    "CACHE_MODES", "DecodeStats",
+    "POST_EOS_POLICIES", "BlockRandomDraw", "MaskRegions", "apply_post_eos", "available_mask_schemes",
     "block_random_draw", "build_mask_plan", "get_mask_scheme", "register_mask_scheme",
     "LikelihoodEstimate", "MaskPlan", "block_elbo_loop", "block_elbo_staircase", "build_plan",
     "complementary_mask", "dllm_config", "draw_log_probs", "elbo", "elbo_eubo", "elbo_from_draws", "eubo",
