@@ -26,7 +26,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LLaDA semi-AR block (default 32); SDAR uses its block size")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--threshold", type=float, default=None,
-                        help="SDAR dynamic confidence threshold, e.g. 0.9")
+                        help="confidence threshold, e.g. 0.9 (SDAR's dynamic rule; LLaDA: Fast-dLLM's "
+                             "parallel decoding)")
+    parser.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
+                        help="LLaDA's approximate KV cache (default none: exact decoding)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
 
@@ -42,8 +45,13 @@ def _tokenizer(args):
 def _sampling(args, cfg):
     steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
     block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
+    if args.cache != "none" and cfg.arch != "llada":
+        from .errors import UserError
+
+        raise UserError(f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
+                        f"with its own KV cache of finished blocks (drop --cache)")
     return dict(gen_length=args.gen_length, steps=steps, block_length=block,
-                temperature=args.temperature, threshold=args.threshold)
+                temperature=args.temperature, threshold=args.threshold, cache=args.cache)
 
 
 def chat_prompt(text: str, tokenizer) -> str:

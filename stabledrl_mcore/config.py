@@ -90,7 +90,14 @@ class RolloutSection:
     temperature: float = 0.9
     """Gumbel sampling temperature; 0 = greedy."""
     threshold: Optional[float] = None
-    """SDAR dynamic confidence threshold (e.g. 0.9); None = fixed schedule."""
+    """Confidence threshold (e.g. 0.9); None = fixed schedule. SDAR: upstream's dynamic rule; LLaDA:
+    Fast-dLLM's parallel decoding (every masked position of the block at or above it, at least the
+    scheduled count, a block ends once decoded)."""
+    cache: str = "none"
+    """LLaDA rollouts: ``none`` (exact: a full forward per step), ``prefix`` or ``dual`` (Fast-dLLM's
+    approximate KV cache of the prompt and earlier blocks, and of the later blocks too; refreshed at
+    each block's first step). The likelihood phases always score with exact attention, so with a
+    cache the sampling policy differs slightly from the scored one. SDAR always uses its own cache."""
 
 
 @dataclass
@@ -279,6 +286,7 @@ class RunConfig:
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
         _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
         _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
+        _choice("rollout.cache", self.rollout.cache, ("none", "prefix", "dual"))
         from .tasks import available_tasks
 
         _choice("rollout.task", self.rollout.task, available_tasks())

@@ -39,7 +39,7 @@ def _dp_group():
 
 def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_length: int, steps: int,
                    block_length: int, temperature: float = 0.0, threshold: Optional[float] = None,
-                   micro_batch: int = 16, seed: int = 0, progress: bool = False) -> EvalResult:
+                   micro_batch: int = 16, seed: int = 0, progress: bool = False, cache: str = "none") -> EvalResult:
     """Greedy (or sampled) completions for ``examples``; accuracy = share with full reward.
 
     Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``."""
@@ -54,7 +54,7 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
             ids, valid = encode_prompts(tokenizer, prompts[start:start + micro_batch], device=device)
             out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
                            temperature=temperature, threshold=threshold, generator=generator,
-                           prompt_valid=valid, progress=progress)
+                           prompt_valid=valid, progress=progress, cache=cache)
             completions += [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
     _, records = evaluate_completions(task, mine, completions, prompts)
     if world > 1:

@@ -74,6 +74,9 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
         raise ConfigError(f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; "
                           f"{description} has no block_size")
+    if cfg.rollout.cache != "none" and mcfg.arch != "llada":
+        raise ConfigError(f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
+                          f"decodes with its own KV cache of finished blocks: set rollout.cache=none")
     task = _task(cfg)
     train = _load(cfg, task, "train")
     report = PreflightReport(description, world_size, data_parallel, len(train),

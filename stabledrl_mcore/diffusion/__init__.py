@@ -47,11 +47,12 @@ from stabledrl_mcore.diffusion.masking import (
     stratified_mask_counts,
 )
 from stabledrl_mcore.diffusion.sampling_common import num_transfer_tokens, select_transfer
-from stabledrl_mcore.diffusion.sampling_llada import generate_llada
+from stabledrl_mcore.diffusion.sampling_llada import CACHE_MODES, DecodeStats, generate_llada
 from stabledrl_mcore.diffusion.sampling_sdar import generate_sdar
 from stabledrl_mcore.diffusion.staircase import block_elbo_loop, block_elbo_staircase
 
 __all__ = [
+    "CACHE_MODES", "DecodeStats",
     "POST_EOS_POLICIES", "BlockRandomDraw", "MaskRegions", "apply_post_eos", "available_mask_schemes",
     "block_random_draw", "build_mask_plan", "get_mask_scheme", "register_mask_scheme",
     "LikelihoodEstimate", "MaskPlan", "block_elbo_loop", "block_elbo_staircase", "build_plan",
@@ -64,7 +65,7 @@ __all__ = [
 
 def generate(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_length: Optional[int],
              temperature: float = 0.0, threshold: Optional[float] = None,
-             generator: Optional[torch.Generator] = None, **kwargs) -> Tensor:
+             generator: Optional[torch.Generator] = None, cache: str = "none", **kwargs) -> Tensor:
     """Sample completions with the sampler of ``model.dllm_config.arch``.
 
     - ``'llada'``: :func:`generate_llada`; ``steps`` = total steps over all blocks;
@@ -73,6 +74,9 @@ def generate(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_le
       ``block_length`` None = the model's ``block_size``; result rounded up to
       whole blocks, ``[B, ceil((P + gen_length) / bs) * bs]``.
 
+    ``cache``: LLaDA's approximate KV cache (``none`` | ``prefix`` | ``dual``, see
+    :class:`~stabledrl_mcore.diffusion.sampling_llada.BlockLogits`); SDAR always decodes
+    with its own cache of finished blocks and refuses anything but ``none``.
     The mask id (and EOS) come from the model's config. Extra keyword arguments go
     to the sampler (``cfg_scale``, ``remasking``, ``stop_at_eos``, ``prompt_valid``,
     ``progress``, ``top_k``, ``top_p``, ``use_cache``, ...).
@@ -82,8 +86,12 @@ def generate(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_le
         if block_length is None:
             block_length = gen_length
         return generate_llada(model, prompt_ids, gen_length=gen_length, steps=steps, block_length=block_length,
-                              temperature=temperature, threshold=threshold, generator=generator, **kwargs)
+                              temperature=temperature, threshold=threshold, generator=generator, cache=cache,
+                              **kwargs)
     if arch == "sdar":
+        if cache != "none":
+            raise ValueError(f"cache={cache!r} is LLaDA's prefix/dual cache; SDAR decodes with its own KV "
+                             f"cache of finished blocks (use cache='none')")
         return generate_sdar(model, prompt_ids, gen_length=gen_length, steps=steps, block_length=block_length,
                              temperature=temperature, threshold=threshold, generator=generator, **kwargs)
     raise ValueError(f"unknown dLLM arch {arch!r} (expected 'llada' or 'sdar')")

@@ -10,15 +10,17 @@ the block's masked count split evenly over its steps (remainder to the first
 steps). Positions outside the current block are never committed (upstream gives
 them -inf confidence).
 
-Options beyond upstream, all off by default: ``threshold`` (commit every position
-whose confidence exceeds it when that is at least k, as SDAR / Fast-dLLM),
-``stop_at_eos`` (see :func:`generate_llada`), ``prompt_valid`` (left padding).
+Options beyond upstream, all off by default: ``threshold`` (Fast-dLLM's parallel
+decoding, see :func:`threshold_transfer`), ``cache`` (Fast-dLLM's approximate
+prefix / dual KV cache, see :class:`BlockLogits`), ``stop_at_eos`` (see
+:func:`generate_llada`), ``prompt_valid`` (left padding).
 Classifier-free guidance follows upstream: the unconditional input has the
 prompt replaced by masks, logits = u + (cfg_scale + 1) (c - u).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -36,21 +38,169 @@ from stabledrl_mcore.diffusion.sampling_common import (
     progress_bar,
     select_transfer,
 )
+from stabledrl_mcore.diffusion.sampling_sdar import default_kv_cache
 from stabledrl_mcore.models.masks import padding_mask
+from stabledrl_mcore.models.presets import segment_positions
 
 # on_step(step, transfer [B, S] bool, x [B, S] after the commit)
 StepHook = Callable[[int, Tensor, Tensor], None]
 
+CACHE_MODES = ("none", "prefix", "dual")
+"""``none``: exact decoding (a full forward per step); ``prefix`` / ``dual``: see :class:`BlockLogits`."""
 
-def _logits(model, x: Tensor, attn: Optional[Tensor], cfg_scale: float, prompt_len: int, mask_id: int) -> Tensor:
+
+def _logits(model, x: Tensor, attn: Optional[Tensor], cfg_scale: float, prompt_len: int, mask_id: int,
+            kv_cache=None) -> Tensor:
+    cache = {} if kv_cache is None else {"kv_cache": kv_cache}
     if cfg_scale <= 0.0:
-        return model(x, position_ids=None, attention_mask=attn)
+        return model(x, position_ids=None, attention_mask=attn, **cache)
     un_x = x.clone()
     un_x[:, :prompt_len] = mask_id
     both = model(torch.cat([x, un_x]), position_ids=None,
-                 attention_mask=None if attn is None else torch.cat([attn, attn]))
+                 attention_mask=None if attn is None else torch.cat([attn, attn]), **cache)
     cond, uncond = both.chunk(2, dim=0)
     return uncond + (cfg_scale + 1.0) * (cond - uncond)
+
+
+def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float) -> Tensor:
+    """Fast-dLLM's parallel-decoding rule (``get_transfer_index`` with a threshold), ``[B, n]`` bool.
+
+    Commits every eligible position (finite ``confidence``) whose confidence is at least
+    ``threshold``, and at least the ``max(k[b], 1)`` most confident ones (``k`` = the
+    step's scheduled count; with ``steps == gen_length`` it is 1: Fast-dLLM's rule
+    exactly, which commits the most confident position whatever its confidence).
+    """
+    eligible = torch.isfinite(confidence)
+    floor = torch.minimum(k.long().reshape(-1).clamp(min=1), eligible.sum(-1))
+    top = select_transfer(confidence, floor)
+    return top | (eligible & (confidence >= threshold))
+
+
+@dataclass
+class DecodeStats:
+    """What one or more :func:`generate_llada` calls did (filled in place, summed over calls).
+
+    ``full_forwards`` / ``block_forwards``: model calls over the whole sequence / over the
+    current block (``prefix``: the block and everything after it) against the cache; a
+    call covers the whole batch (and both halves of classifier-free guidance).
+    With ``measure_gap`` every cached step also runs the exact forward (a diagnostic that
+    costs the exact sampler's work) and ``gap_sum`` accumulates, over committed tokens,
+    ``|log p_cached(token) - log p_exact(token)|`` at the state the token was committed
+    from; ``gap_tokens`` counts all committed tokens (first steps of a block, computed
+    exactly, add 0). :attr:`mean_gap` is their ratio.
+    """
+
+    measure_gap: bool = False
+    full_forwards: int = 0
+    block_forwards: int = 0
+    steps: int = 0
+    gap_sum: float = 0.0
+    gap_tokens: int = 0
+
+    @property
+    def forwards(self) -> int:
+        return self.full_forwards + self.block_forwards
+
+    @property
+    def mean_gap(self) -> float:
+        return self.gap_sum / max(self.gap_tokens, 1)
+
+
+class BlockLogits:
+    """Logits of the current block ``[s, e)`` at each step, exactly or from a cache.
+
+    ``none``: a full forward every step (today's sampler). With a cache, the block's first
+    step is a full forward that also stores every position's keys/values (after RoPE, per
+    layer; under tensor parallelism each rank its own heads); its logits are exact. The
+    block's later steps forward only the changing part against the stored keys:
+
+    - ``prefix`` (Fast-dLLM's ``generate_with_prefix_cache``): the block and the suffix
+      after it, attending to the stored keys of the prefix (prompt + earlier blocks);
+    - ``dual`` (``generate_with_dual_cache``): the block alone, attending to the stored
+      prefix *and* suffix (the later blocks, still all masks).
+
+    Stored keys of the positions being forwarded are masked out (as are left-padded
+    prompt keys), so each query sees every position once; bidirectional attention does
+    not depend on the keys' order. What is approximate: the stored keys were computed
+    when the block still held the masks of its first step, so within a block the prefix
+    (and, for ``dual``, the suffix) does not see the tokens committed since. They are
+    recomputed at the next block's first step. ``refresh_every_step`` rebuilds the cache
+    at every step (two forwards a step): a reference that decodes exactly as ``none`` up
+    to rounding, checking the cached path itself.
+    """
+
+    def __init__(self, model, mode: str, attn: Optional[Tensor], valid: Optional[Tensor], cfg_scale: float,
+                 prompt_len: int, mask_id: int, stats: Optional[DecodeStats], refresh_every_step: bool = False):
+        self.model, self.mode, self.attn, self.valid = model, mode, attn, valid
+        self.cfg_scale, self.prompt_len, self.mask_id = cfg_scale, prompt_len, mask_id
+        self.stats, self.refresh = stats, refresh_every_step
+        self.cache = self.mask = None
+        self.span = (0, 0)
+        self.cached_step = False
+        """Whether the last call was served from the cache (not by a full forward)."""
+
+    def exact(self, x: Tensor, s: int, e: int) -> Tensor:
+        """A full forward without a cache (today's step)."""
+        return _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id)[:, s:e]
+
+    def __call__(self, x: Tensor, s: int, e: int, first: bool) -> Tensor:
+        if self.mode == "none":
+            if self.stats is not None:
+                self.stats.full_forwards += 1
+            return self.exact(x, s, e)
+        if first or self.refresh:
+            logits = self._fill(x, s, e)
+            if first:
+                return logits
+        return self._block(x, s, e)
+
+    def _fill(self, x: Tensor, s: int, e: int) -> Tensor:
+        """Full forward storing every position's keys/values; the block's exact logits."""
+        self.cache = default_kv_cache(self.model)
+        with self.cache.storing():
+            logits = _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id,
+                             kv_cache=self.cache)[:, s:e]
+        B, L = x.shape
+        end = L if self.mode == "prefix" else e
+        stale = torch.zeros(B, L, dtype=torch.bool, device=x.device)
+        stale[:, s:end] = True  # recomputed by every cached step: the fresh keys replace these
+        if self.valid is not None:
+            stale |= ~self.valid
+        current = torch.zeros(B, end - s, dtype=torch.bool, device=x.device)  # completion keys: valid
+        mask = torch.cat([stale, current], 1)[:, None, None, :]
+        self.mask = torch.cat([mask, mask]) if self.cfg_scale > 0.0 else mask
+        self.span = (s, end)
+        self.cached_step = False
+        if self.stats is not None:
+            self.stats.full_forwards += 1
+        return logits
+
+    def _block(self, x: Tensor, s: int, e: int) -> Tensor:
+        start, end = self.span
+        if start != s:
+            raise RuntimeError(f"the cache was filled for the block at {start}, not {s}")
+        rows = x
+        if self.cfg_scale > 0.0:  # the unconditional half: the prompt masked (its keys are cached)
+            uncond = x.clone()
+            uncond[:, :self.prompt_len] = self.mask_id
+            rows = torch.cat([x, uncond])
+        extra = {"position_ids": torch.arange(start, end, device=x.device)[None]}
+        separator = getattr(dllm_config(self.model), "segment_separator_id", None)
+        if separator is not None:  # positions and segments restart after separators: the whole rows'
+            positions, segments = segment_positions(rows, separator)
+            extra = {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
+        logits = self.model(rows[:, start:end], attention_mask=self.mask, kv_cache=self.cache, **extra)
+        if self.cfg_scale > 0.0:
+            cond, uncond = logits.chunk(2, dim=0)
+            logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
+        self.cached_step = True
+        if self.stats is not None:
+            self.stats.block_forwards += 1
+        return logits[:, : e - s]
+
+
+def _log_prob_of(logits: Tensor, tokens: Tensor) -> Tensor:
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
@@ -59,16 +209,21 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
                    threshold: Optional[float] = None, generator: Optional[torch.Generator] = None,
                    mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
                    prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
-                   on_step: Optional[StepHook] = None) -> Tensor:
+                   on_step: Optional[StepHook] = None, cache: str = "none",
+                   stats: Optional[DecodeStats] = None, refresh_every_step: bool = False) -> Tensor:
     """Decode ``gen_length`` tokens after ``prompt_ids`` ``[B, P]``; returns ``[B, P + gen_length]``.
 
     ``steps`` is the total number of denoising steps (must divide by the number of
-    blocks, as upstream). ``stop_at_eos``: a row is settled once it has committed an
-    EOS with no mask before it; when every row is settled decoding stops, and in
-    every row all positions after its first EOS are set to EOS (LLaDA pads its
-    answers with EOS, so this only skips work). ``generator`` is required for
-    ``temperature > 0`` or ``remasking="random"``. The model's train/eval mode is
-    left as is.
+    blocks, as upstream). ``threshold``: each step commits by :func:`threshold_transfer`
+    and a block ends as soon as it holds no mask (so ``steps`` is the most a block
+    takes, never fewer tokens per step than the schedule). ``cache``: one of
+    :data:`CACHE_MODES` (:class:`BlockLogits`; approximate, the default ``none`` is
+    exact). ``stats``: a :class:`DecodeStats` to fill. ``stop_at_eos``: a row is
+    settled once it has committed an EOS with no mask before it; when every row is
+    settled decoding stops, and in every row all positions after its first EOS are set
+    to EOS (LLaDA pads its answers with EOS, so this only skips work). ``generator`` is
+    required for ``temperature > 0`` or ``remasking="random"``. The model's train/eval
+    mode is left as is.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
@@ -78,6 +233,8 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     if remasking == "random" and generator is None:
         raise TypeError("remasking='random' needs an explicit torch.Generator")
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     num_blocks = gen_length // block_length
@@ -89,17 +246,22 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
     device = prompt_ids.device
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
-    attn = None
+    attn = valid = None
     if prompt_valid is not None:
-        attn = padding_mask(torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool,
-                                                                        device=device)], dim=1))
+        valid = torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool, device=device)], dim=1)
+        attn = padding_mask(valid)
+    block_logits = BlockLogits(model, cache, attn, valid, cfg_scale, P, mask_id, stats, refresh_every_step)
+    measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
     step, done = 0, False
     for blk in range(num_blocks):
         s, e = P + blk * block_length, P + (blk + 1) * block_length
         schedule = num_transfer_tokens((x[:, s:e] == mask_id).sum(-1), steps_per_block)
         for i in range(steps_per_block):
-            logits = _logits(model, x, attn, cfg_scale, P, mask_id)[:, s:e]
+            if threshold is not None and not bool((x[:, s:e] == mask_id).any()):
+                bar.update(steps_per_block - i)
+                break  # the threshold finished the block early
+            logits = block_logits(x, s, e, first=i == 0)
             cur = x[:, s:e]
             masked = cur == mask_id
             x0 = gumbel_argmax(logits, temperature, generator)
@@ -108,7 +270,17 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
             else:
                 conf = uniform(x0.shape, generator, device)
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
-            transfer = select_transfer(conf, schedule[:, i], threshold)
+            if threshold is None:
+                transfer = select_transfer(conf, schedule[:, i])
+            else:
+                transfer = threshold_transfer(conf, schedule[:, i], threshold)
+            if measure and block_logits.cached_step:
+                exact = block_logits.exact(x, s, e)
+                gap = (_log_prob_of(logits, x0) - _log_prob_of(exact, x0)).abs()
+                stats.gap_sum += float(gap[transfer].double().sum())
+            if stats is not None:
+                stats.steps += 1
+                stats.gap_tokens += int(transfer.sum()) if measure else 0
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
             if stop_at_eos and bool(first_eos_settled(x[:, P:], mask_id, eos_id)[0].all()):
                 done = True

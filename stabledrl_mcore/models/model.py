@@ -96,7 +96,7 @@ class DLLMModel(LanguageModule):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: MaskArg = None, *, kv_cache: Optional[KVCache] = None,
-                gather_output: bool = True) -> torch.Tensor:
+                gather_output: bool = True, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
         hidden states ``[S, B, H]`` on the other stages.
 
@@ -105,21 +105,26 @@ class DLLMModel(LanguageModule):
         (:func:`~stabledrl_mcore.models.presets.segment_positions`) when
         ``segment_separator_id`` is set. ``attention_mask``: None (bidirectional),
         a bool tensor (True = blocked, broadcastable to ``[B, 1, S, S_k]``) or an
-        :class:`AttentionLayout`. ``kv_cache``: see :class:`KVCache`.
+        :class:`AttentionLayout`. ``kv_cache``: see :class:`KVCache`. ``segment_ids``: with
+        ``segment_separator_id``, a forward of part of a sequence after a filled cache passes the
+        whole sequence's ``segment_positions`` sliced, as ``position_ids`` and ``segment_ids``.
         """
         seq_len, device = self._seq_len_and_device(input_ids)
         if kv_cache is not None and self.training and self.config.recompute_granularity:
             raise ValueError("a KV cache cannot be combined with activation recompute (inference only)")
-        segment_ids = None
         separator = self.dllm_config.segment_separator_id
         # Learned positions are only needed where the embedding is (the first stage); RoPE
         # needs them on every stage, which the separator scheme cannot give without input ids.
+        if segment_ids is not None and (separator is None or position_ids is None):
+            raise ValueError("segment_ids are taken with segment_separator_id and their position_ids only")
         if separator is not None and (self.pre_process or not self.learned_positions):
-            if input_ids is None or kv_cache is not None:
-                raise ValueError("segment_separator_id derives positions from the whole input_ids: "
-                                 "it needs them on every stage with RoPE, and no KV cache")
-            derived, segment_ids = segment_positions(input_ids, separator)
-            position_ids = derived if position_ids is None else position_ids
+            if segment_ids is None:
+                if input_ids is None or (kv_cache is not None and kv_cache.length):
+                    raise ValueError("segment_separator_id derives positions from the whole input_ids: it "
+                                     "needs them on every stage with RoPE; after a filled KV cache pass "
+                                     "position_ids and segment_ids (segment_positions of the whole rows)")
+                derived, segment_ids = segment_positions(input_ids, separator)
+                position_ids = derived if position_ids is None else position_ids
             segment_ids = segment_ids.clamp(max=max(self.dllm_config.num_segments - 1, 0))
         if position_ids is None:
             start = kv_cache.length if kv_cache is not None else 0

@@ -82,14 +82,16 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
                       gen_length: int, steps: int, block_length: int, temperature: float,
                       threshold: Optional[float], micro_batch: int,
                       chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
-                      progress: bool = False) -> RolloutBatch:
+                      progress: bool = False, cache: str = "none") -> RolloutBatch:
     """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
 
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
     so results do not depend on how the global batch is split over DP ranks. Runs on
     the model's device, in eval mode (no recompute, no dropout) whatever the training
     mode; the mode is restored afterwards. SDAR decodes whole groups together, each prompt
-    prefilled once, with the same draws (:mod:`.sdar_rollout`).
+    prefilled once, with the same draws (:mod:`.sdar_rollout`). ``cache``: LLaDA's approximate
+    KV cache (``rollout.cache``); whatever the sampler did, the likelihood phases score with exact
+    attention.
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
@@ -111,7 +113,7 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
             outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
                                     block_length=block_length, temperature=temperature,
                                     threshold=threshold, generator=chunk_generator(first_chunk + k),
-                                    prompt_valid=prompt_valid[sl], progress=progress))
+                                    prompt_valid=prompt_valid[sl], progress=progress, cache=cache))
     sequences = torch.cat(outputs)
     width = prompt_ids.shape[1]
     completion = sequences[:, width:]

@@ -252,7 +252,7 @@ def rollout_phase(s: TrainingSetup, step: int):
         gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
         threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
         chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
-        first_chunk=_first_chunk(s))
+        first_chunk=_first_chunk(s), cache=r.cache)
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
