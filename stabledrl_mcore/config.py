@@ -98,6 +98,22 @@ class RolloutSection:
     approximate KV cache of the prompt and earlier blocks, and of the later blocks too; refreshed at
     each block's first step). The likelihood phases always score with exact attention, so with a
     cache the sampling policy differs slightly from the scored one. SDAR always uses its own cache."""
+    filter_uniform_groups: bool = False
+    """Dynamic sampling (DAPO): drop every prompt group whose ``group_size`` rewards are all equal
+    (its advantages are all 0: no policy gradient) before the old-policy scoring and the update,
+    which then average over the kept groups only. Decided over the whole job, so the kept groups do
+    not depend on the data-parallel split; ``groups_kept`` logs the kept share. A step that keeps
+    no group makes no optimizer update (the LR schedule still advances); see
+    ``rl/dynamic_sampling.py``. Needs ``algo.kl_coef: 0`` (a dropped group still has a KL gradient)."""
+    oversample_prompts: int = 0
+    """With ``filter_uniform_groups``: extra prompts generated per step (the total must split over
+    data-parallel ranks like ``prompts_per_step``); the first ``prompts_per_step`` groups with
+    differing rewards, in prompt-stream order, are trained on (DAPO's refill, in one round)."""
+
+    @property
+    def generated_prompts(self) -> int:
+        """Prompts generated per step over the whole job: ``prompts_per_step + oversample_prompts``."""
+        return self.prompts_per_step + self.oversample_prompts
 
 
 @dataclass
@@ -312,10 +328,24 @@ class RunConfig:
                               f"{self.optim.name!r}")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
+        self._validate_dynamic_sampling()
         if self.steps < 0 or self.checkpoint.save_every < 0 or self.eval.every < 0:
             raise ConfigError("steps, checkpoint.save_every and eval.every must be >= 0")
         return self
 
+
+    def _validate_dynamic_sampling(self) -> None:
+        """``rollout.filter_uniform_groups`` / ``rollout.oversample_prompts``, refused by name."""
+        r = self.rollout
+        if r.oversample_prompts < 0:
+            raise ConfigError(f"rollout.oversample_prompts must be >= 0, got {r.oversample_prompts}")
+        if r.oversample_prompts and not r.filter_uniform_groups:
+            raise ConfigError("rollout.oversample_prompts needs rollout.filter_uniform_groups=true (without the "
+                              "filter the extra prompts would be generated and never trained on)")
+        if r.filter_uniform_groups and self.algo.kl_coef > 0:
+            raise ConfigError(f"rollout.filter_uniform_groups drops groups whose policy gradient is 0, but with "
+                              f"algo.kl_coef={self.algo.kl_coef} they still carry the KL gradient: set "
+                              f"algo.kl_coef=0 (as DAPO) or rollout.filter_uniform_groups=false")
 
     def _validate_algorithm(self) -> None:
         """Combinations of ``algo.*`` fields that cannot work, refused by name."""

@@ -183,10 +183,13 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
         raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the "
                           f"data-parallel size {data_parallel} (world {world_size} / TP {p.tensor_parallel} "
                           f"/ PP {p.pipeline_parallel})")
-    rows = r.prompts_per_step // data_parallel * r.group_size
+    if r.generated_prompts % data_parallel:
+        raise ConfigError(f"rollout.oversample_prompts ({r.oversample_prompts}) must be divisible by the "
+                          f"data-parallel size {data_parallel}")
+    rows = r.generated_prompts // data_parallel * r.group_size
     if rows % p.micro_batch_size:
         raise ConfigError(f"each data-parallel rank holds {rows} sequences (rollout.prompts_per_step / DP x "
-                          f"rollout.group_size = {r.prompts_per_step} / {data_parallel} x {r.group_size}), "
+                          f"rollout.group_size = {r.generated_prompts} / {data_parallel} x {r.group_size}), "
                           f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})")
     return data_parallel
 

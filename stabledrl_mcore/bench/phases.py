@@ -227,14 +227,16 @@ class StableDRLPhases:
 
     def step(self) -> float:
         from ..rl.rollout import score_rollouts
-        from ..rl.trainer import old_logp_phase, policy_update, rollout_phase
+        from ..rl.trainer import PhaseTimer, filter_phase, old_logp_phase, policy_update, rollout_phase
 
         s = self.s
         batch = rollout_phase(s, 0)
         batch = score_rollouts(batch, s.task, advantage=s.cfg.algo.advantage)
-        fill_flat_groups(batch)
-        batch = old_logp_phase(s, batch, self.spec, 0)
-        policy_update(s, batch, self.spec, 0)
+        kept = filter_phase(s, batch, PhaseTimer())  # dynamic sampling, when configured
+        if kept is not None:
+            fill_flat_groups(kept)
+            kept = old_logp_phase(s, kept, self.spec, 0)
+            policy_update(s, kept, self.spec, 0)
         return float(batch.sequences.numel())
 
     def jobs(self, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:

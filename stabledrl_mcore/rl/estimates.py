@@ -99,6 +99,10 @@ def draw_plan(batch: RolloutBatch, spec: LikelihoodSpec, chunk_generator: Callab
     (``diffusion.mask_schemes``): ``full`` for mean field (one draw), ``uniform`` with a
     count per block for the staircase, else ``spec.scheme``; then the post-EOS policy.
     """
+    if batch.source is not None:  # dynamic sampling: a kept row keeps the masks it has in the unfiltered batch
+        full = draw_plan(batch.source, spec, chunk_generator, micro_batch=micro_batch, first_chunk=first_chunk)
+        return dataclasses.replace(full, **{name: getattr(full, name)[:, batch.source_rows]
+                                            for name in ("masked", "weight", "ratio")})
     scheme, options = _scheme(spec)
     plans = []
     for k, start in enumerate(range(0, batch.size, micro_batch)):

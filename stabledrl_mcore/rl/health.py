@@ -3,6 +3,8 @@
 * Skipped updates (a non-finite estimate, loss or gradient, agreed over all ranks): each is
   reported with its reason; more than ``algo.max_skipped_updates`` in a row end the run with
   :class:`~.update.SkippedUpdatesError`, and so does a run none of whose updates was applied.
+  A step whose every group dynamic sampling dropped attempts no update: not a skip, but a run
+  from step 0 made only of such steps trained nothing and fails too.
 * No learning signal: when every prompt group of :data:`NO_SIGNAL_STEPS` consecutive steps
   scored all its completions the same, every advantage is zero and nothing is learned; a
   warning says so once.
@@ -24,13 +26,15 @@ NO_SIGNAL_STEPS = 5
 class RunHealth:
     """``after_step(step, update_skips, metrics, final=...)`` after each step's log line."""
 
-    def __init__(self, max_skipped_updates: Optional[int], logger: Any):
+    def __init__(self, max_skipped_updates: Optional[int], logger: Any, *, from_step_zero: bool = True):
         self.limit = max_skipped_updates
+        self.from_step_zero = from_step_zero  # a resumed launch continues a run that trained before
         self.logger = logger
         self.in_a_row = 0
         self.applied = 0
         self.skipped = 0
         self.last_reason = ""
+        self.steps_without_update = 0  # dynamic sampling dropped every group: no update was attempted
         self.quiet_steps = 0
         self.warned_no_signal = False
 
@@ -40,6 +44,7 @@ class RunHealth:
         self._signal(step, metrics)
 
     def _skips(self, step: int, update_skips: Sequence[Optional[str]], final: bool) -> None:
+        self.steps_without_update += not update_skips
         for reason in update_skips:
             if reason is None:
                 self.applied += 1
@@ -60,6 +65,12 @@ class RunHealth:
                 f"(algo.max_skipped_updates={self.limit}); last reason: {self.last_reason}. The weights, the "
                 f"learning rate or the data produce non-finite values: check the starting checkpoint, lower "
                 f"optim.lr or resume from an earlier checkpoint (algo.max_skipped_updates=null removes the limit)")
+        if final and self.from_step_zero and self.steps_without_update and not self.applied and not self.skipped:
+            raise SkippedUpdatesError(
+                f"no optimizer update in this run: in each of its {self.steps_without_update} steps every group's "
+                f"completions scored the same, so rollout.filter_uniform_groups dropped them all; start from a "
+                f"checkpoint whose completions already score differently, sample more diversely "
+                f"(rollout.temperature) or check the reward")
         if final and self.skipped and not self.applied:
             raise SkippedUpdatesError(
                 f"every one of this run's {self.skipped} optimizer updates was skipped, so nothing was trained "

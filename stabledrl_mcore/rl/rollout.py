@@ -45,6 +45,11 @@ class RolloutBatch:
     plan: Any = None                               # diffusion.MaskPlan of the old-policy estimate
     iteration_estimates: List[Any] = field(default_factory=list)  # rl.estimates.OldEstimate per iteration
     stats: Dict[str, float] = field(default_factory=dict)
+    # dynamic sampling (rl.dynamic_sampling): the unfiltered batch these rows were kept from, their
+    # rows in it (masks are drawn on it, so a kept row keeps its masks), and this rank's gradient scale
+    source: Optional["RolloutBatch"] = None
+    source_rows: Optional[torch.Tensor] = None
+    gradient_scale: float = 1.0
 
     @property
     def size(self) -> int:
@@ -53,6 +58,20 @@ class RolloutBatch:
     @property
     def completion_tokens(self) -> int:
         return int(self.completion_mask.sum())
+
+    def select_rows(self, rows: torch.Tensor, *, gradient_scale: float = 1.0) -> "RolloutBatch":
+        """A scored batch of ``rows`` ([n] long, in order) of this one, before any likelihood phase;
+        it remembers this batch as its ``source``."""
+        if self.old_token_logp is not None:
+            raise ValueError("select_rows runs before the likelihood phases (this batch is already scored)")
+        host = rows.tolist()
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        return RolloutBatch(
+            sequences=self.sequences[rows], prompt_len=self.prompt_len, prompt_valid=self.prompt_valid[rows],
+            completion_mask=self.completion_mask[rows], group_index=self.group_index[rows],
+            completions=[self.completions[i] for i in host], references=[self.references[i] for i in host],
+            rewards=pick(self.rewards), correct=pick(self.correct), advantages=pick(self.advantages),
+            reward_errors=self.reward_errors, source=self, source_rows=rows, gradient_scale=gradient_scale)
 
 
 def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None,

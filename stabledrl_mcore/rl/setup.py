@@ -54,13 +54,16 @@ def phase_generator(seed: int, step: int, dp_rank: int, phase: str,
 
 
 class PromptStream:
-    """Deterministic prompts for step ``s``: a seeded permutation per epoch, split over DP ranks."""
+    """Deterministic prompts for step ``s``: a seeded permutation per epoch, split over DP ranks.
+
+    ``prompts_per_step`` is the number generated per step (``rollout.generated_prompts``: with
+    oversampling more than are trained on), so step ``s``'s prompts stay a function of (seed, s)."""
 
     def __init__(self, examples: List[Example], prompts_per_step: int, dp_rank: int, dp_size: int,
                  seed: int):
         if prompts_per_step % dp_size:
-            raise ValueError(f"rollout.prompts_per_step ({prompts_per_step}) must be divisible by the "
-                             f"data-parallel size ({dp_size})")
+            raise ValueError(f"rollout.prompts_per_step + oversample_prompts ({prompts_per_step}) must be "
+                             f"divisible by the data-parallel size ({dp_size})")
         if not examples:
             raise ValueError("the task produced no training examples")
         self.examples, self.per_step, self.seed = examples, prompts_per_step, seed
@@ -181,8 +184,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
         start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total,
         wd_incr_style="constant")
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    prompts = PromptStream(examples, cfg.rollout.prompts_per_step, dp_rank, dp_size, cfg.parallel.seed)
-    rows = cfg.rollout.prompts_per_step // dp_size * cfg.rollout.group_size
+    prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
+    rows = cfg.rollout.generated_prompts // dp_size * cfg.rollout.group_size
     if rows % cfg.parallel.micro_batch_size:
         from ..config import ConfigError
 

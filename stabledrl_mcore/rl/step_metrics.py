@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict
 
 import torch
+
+
+_UNFILTERED = object()
 
 
 def _dp_sum(values: torch.Tensor) -> list:
@@ -19,17 +22,27 @@ def _dp_sum(values: torch.Tensor) -> list:
     return values.tolist()
 
 
-def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
+def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], *,
+                 kept: Any = _UNFILTERED) -> Dict[str, float]:
     """Reward mean/std and accuracy over the global batch; ``groups_varied``, the share of prompt
     groups whose rewards are not all equal (0: every advantage is zero, no learning signal);
-    the update's loss diagnostics (averaged over DP ranks); learning rate; wall seconds and
-    tokens/s per phase."""
+    the update's loss diagnostics (averaged over DP ranks, weighted by each rank's share of the
+    kept groups); learning rate; wall seconds and tokens/s per phase.
+
+    ``kept``: the batch the likelihood phases saw (dynamic sampling's, None when it dropped every
+    group); with ``rollout.filter_uniform_groups`` ``groups_kept`` is the share of groups kept."""
+    kept = batch if kept is _UNFILTERED else kept
     rewards = batch.rewards.double()
     keys = sorted(k for k, v in update.items() if isinstance(v, (int, float)))
     groups = rewards.reshape(-1, s.cfg.rollout.group_size)  # the rollout keeps each group contiguous
-    host = [float(rewards.numel()), float(batch.reward_errors), float(batch.sequences.numel()),
-            float(groups.shape[0])]
-    host += [float(update[k]) for k in keys]
+    if kept is None or kept is batch:
+        kept_groups = 0.0 if kept is None else float(groups.shape[0])
+    else:
+        kept_groups = kept.stats["groups_kept"]
+    weight = 1.0 if kept is None else kept.gradient_scale  # sums to dp over the ranks
+    kept_tokens = 0.0 if kept is None else float(kept.sequences.numel())
+    host = [float(rewards.numel()), float(batch.reward_errors), kept_tokens, float(groups.shape[0]), kept_groups]
+    host += [float(update[k]) * (1.0 if k == "skipped_updates" else weight) for k in keys]
     device = rewards.device  # the batch's statistics stay there until the one reduction
     correct = batch.correct if batch.correct is not None else rewards >= 1.0
     varied = (groups.amax(1) > groups.amin(1)).sum().double()
@@ -45,12 +58,13 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float]) 
         f"accuracy/{s.cfg.rollout.task}": total[2] / n,
         "reward_errors": total[6],
         "groups_varied": total[4] / max(total[8], 1.0),
+        **({"groups_kept": total[9] / max(total[8], 1.0)} if s.cfg.rollout.filter_uniform_groups else {}),
         "completion_tokens": total[3],
         "lr": float(s.optimizer.param_groups[0]["lr"]),
     }
     dp = float(s.dp_size)
     for i, key in enumerate(keys):
-        value = total[9 + i]
+        value = total[10 + i]
         out[key] = value if key in ("skipped_updates",) else value / dp
     out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
     for phase, secs in seconds.items():

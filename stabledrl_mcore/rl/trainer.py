@@ -1,7 +1,7 @@
 """The StableDRL training loop: named, timed phases over library functions.
 
     for step in steps:
-        rollout  -> score -> old-policy likelihood (masks saved)
+        rollout  -> score -> filter (dynamic sampling) -> old-policy likelihood (masks saved)
         mu x [coefficients -> micro-batch backward -> grad sync -> clip -> optimizer step]
         log, checkpoint
 
@@ -27,6 +27,7 @@ from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
+from .dynamic_sampling import filter_uniform_groups
 from .rollout import generate_rollouts, score_rollouts
 from .setup import TrainingSetup, build_training, phase_generator, sync_reference
 from .step_metrics import step_metrics
@@ -110,6 +111,8 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
                                             device=device))
         if inner == 0:
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
+        if coef is not None and batch.gradient_scale != 1.0:  # dynamic sampling: see rl/dynamic_sampling.py
+            coef = coef * batch.gradient_scale
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
         finite_loss = agree_ok(coef is not None)  # the same answer on every rank
@@ -175,18 +178,22 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     with logger:
         if evaluate and start == 0:
             logger.log(0, evaluate(s.model))
-        health = RunHealth(cfg.algo.max_skipped_updates, logger)
+        health = RunHealth(cfg.algo.max_skipped_updates, logger, from_step_zero=start == 0)
         for step in range(start, end):
             timer.seconds.clear()
             with timer("rollout"):
                 batch = rollout_phase(s, step)
             with timer("score"):
                 batch = score_rollouts(batch, s.task, advantage=cfg.algo.advantage)
-            with timer("old_logp"):
-                batch = old_logp_phase(s, batch, spec, step)
-            with timer("update"):
-                update = policy_update(s, batch, spec, step)
-            metrics = step_metrics(s, batch, update, timer.seconds)
+            kept = filter_phase(s, batch, timer)  # None: dynamic sampling dropped every group
+            if kept is None:
+                update = no_update(s, step, logger)
+            else:
+                with timer("old_logp"):
+                    kept = old_logp_phase(s, kept, spec, step)
+                with timer("update"):
+                    update = policy_update(s, kept, spec, step)
+            metrics = step_metrics(s, batch, update, timer.seconds, kept=kept)
             if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
                 metrics.update(evaluate(s.model))
             for hook in hooks:
@@ -240,8 +247,28 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
 
 def _first_chunk(s: TrainingSetup) -> int:
     """Global index of this rank's first micro-batch (so draws do not depend on the DP split)."""
-    rows = s.cfg.rollout.prompts_per_step // s.dp_size * s.cfg.rollout.group_size
+    rows = s.cfg.rollout.generated_prompts // s.dp_size * s.cfg.rollout.group_size
     return s.dp_rank * rows // s.cfg.parallel.micro_batch_size
+
+
+def filter_phase(s: TrainingSetup, batch, timer: PhaseTimer):
+    """Dynamic sampling (``rollout.filter_uniform_groups``, timed as ``filter``): the groups the
+    update sees, None when there is none on any rank; the batch itself when the filter is off."""
+    r = s.cfg.rollout
+    if not r.filter_uniform_groups:
+        return batch
+    with timer("filter"):
+        return filter_uniform_groups(batch, r.group_size, dp_rank=s.dp_rank, dp_size=s.dp_size,
+                                     limit=r.prompts_per_step)
+
+
+def no_update(s: TrainingSetup, step: int, logger) -> Dict[str, Any]:
+    """A step whose every group was dropped: no optimizer update on any rank (nothing to learn;
+    not a skipped update), the LR schedule advances as if the updates had run."""
+    s.scheduler.step(increment=s.cfg.algo.inner_iterations)
+    logger.info(f"step {step + 1}: every group had identical rewards, so rollout.filter_uniform_groups dropped "
+                f"them all: no optimizer update this step (the LR schedule advances)")
+    return {"skipped_updates": 0.0, "update_skips": []}
 
 
 def rollout_phase(s: TrainingSetup, step: int):
