@@ -23,6 +23,18 @@ from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron T
 
 from stabledrl_mcore.parallel.launch import spawn
 
+
+class CharTokenizer:
+    """A tokenizer of characters (ids 3..202) for rollouts of tiny models."""
+
+    pad_token_id, eos_token_id, chat_template = 0, 2, None
+
+    def encode(self, text):
+        return [3 + ord(ch) % 200 for ch in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - 3) if 3 <= i < 203 else "" for i in ids)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
@@ -123,15 +135,6 @@ def test_rollouts_decode_in_eval_mode_under_recompute(megatron_tp1):
     from stabledrl_mcore.models import build_model, get_preset
     from stabledrl_mcore.rl.rollout import generate_rollouts
     from stabledrl_mcore.tasks import get_task
-
-    class CharTokenizer:
-        pad_token_id, eos_token_id, chat_template = 0, 2, None
-
-        def encode(self, text):
-            return [3 + ord(ch) % 200 for ch in text]
-
-        def decode(self, ids):
-            return "".join(chr(i - 3) if 3 <= i < 203 else "" for i in ids)
 
     model = build_model(get_preset("sdar-tiny"), recompute=True).train()
     task = get_task("sudoku", prompt_style="compact")

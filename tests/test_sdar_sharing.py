@@ -115,14 +115,7 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, tempe
     from stabledrl_mcore.rl import rollout
     from stabledrl_mcore.tasks import get_task
 
-    class CharTokenizer:
-        pad_token_id, eos_token_id, chat_template = 0, 2, None
-
-        def encode(self, text):
-            return [3 + ord(ch) % 200 for ch in text]
-
-        def decode(self, ids):
-            return "".join(chr(i - 3) if 3 <= i < 203 else "" for i in ids)
+    from test_device_rule import CharTokenizer
 
     torch.manual_seed(0)
     model = build_model(get_preset("sdar-tiny"))
