@@ -106,3 +106,88 @@ def test_math_answer_extraction_boundaries(completion, expected):
 ])
 def test_gsm8k_correctness_boundaries(completion, reference, correct):
     assert get_task("gsm8k").is_correct(completion, reference) is correct
+
+
+# --------------------------------------------------------------------------- GSM8K / MATH properties
+
+def _render_number(value, rng) -> str:
+    """One of the ways a model writes ``value`` (a Fraction with a short decimal or integer form)."""
+    from fractions import Fraction
+    sign = "-" if value < 0 else ""
+    mag = abs(value)
+    if mag.denominator == 1:
+        digits = str(mag.numerator)
+        style = rng.choice(["plain", "commas", "decimal0", "dollar", "text_unit", "frac_int"])
+        if style == "commas":
+            digits = f"{mag.numerator:,}"
+        elif style == "decimal0":
+            digits += "." + "0" * rng.randint(1, 3)
+        elif style == "dollar":
+            return f"\\${sign}{digits}"
+        elif style == "text_unit":
+            return f"{sign}{digits} \\text{{apples}}"
+        elif style == "frac_int":
+            k = rng.randint(2, 5)
+            return f"{sign}\\frac{{{mag.numerator * k}}}{{{k}}}"
+        return sign + digits
+    if rng.random() < 0.5:  # exact decimal (denominators 2, 4, 5, 8, 10 ... only)
+        text = f"{float(mag):.6f}".rstrip("0")
+        assert Fraction(text) == mag
+        return sign + text
+    return f"{sign}\\frac{{{mag.numerator}}}{{{mag.denominator}}}"
+
+
+def _gsm8k_cases(n: int, seed: int):
+    """(completion, reference, correct): the written value is the reference, or one near miss."""
+    import random
+    from fractions import Fraction
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        ref = Fraction(rng.randint(-5000, 5000), rng.choice([1, 1, 1, 2, 4, 5, 8]))
+        written = ref if rng.random() < 0.5 else ref + rng.choice(
+            [Fraction(1), Fraction(-1), Fraction(1, 2), Fraction(1, 10), ref * 9 or Fraction(7)])
+        distractor = f"First 3 + {rng.randint(10, 99)} = {rng.randint(100, 999)}. "
+        wrapper = rng.choice(["\\boxed{%s}", "\\boxed{ %s }", "<answer>%s</answer>",
+                              "<answer>The answer is %s.</answer>"])
+        ref_text = str(ref.numerator) if ref.denominator == 1 else f"{float(ref):g}"
+        cases.append((distractor + wrapper % _render_number(written, rng), ref_text, written == ref))
+    return cases
+
+
+def test_gsm8k_numeric_rule_on_generated_answers():
+    """Correct iff the boxed/tagged value equals the reference exactly, however it is written;
+    numbers outside the answer never count (each case is built from its true value)."""
+    task = get_task("gsm8k")
+    cases = _gsm8k_cases(400, seed=11)
+    assert 120 < sum(c for _, _, c in cases) < 280  # both outcomes well represented
+    wrong = [(comp, ref, want) for comp, ref, want in cases if task.is_correct(comp, ref) is not want]
+    assert not wrong, wrong[:5]
+
+
+def _balanced_latex(rng, depth: int = 0) -> str:
+    """A random answer body with balanced (and escaped) braces, as MATH answers have."""
+    atoms = ["x", "2", "\\pi", "\\sqrt{3}", "\\{1,2\\}", "a_{n}", "\\frac{1}{2}", "(0,1]", " "]
+    parts = []
+    for _ in range(rng.randint(1, 4)):
+        if depth < 3 and rng.random() < 0.3:
+            parts.append("\\frac{" + _balanced_latex(rng, depth + 1) + "}{" + _balanced_latex(rng, depth + 1) + "}")
+        else:
+            parts.append(rng.choice(atoms))
+    return "".join(parts).strip() or "x"
+
+
+def test_math_extraction_returns_the_last_complete_box_on_generated_latex():
+    """The extracted answer is exactly the last balanced ``\\boxed{}`` body, with earlier boxes,
+    an unclosed trailing box and ``<answer>`` tags around it as distractors."""
+    import random
+    rng = random.Random(3)
+    task = get_task("math500")
+    for _ in range(300):
+        body = _balanced_latex(rng)
+        earlier = "" if rng.random() < 0.5 else "\\boxed{" + _balanced_latex(rng) + "} so "
+        tail = rng.choice(["", ".", " \\boxed{", " <answer>zz</answer>"])
+        completion = f"work {earlier}final: \\boxed{{{body}}}{tail}"
+        assert task.extract_answer(completion) == body, completion
+        # with no box at all, the tag's content is the answer
+        assert task.extract_answer(f"work <answer>{body}</answer>") == body

@@ -210,17 +210,15 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
     assert abs(row["ratio_max"] - 1.0) > 1e-5, row
 
 
-def test_one_trainer_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch):
-    """Absolute anchor for the trainer comparisons (DP=2 vs DP=1, resumed vs straight): one real
-    step of the in-process trainer (Megatron model, DDP, optimizer, micro-batches) moves the weights
-    by exactly -lr x the autograd gradient of the loss computed in one graph on that step's batch."""
+def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
+    """Run the in-process trainer, recording at each step the weights before the update, the loss
+    of one autograd graph through the model on that step's batch, and ``before - lr * grad``."""
     from test_trainer import CONFIG, DigitsTask, overrides
 
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl import trainer
     from stabledrl_mcore.tasks import available_tasks, base as task_base
 
-    lr, seen = 0.05, {}
     real_update = trainer.policy_update
 
     def anchored_update(s, batch, spec, step):
@@ -230,8 +228,9 @@ def test_one_trainer_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch)
         value = one_graph_loss_model(s.model, batch, spec, old, s.model.dllm_config.mask_token_id)
         grads = torch.autograd.grad(value, params)
         out = real_update(s, batch, spec, step)
-        seen["pairs"] = [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)]
-        seen["moved"] = max(float((p - b).abs().max()) for p, b in zip(params, before))
+        seen[step + 1] = {"before": before, "loss": float(value.detach()),
+                      "pairs": [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)],
+                      "moved": max(float((p - b).abs().max()) for p, b in zip(params, before))}
         return out
 
     monkeypatch.setattr(trainer, "policy_update", anchored_update)
@@ -241,21 +240,54 @@ def test_one_trainer_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = load_config(CONFIG, overrides(str(tmp_path / "run"), **{
+        cfg = load_config(CONFIG, overrides(str(run_dir), **{
             "logging.progress": False, "rollout.prompts_per_step": 2, "steps": 1, "rollout.temperature": 1.0,
             "optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0, "optim.clip_grad": 0.0,
             "optim.lr": lr, "optim.decay_style": "constant", "parallel.micro_batch_size": 2,
-            "algo.inner_iterations": 1, "algo.mask_sampling": "replay"}))
-        trainer.train(cfg)
+            "algo.inner_iterations": 1, "algo.mask_sampling": "replay", **extra}))
+        s = trainer.train(cfg, resume=resume)
+        final = [p.detach().clone() for p in s.model.parameters() if p.requires_grad]
     finally:
         if added:
             task_base._REGISTRY.pop(DigitsTask.name)
         bootstrap.destroy()
         cpu_compat.disable()
         torch.set_num_threads(threads)
-    assert seen["moved"] > 1e-6  # the step did move the weights
-    for got, want in seen["pairs"]:
+    return final
+
+
+def _assert_sgd_anchor(record):
+    assert record["moved"] > 1e-6  # the step did move the weights
+    for got, want in record["pairs"]:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_one_trainer_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch):
+    """Absolute anchor for the trainer comparisons (DP=2 vs DP=1, resumed vs straight): one real
+    step of the in-process trainer (Megatron model, DDP, optimizer, micro-batches) moves the weights
+    by exactly -lr x the autograd gradient of the loss computed in one graph on that step's batch."""
+    seen = {}
+    _anchored_trainer_run(monkeypatch, tmp_path / "run", 0.05, seen)
+    _assert_sgd_anchor(seen[1])
+
+
+def test_the_resumed_step_starts_from_the_checkpoint_and_is_the_fresh_update(tmp_path, monkeypatch):
+    """Absolute anchor for the resume comparison: ``--resume auto`` loads exactly the weights the first
+    run ended with, the next step's logged loss is the loss computed afresh (one graph) on that step's
+    batch from the loaded weights, and its update is -lr x that loss's autograd gradient."""
+    lr, first, second = 0.05, {}, {}
+    run_dir = tmp_path / "run"
+    saved = _anchored_trainer_run(monkeypatch, run_dir, lr, first, **{"checkpoint.save_every": 1})
+    _anchored_trainer_run(monkeypatch, run_dir, lr, second, resume="auto",
+                          **{"checkpoint.save_every": 1, "steps": 2})
+    assert sorted(second) == [2], "the resumed run must start at step 2"
+    for loaded, want in zip(second[2]["before"], saved):
+        assert torch.equal(loaded, want), "the resumed weights are not the checkpointed ones"
+    rows = {r["step"]: r for r in map(json.loads, open(run_dir / "metrics.jsonl"))}
+    assert sorted(rows) == [1, 2]
+    assert rows[2]["loss"] == pytest.approx(second[2]["loss"], rel=1e-5, abs=1e-7)
+    assert rows[1]["loss"] == pytest.approx(first[1]["loss"], rel=1e-5, abs=1e-7)
+    _assert_sgd_anchor(second[2])
 
 
 def one_graph_loss_model(model, batch, spec, old, mask_id):

@@ -50,6 +50,11 @@ per parameter, and Megatron's code paths for that case break in three ways:
    (``requires_grad``), so the in-place copy raises. Fix: load under ``no_grad`` (the
    same on GPU).
 
+4. ``get_megatron_optimizer`` builds plain SGD with ``init_state_fn=None``, and a
+   non-distributed optimizer's ``sharded_state_dict(is_loading=True)`` calls it, so
+   resuming an ``optim.name=sgd`` run fails with ``'NoneType' object is not callable``.
+   Fix: momentum-free SGD (the only SGD we build) has no state; give it a no-op.
+
 With TE/apex FusedAdam (GPU) Megatron's path is used as shipped; the adapter only turns
 a float param-group ``step`` (written by torch Adam) into the int FusedAdam counts in,
 so a checkpoint written on CPU resumes on GPU and vice versa (the tensors are the same:
@@ -288,6 +293,20 @@ def prepare_for_checkpoint(optimizer) -> None:
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, cls) and _torch_adam_step_layout(opt):
             _materialize_torch_adam_state(opt.optimizer)
+        if getattr(opt, "init_state_fn", "unset") is None:  # adapter item 4
+            _stateless_sgd(opt.optimizer)
+            opt.init_state_fn = _no_state
+
+
+def _stateless_sgd(inner) -> None:
+    """Refuse anything but momentum-free torch SGD, whose state is empty (adapter item 4)."""
+    if not isinstance(inner, torch.optim.SGD) or any(g.get("momentum", 0) for g in inner.param_groups):
+        raise OptimizerFormatError(f"{type(inner).__name__} has no state initialiser; only momentum-free SGD "
+                                   "can be checkpointed without one")
+
+
+def _no_state(optimizer, config=None) -> None:
+    """Momentum-free SGD keeps no per-parameter state: nothing to create before a load."""
 
 
 def sharded_optimizer_state(optimizer, model_sharded_state_dict: dict, fmt: Dict[str, Any], *,

@@ -95,7 +95,7 @@ def tag_then_boxed(text: str) -> str | None:
 # --------------------------------------------------------------------------- numbers
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\s*\{([^{}]{0,200})\}")
-_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([-+]?[0-9.]{1,60})\s*\}\s*\{\s*([-+]?[0-9.]{1,60})\s*\}")
+_FRAC = re.compile(r"([-+]?)\s*\\[dt]?frac\s*\{\s*([-+]?[0-9.]{1,60})\s*\}\s*\{\s*([-+]?[0-9.]{1,60})\s*\}")
 _THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")
 _NUMBER = re.compile(r"(?:(?<![0-9])[-+])?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
                      r"(?:\s*/\s*(?:[0-9]+(?:\.[0-9]+)?))?", re.ASCII)
@@ -130,7 +130,7 @@ def parse_number(text: str | None) -> Fraction | None:
     for tok in _DROP:
         s = s.replace(tok, " ")
     s = _TEXT_CMD.sub(r" \1 ", s)
-    s = _FRAC.sub(r" \1/\2 ", s)
+    s = _FRAC.sub(r" \1\2/\3 ", s)  # a sign before the fraction stays its sign
     s = _THOUSANDS.sub("", s)
     matches = _NUMBER.findall(s)
     if not matches:
