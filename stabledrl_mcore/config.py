@@ -98,6 +98,11 @@ class RolloutSection:
     approximate KV cache of the prompt and earlier blocks, and of the later blocks too; refreshed at
     each block's first step). The likelihood phases always score with exact attention, so with a
     cache the sampling policy differs slightly from the scored one. SDAR always uses its own cache."""
+    cache_gap_every: int = 0
+    """With ``rollout.cache`` set: every N steps the rollout also runs the exact forward at each cached
+    step and logs ``rollout_cache_gap``, the mean |log p_cached - log p_exact| of the committed tokens
+    (how far the sampling policy is from the scored one); costs the exact sampler's work on those
+    steps. 0 = never."""
     filter_uniform_groups: bool = False
     """Dynamic sampling (DAPO): drop every prompt group whose ``group_size`` rewards are all equal
     (its advantages are all 0: no policy gradient) before the old-policy scoring and the update,
@@ -303,6 +308,9 @@ class RunConfig:
         _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
         _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
         _choice("rollout.cache", self.rollout.cache, ("none", "prefix", "dual"))
+        if self.rollout.cache_gap_every < 0 or self.rollout.cache_gap_every and self.rollout.cache == "none":
+            raise ConfigError(f"rollout.cache_gap_every={self.rollout.cache_gap_every} measures the cached "
+                              f"sampler's gap to exact decoding: needs a value >= 0 and rollout.cache=prefix|dual")
         from .tasks import available_tasks
 
         _choice("rollout.task", self.rollout.task, available_tasks())

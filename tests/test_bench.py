@@ -253,3 +253,31 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
     assert r.group_size == 1 and r.temperature == 0.0 and r.steps == 2
     assert seen["mb"] == cfg.eval.micro_batch_size and seen["examples"] == ["a", "b", "c"]
 
+
+
+def test_baseline_llada_sampler_follows_rollout_threshold():
+    """The HF-style baseline decodes with ``rollout.threshold`` like our sampler: every position at or
+    above it (threshold 0: a whole block per forward), a block ending once decoded; without it, the
+    fixed schedule (one forward per step)."""
+    from types import SimpleNamespace
+
+    from stabledrl_mcore.bench.baseline import BaselineStep
+
+    calls = []
+
+    class Logits(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            calls.append(input_ids.clone())
+            logits = torch.randn(*input_ids.shape, 8, generator=torch.Generator().manual_seed(0))
+            return SimpleNamespace(logits=logits.index_fill(-1, torch.tensor([7]), -torch.inf))  # never the mask
+
+    base = object.__new__(BaselineStep)
+    base.device, base.dtype, base.model = torch.device("cpu"), torch.float32, Logits()
+    base.dcfg = SimpleNamespace(mask_token_id=7)
+    prompt, valid = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
+    for threshold, forwards in ((None, 8), (0.0, 2)):
+        calls.clear()
+        base.cfg = SimpleNamespace(rollout=SimpleNamespace(gen_length=8, block_length=4, steps=8, temperature=0.0,
+                                                           threshold=threshold))
+        out = base._generate_llada(prompt, valid, torch.Generator().manual_seed(1))
+        assert len(calls) == forwards and not (out == 7).any(), (threshold, len(calls))

@@ -165,6 +165,14 @@ def test_threshold_decoding_follows_fast_dllm_step_for_step(cache):
 
 # ------------------------------------------------------------------ refusals for SDAR
 
+def test_cache_gap_needs_a_cache():
+    from stabledrl_mcore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.cache_gap_every=2 .*rollout.cache=prefix"):
+        load_config(CONFIG, ["rollout.cache_gap_every=2"])
+    assert load_config(CONFIG, ["rollout.cache_gap_every=2", "rollout.cache=dual"]).rollout.cache_gap_every == 2
+
+
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     from stabledrl_mcore.cli import main
     from stabledrl_mcore.commands import _sampling
@@ -262,7 +270,8 @@ def _worker(result_dir, run_dir):
                                "parallel.tensor_parallel=2", "rollout.cache=dual", "rollout.threshold=0.9",
                                "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.gen_length=8",
                                "rollout.steps=4", "rollout.block_length=4", "parallel.micro_batch_size=4",
-                               "checkpoint.save_every=0", "algo.inner_iterations=1"]))
+                               "checkpoint.save_every=0", "algo.inner_iterations=1",
+                               "rollout.cache_gap_every=1"]))
 
 
 @pytest.mark.multiprocess
@@ -282,3 +291,5 @@ def test_cached_decoding_under_tp2_equals_tp1_and_trains(tmp_path):
         assert not (tp1["dual/tokens"] == 95).any()  # tiny_cfg's mask id
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert rows[-1]["step"] == 1 and torch.isfinite(torch.tensor(rows[-1]["loss"]))
+    # the sampling policy's distance from the scored one, logged (rollout.cache_gap_every=1)
+    assert 0.0 < rows[-1]["rollout_cache_gap"] < 10.0

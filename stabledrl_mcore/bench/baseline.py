@@ -9,7 +9,8 @@ work is done, following the public LLaDA/d1 and SDAR code paths:
 - LLaDA rollouts (LLaDA ``generate.py`` / d1): every denoising step runs the whole
   sequence, adds Gumbel noise to the full ``[B, S, V]`` logits in float64, takes
   the float64 softmax of all of them, and picks the tokens to commit with a
-  per-sample Python loop of ``topk``;
+  per-sample Python loop of ``topk`` (with ``rollout.threshold``: at least the scheduled count
+  and every position at or above it, a block ending once decoded, as our sampler and Fast-dLLM);
 - SDAR rollouts (SDAR's ``generate``): block by block with ``transformers``'
   ``DynamicCache`` (each denoising step attends to the cache, then its keys are
   cropped off; a finished block is run once more to store it), multinomial
@@ -111,6 +112,8 @@ class BaselineStep:
                 schedule[j, : int(counts[j] % per_block)] += 1
             for i in range(per_block):
                 masked = x == mask_id
+                if r.threshold is not None and not bool(masked[:, start:end].any()):
+                    break  # threshold decoding: a block ends once every row has decoded it
                 logits = self._logits(x, blocked).cpu()
                 l64 = logits.double()
                 noise = torch.rand(l64.shape, generator=gen, dtype=torch.float64)
@@ -121,8 +124,11 @@ class BaselineStep:
                 x0 = torch.where(masked, x0, x)
                 conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
                 transfer = torch.zeros_like(x0, dtype=torch.bool)
-                for j in range(B):  # per-sample top-k, as upstream
-                    _, idx = torch.topk(conf[j], k=int(schedule[j, i]))
+                for j in range(B):  # per-sample top-k, as upstream (Fast-dLLM: or all above the threshold)
+                    k = min(int(schedule[j, i]), int(torch.isfinite(conf[j]).sum()))
+                    if r.threshold is not None:
+                        k = max(k, int((conf[j] >= r.threshold).sum()))
+                    _, idx = torch.topk(conf[j], k=k)
                     transfer[j, idx] = True
                 x[transfer] = x0[transfer]
         return x

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..diffusion import generate
+from ..diffusion.sampling_llada import DecodeStats
 from ..models.placement import eval_mode, model_device
 from ..tasks.base import Example
 from .advantages import group_advantages
@@ -101,7 +102,8 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
                       gen_length: int, steps: int, block_length: int, temperature: float,
                       threshold: Optional[float], micro_batch: int,
                       chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
-                      progress: bool = False, cache: str = "none") -> RolloutBatch:
+                      progress: bool = False, cache: str = "none",
+                      measure_cache_gap: bool = False) -> RolloutBatch:
     """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
 
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
@@ -110,7 +112,8 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     mode; the mode is restored afterwards. SDAR decodes whole groups together, each prompt
     prefilled once, with the same draws (:mod:`.sdar_rollout`). ``cache``: LLaDA's approximate
     KV cache (``rollout.cache``); whatever the sampler did, the likelihood phases score with exact
-    attention.
+    attention. ``measure_cache_gap`` (LLaDA with a cache) also runs the exact forward at each cached
+    step; ``stats`` then holds ``cache_gap_sum`` / ``cache_gap_tokens`` (see ``DecodeStats``).
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
@@ -120,6 +123,8 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
     group_index = torch.arange(len(examples), device=device).repeat_interleave(group_size)
     outputs = []
+    gap = DecodeStats(measure_gap=True) if measure_cache_gap else None
+    extra = {} if gap is None else {"stats": gap}
     with torch.no_grad(), eval_mode(model):
         if shares_prefix(model):  # SDAR: whole groups per decoding batch, each prompt prefilled once
             outputs = shared_prefix_rollouts(
@@ -132,7 +137,7 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
             outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
                                     block_length=block_length, temperature=temperature,
                                     threshold=threshold, generator=chunk_generator(first_chunk + k),
-                                    prompt_valid=prompt_valid[sl], progress=progress, cache=cache))
+                                    prompt_valid=prompt_valid[sl], progress=progress, cache=cache, **extra))
     sequences = torch.cat(outputs)
     width = prompt_ids.shape[1]
     completion = sequences[:, width:]
@@ -144,6 +149,7 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
         group_index=group_index,
         completions=[tokenizer.decode(row) for row in completion.tolist()],  # one device->host copy
         references=[ex.reference for ex in examples for _ in range(group_size)],
+        stats={} if gap is None else {"cache_gap_sum": gap.gap_sum, "cache_gap_tokens": float(gap.gap_tokens)},
     )
 
 

@@ -27,7 +27,8 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
     """Reward mean/std and accuracy over the global batch; ``groups_varied``, the share of prompt
     groups whose rewards are not all equal (0: every advantage is zero, no learning signal);
     the update's loss diagnostics (averaged over DP ranks, weighted by each rank's share of the
-    kept groups); learning rate; wall seconds and tokens/s per phase.
+    kept groups); learning rate; wall seconds and tokens/s per phase; on the steps
+    ``rollout.cache_gap_every`` picks, ``rollout_cache_gap`` over the whole job's committed tokens.
 
     ``kept``: the batch the likelihood phases saw (dynamic sampling's, None when it dropped every
     group); with ``rollout.filter_uniform_groups`` ``groups_kept`` is the share of groups kept."""
@@ -43,6 +44,8 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
     kept_tokens = 0.0 if kept is None else float(kept.sequences.numel())
     host = [float(rewards.numel()), float(batch.reward_errors), kept_tokens, float(groups.shape[0]), kept_groups]
     host += [float(update[k]) * (1.0 if k == "skipped_updates" else weight) for k in keys]
+    gap = [batch.stats[k] for k in ("cache_gap_sum", "cache_gap_tokens") if k in batch.stats]
+    host += gap  # every rank measures on the same steps (rollout.cache_gap_every)
     device = rewards.device  # the batch's statistics stay there until the one reduction
     correct = batch.correct if batch.correct is not None else rewards >= 1.0
     varied = (groups.amax(1) > groups.amin(1)).sum().double()
@@ -67,6 +70,8 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
         value = total[10 + i]
         out[key] = value if key in ("skipped_updates",) else value / dp
     out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
+    if gap:
+        out["rollout_cache_gap"] = total[-2] / max(total[-1], 1.0)
     for phase, secs in seconds.items():
         out[f"time/{phase}"] = secs
     out["step_s"] = sum(seconds.values())

@@ -279,7 +279,8 @@ def rollout_phase(s: TrainingSetup, step: int):
         gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
         threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
         chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
-        first_chunk=_first_chunk(s), cache=r.cache)
+        first_chunk=_first_chunk(s), cache=r.cache,
+        measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0)
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
