@@ -197,10 +197,14 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
 def _task(cfg: RunConfig):
     from .tasks import get_task
 
+    from .tasks.prompts import rollout_prompt_format
+
     try:
-        return get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+        task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.task_options of task {cfg.rollout.task!r}: {err}") from None
+    task.prompt_format = rollout_prompt_format(cfg.rollout)  # the template file exists and renders
+    return task
 
 
 def _load(cfg: RunConfig, task, split: str) -> list:
