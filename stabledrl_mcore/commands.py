@@ -164,6 +164,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if _refuse_existing("eval", args.out, args.overwrite) or _refuse_existing("eval", args.summary, args.overwrite):
         return 2
     options = {key: value for key, value in vars(args).items() if key != "handler"}
+    if args.check:
+        return _check_eval(args)
     if args.nproc > 1:
         from .parallel.launch import spawn
 
@@ -171,6 +173,42 @@ def run_eval(args: argparse.Namespace) -> int:
         spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
         return 0
     return _eval_rank(options)
+
+
+def _check_eval(args: argparse.Namespace) -> int:
+    """``eval --check``: every input a rank would read (task, data, prompt format, checkpoint
+    config, sampling flags, output files), checked in this one process; no model is built."""
+    from .checkpoint.loader import read_config
+
+    task, examples = _eval_inputs(args)
+    cfg = read_config(args.ckpt)
+    _sampling(args, cfg)
+    print(f"eval inputs ok: {len(examples)} {task.name}/{args.split} examples x {args.n} samples, {cfg.arch} "
+          f"checkpoint {args.ckpt} -> {args.out}, {args.summary}")
+    return 0
+
+
+def _note_training_prompts(args: argparse.Namespace, fmt) -> None:
+    """A training checkpoint whose run configured other prompts than this eval uses: say so
+    (once, rank 0), naming the flags that reproduce the training prompts."""
+    import yaml
+
+    path = os.path.join(args.ckpt, "config.yaml")
+    if not os.path.isfile(path) or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) not in ("", "0"):
+        return
+    try:
+        rollout = (yaml.safe_load(open(path)) or {}).get("rollout") or {}
+    except (OSError, yaml.YAMLError):
+        return
+    trained = {"--system-prompt": rollout.get("system_prompt"),
+               "--prompt-template": rollout.get("prompt_template", "{question}"),
+               "--chat-template": rollout.get("chat_template")}
+    used = {"--system-prompt": fmt.system_prompt, "--prompt-template": fmt.template,
+            "--chat-template": fmt.chat_template}
+    differ = [f"{flag} {trained[flag]!r}" for flag in PROMPT_FLAGS if trained[flag] != used[flag]]
+    if rollout.get("task") == args.task and differ:
+        print(f"stabledrl eval: note: {path} trained with other prompts; to evaluate with them pass "
+              f"{' '.join(differ)}", file=sys.stderr)
 
 
 def summary_path(out: str) -> str:
@@ -214,6 +252,7 @@ def _eval_inputs(args: argparse.Namespace):
             raise UserError(f"{'/'.join(PROMPT_FLAGS)} need --prompt-style chat (compact prompts are the "
                             f"bare question)")
         task.prompt_format = cli_prompt_format(args)  # the same rendering as training
+        _note_training_prompts(args, task.prompt_format)
         load_kwargs = {"limit": args.limit, "seed": args.seed}
         if args.data_path:
             load_kwargs["path"] = args.data_path
@@ -310,6 +349,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the k of pass@k / maj@k / mean@k (default: powers of two up to --n)")
     parser.add_argument("--summary", metavar="FILE",
                         help="summary JSON (default: the --out file with .summary.json)")
+    parser.add_argument("--check", action="store_true",
+                        help="check every input (task, data, prompts, checkpoint, flags, outputs), load no model")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--nproc", type=int, default=1, help="local ranks (DP = nproc / tp)")

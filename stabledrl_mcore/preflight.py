@@ -4,8 +4,8 @@
 files: the preset name, every path (``model.checkpoint``, ``model.tokenizer``,
 ``rollout.data_path``), the parallel layout against the model's own shape (from
 the preset and ``model.overrides``, or the checkpoint's config), the rows each
-rank holds against ``parallel.micro_batch_size``, and the training (and held-out)
-examples: they load and are not empty. It builds no model and reads only
+rank holds against ``parallel.micro_batch_size``, the prompt format (``rollout.chat_template``
+exists and renders), and the training (and held-out) examples: they load and are not empty. It builds no model and reads only
 config files, safetensors headers and the data, so a bad run fails in seconds
 with one line naming the field and the fix.
 """

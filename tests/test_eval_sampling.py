@@ -134,6 +134,9 @@ def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch,
     for name in ("pass@1", "pass@4", "maj@1", "maj@4", "mean@1", "mean@4"):
         assert summary[name] == pytest.approx(sum(r[name] for r in records) / 3), name
     assert "pass@4" in capsys.readouterr().out
+    assert main(args + ["--n", "2", "--out", "checked.jsonl", "--check"]) == 0  # inputs only, no model, no file
+    assert "eval inputs ok: 3 sudoku/test examples x 2 samples" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "checked.jsonl")
     # refused by name before any rank starts, one line each
     monkeypatch.setattr(commands, "_eval_rank", lambda options: pytest.fail("a rank started"))
     for extra, needle in ((["--n", "4", "--temperature", "0"], "--temperature"),

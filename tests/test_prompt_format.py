@@ -150,3 +150,27 @@ def test_generate_takes_the_prompt_flags(tmp_path):
     assert json.loads(out.read_text())["prompt"] == "tok3 tok6 tok5 tok4"
     assert main(["generate", "--ckpt", ckpt, "--prompt", "tok5", "--chat-template", jinja,
                  "--no-chat-template"]) == 2
+
+
+def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys):
+    import argparse
+
+    from stabledrl_mcore import commands
+
+    (tmp_path / "config.yaml").write_text("rollout:\n  task: gsm8k\n  system_prompt: SYS\n"
+                                          "  prompt_template: 'Q: {question}'\n  chat_template: null\n")
+    args = argparse.Namespace(ckpt=str(tmp_path), task="gsm8k")
+    commands._note_training_prompts(args, prompt_format("SYS", "Q: {question}"))
+    assert capsys.readouterr().err == ""  # the same prompts: nothing to say
+    commands._note_training_prompts(args, PromptFormat())
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--system-prompt 'SYS' --prompt-template 'Q: {question}'" in err, err
+
+
+def test_a_bench_rollout_mode_cannot_change_the_prompts():
+    from stabledrl_mcore.bench.modes import parse_rollout_modes
+    from stabledrl_mcore.config import ConfigError
+
+    for field in ("system_prompt", "prompt_template", "chat_template"):
+        with pytest.raises(ConfigError, match=f"rollout.{field} is fixed"):
+            parse_rollout_modes([f"m:rollout.{field}=x"])
