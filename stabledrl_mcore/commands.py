@@ -163,6 +163,7 @@ def run_eval(args: argparse.Namespace) -> int:
     _check_sampling_flags(args)
     if _refuse_existing("eval", args.out, args.overwrite) or _refuse_existing("eval", args.summary, args.overwrite):
         return 2
+    _note_training_prompts(args, cli_prompt_format(args))  # once per job: here, not in every rank
     options = {key: value for key, value in vars(args).items() if key != "handler"}
     if args.check:
         return _check_eval(args)
@@ -252,7 +253,6 @@ def _eval_inputs(args: argparse.Namespace):
             raise UserError(f"{'/'.join(PROMPT_FLAGS)} need --prompt-style chat (compact prompts are the "
                             f"bare question)")
         task.prompt_format = cli_prompt_format(args)  # the same rendering as training
-        _note_training_prompts(args, task.prompt_format)
         load_kwargs = {"limit": args.limit, "seed": args.seed}
         if args.data_path:
             load_kwargs["path"] = args.data_path
