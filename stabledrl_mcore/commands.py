@@ -31,7 +31,29 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
                         help="LLaDA's approximate KV cache (default none: exact decoding)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per forward batch")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences per forward batch (eval --n K: batch-size // K prompts x K samples)")
+    add_prompt_arguments(parser)
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt format, as ``rollout.system_prompt`` / ``prompt_template`` / ``chat_template``."""
+    parser.add_argument("--system-prompt", metavar="TEXT", default=None,
+                        help="system prompt (eval default: the task's own; generate: none)")
+    parser.add_argument("--prompt-template", metavar="TEXT", default=None,
+                        help="user turn with a {question} placeholder (default: the question as is)")
+    parser.add_argument("--chat-template", metavar="FILE.jinja", default=None,
+                        help="Jinja chat template replacing the tokenizer's")
+
+
+PROMPT_FLAGS = ("--system-prompt", "--prompt-template", "--chat-template")
+
+
+def cli_prompt_format(args: argparse.Namespace):
+    """The checked :class:`~.tasks.prompts.PromptFormat` of the prompt flags (one line if bad)."""
+    from .tasks.prompts import prompt_format
+
+    return prompt_format(args.system_prompt, args.prompt_template, args.chat_template, names=PROMPT_FLAGS)
 
 
 def _tokenizer(args):
@@ -54,12 +76,17 @@ def _sampling(args, cfg):
                 temperature=args.temperature, threshold=args.threshold, cache=args.cache)
 
 
-def chat_prompt(text: str, tokenizer) -> str:
-    """``text`` as a user turn of ``tokenizer``'s chat template (no system prompt), as ``eval``
-    formats its prompts (:func:`~.tasks.prompts.build_prompt`); unchanged without a template."""
-    from .tasks.prompts import build_prompt
+def chat_prompt(text: str, tokenizer, prompt_format=None) -> str:
+    """``text`` as a user turn of ``tokenizer``'s chat template (no system prompt unless
+    ``prompt_format`` sets one), as ``eval`` formats its prompts (``PromptFormat.render``);
+    unchanged without a template (the tokenizer's or ``--chat-template``), system prompt or
+    prompt template."""
+    from .tasks.prompts import PromptFormat
 
-    return build_prompt(text, tokenizer, system_prompt="") if tokenizer.chat_template else text
+    fmt = prompt_format or PromptFormat()
+    if not tokenizer.chat_template and fmt.is_default:
+        return text
+    return fmt.render(text, tokenizer)
 
 
 def _refuse_existing(command: str, path: str, overwrite: bool) -> bool:
@@ -93,8 +120,13 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     if args.out and _refuse_existing("generate", args.out, args.overwrite):
         return 2
+    if args.no_chat_template and any(getattr(args, f[2:].replace("-", "_")) is not None for f in PROMPT_FLAGS):
+        print(f"stabledrl generate: error: --no-chat-template feeds the prompts as given; drop it or "
+              f"{'/'.join(PROMPT_FLAGS)}", file=sys.stderr)
+        return 2
+    fmt = cli_prompt_format(args)
     tokenizer = _tokenizer(args)
-    texts = prompts if args.no_chat_template else [chat_prompt(p, tokenizer) for p in prompts]
+    texts = prompts if args.no_chat_template else [chat_prompt(p, tokenizer, fmt) for p in prompts]
     model = load_model(args.ckpt)
     sampling = _sampling(args, model.config)
     device = model_device(model)
@@ -127,9 +159,14 @@ def run_eval(args: argparse.Namespace) -> int:
     The output file is chosen (and an existing one refused without ``--overwrite``) here,
     before any rank loads the model."""
     args.out = args.out or default_eval_out(args.task, args.split)
-    if _refuse_existing("eval", args.out, args.overwrite):
+    args.summary = args.summary or summary_path(args.out)
+    _check_sampling_flags(args)
+    if _refuse_existing("eval", args.out, args.overwrite) or _refuse_existing("eval", args.summary, args.overwrite):
         return 2
+    _note_training_prompts(args, cli_prompt_format(args))  # once per job: here, not in every rank
     options = {key: value for key, value in vars(args).items() if key != "handler"}
+    if args.check:
+        return _check_eval(args)
     if args.nproc > 1:
         from .parallel.launch import spawn
 
@@ -137,6 +174,69 @@ def run_eval(args: argparse.Namespace) -> int:
         spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
         return 0
     return _eval_rank(options)
+
+
+def _check_eval(args: argparse.Namespace) -> int:
+    """``eval --check``: every input a rank would read (task, data, prompt format, checkpoint
+    config, sampling flags, output files), checked in this one process; no model is built."""
+    from .checkpoint.loader import read_config
+
+    task, examples = _eval_inputs(args)
+    cfg = read_config(args.ckpt)
+    _sampling(args, cfg)
+    print(f"eval inputs ok: {len(examples)} {task.name}/{args.split} examples x {args.n} samples, {cfg.arch} "
+          f"checkpoint {args.ckpt} -> {args.out}, {args.summary}")
+    return 0
+
+
+def _note_training_prompts(args: argparse.Namespace, fmt) -> None:
+    """A training checkpoint whose run configured other prompts than this eval uses: say so
+    (once, rank 0), naming the flags that reproduce the training prompts."""
+    import yaml
+
+    path = os.path.join(args.ckpt, "config.yaml")
+    if not os.path.isfile(path) or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) not in ("", "0"):
+        return
+    try:
+        rollout = (yaml.safe_load(open(path)) or {}).get("rollout") or {}
+    except (OSError, yaml.YAMLError):
+        return
+    trained = {"--system-prompt": rollout.get("system_prompt"),
+               "--prompt-template": rollout.get("prompt_template", "{question}"),
+               "--chat-template": rollout.get("chat_template")}
+    used = {"--system-prompt": fmt.system_prompt, "--prompt-template": fmt.template,
+            "--chat-template": fmt.chat_template}
+    differ = [f"{flag} {trained[flag]!r}" for flag in PROMPT_FLAGS if trained[flag] != used[flag]]
+    if rollout.get("task") == args.task and differ:
+        print(f"stabledrl eval: note: {path} trained with other prompts; to evaluate with them pass "
+              f"{' '.join(differ)}", file=sys.stderr)
+
+
+def summary_path(out: str) -> str:
+    """``eval_x.jsonl`` -> ``eval_x.summary.json`` (beside the per-example file)."""
+    stem = out[:-len(".jsonl")] if out.endswith(".jsonl") else out
+    return stem + ".summary.json"
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """``--n`` / ``--k`` / ``--temperature``, refused by name before any rank starts; sets ``args.k``."""
+    from .errors import UserError
+    from .tasks.at_k import check_ks, default_ks
+
+    if args.n < 1:
+        raise UserError(f"--n must be >= 1, got {args.n}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.n > 1 and args.temperature == 0:
+        raise UserError(f"--n {args.n} at --temperature 0 decodes {args.n} identical greedy samples; "
+                        f"set --temperature > 0 (e.g. 0.6) or --n 1")
+    if args.k is None:
+        args.k = default_ks(args.n)
+        return
+    try:
+        args.k = check_ks([int(k) for k in str(args.k).split(",") if k.strip()], args.n)
+    except ValueError as err:
+        raise UserError(str(err) if "--k" in str(err) else f"--k {args.k}: give integers like 1,4,8") from None
 
 
 def _eval_inputs(args: argparse.Namespace):
@@ -148,6 +248,11 @@ def _eval_inputs(args: argparse.Namespace):
         raise FileNotFoundError(f"--ckpt {args.ckpt}: no such checkpoint directory")
     try:
         task = get_task(args.task, prompt_style=args.prompt_style)
+        if args.prompt_style == "compact" and any(getattr(args, f[2:].replace("-", "_")) is not None
+                                                  for f in PROMPT_FLAGS):
+            raise UserError(f"{'/'.join(PROMPT_FLAGS)} need --prompt-style chat (compact prompts are the "
+                            f"bare question)")
+        task.prompt_format = cli_prompt_format(args)  # the same rendering as training
         load_kwargs = {"limit": args.limit, "seed": args.seed}
         if args.data_path:
             load_kwargs["path"] = args.data_path
@@ -187,13 +292,34 @@ def _eval_rank(options: dict) -> int:
     load_initial_weights(model, args.ckpt)
     tokenizer = _tokenizer(args)
     result = evaluate_model(model, tokenizer, task, examples, micro_batch=args.batch_size,
-                            seed=args.seed, progress=not args.no_progress, **_sampling(args, cfg))
+                            seed=args.seed, progress=not args.no_progress, n=args.n, ks=args.k,
+                            **_sampling(args, cfg))
     if bootstrap.is_main_rank():
         out = args.out or default_eval_out(args.task, args.split)
         write_jsonl(out, result.records)
+        summary = args.summary or summary_path(out)
+        write_summary(summary, args, result)
         print(f"{args.task}/{args.split}: accuracy {result.accuracy:.4f} "
               f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}")
+        print(" ".join(f"{name} {value:.4f}" for name, value in result.metrics.items()) + f" -> {summary}")
     return 0
+
+
+def write_summary(path: str, args: argparse.Namespace, result) -> None:
+    """The run's figures and settings as one JSON object (atomically)."""
+    import json
+
+    settings = {key: getattr(args, key) for key in ("ckpt", "task", "split", "limit", "n", "k", "temperature",
+                                                     "gen_length", "steps", "block_length", "threshold", "cache",
+                                                     "seed", "batch_size", "system_prompt", "prompt_template",
+                                                     "chat_template", "prompt_style")}
+    body = {"accuracy": result.accuracy, "mean_reward": result.mean_reward, "num_examples": result.num_examples,
+            "samples_per_example": result.n, **result.metrics, "per_example": os.path.abspath(args.out),
+            "settings": settings}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        json.dump(body, handle, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +343,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-style", default="chat", choices=("chat", "compact"))
     parser.add_argument("--out", metavar="FILE",
                         help="per-example JSONL with the exact prompts (default: ./eval_<task>_<split>.jsonl)")
+    parser.add_argument("--n", type=int, default=1, metavar="K",
+                        help="samples per prompt (default 1; > 1 needs --temperature > 0)")
+    parser.add_argument("--k", default=None, metavar="K1,K2,..",
+                        help="the k of pass@k / maj@k / mean@k (default: powers of two up to --n)")
+    parser.add_argument("--summary", metavar="FILE",
+                        help="summary JSON (default: the --out file with .summary.json)")
+    parser.add_argument("--check", action="store_true",
+                        help="check every input (task, data, prompts, checkpoint, flags, outputs), load no model")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--nproc", type=int, default=1, help="local ranks (DP = nproc / tp)")

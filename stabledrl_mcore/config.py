@@ -114,6 +114,13 @@ class RolloutSection:
     """With ``filter_uniform_groups``: extra prompts generated per step (the total must split over
     data-parallel ranks like ``prompts_per_step``); the first ``prompts_per_step`` groups with
     differing rewards, in prompt-stream order, are trained on (DAPO's refill, in one round)."""
+    system_prompt: Optional[str] = None
+    """System prompt of every rollout, eval and generate prompt; None = the task's own, "" = none."""
+    prompt_template: str = "{question}"
+    """The user turn: ``{question}`` is replaced by the example's question (nothing else is)."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template file used instead of the tokenizer's (checked at preflight); None = the
+    tokenizer's own, or the plain ``Question: ... Answer:`` fallback when it has none."""
 
     @property
     def generated_prompts(self) -> int:

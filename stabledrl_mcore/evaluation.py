@@ -3,11 +3,19 @@
 Examples are sharded contiguously over data-parallel ranks; tensor-parallel
 ranks of one replica generate identical tokens (same inputs, same generator).
 Rank 0 returns the accuracy over all examples and the gathered records.
+
+With ``n > 1`` samples per prompt (or ``temperature > 0``) the examples are cut into
+chunks of ``max(1, micro_batch // n)`` consecutive examples, each decoded as one batch
+of its examples' n samples with its own generator (seeded by ``seed`` and the chunk's
+index), and the chunks are sharded over data-parallel ranks: the samples do not
+depend on the number of ranks. ``n == 1`` at temperature 0 is the greedy path.
+Metrics over the samples (pass@k, maj@k, mean@k): :mod:`.tasks.at_k`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -15,8 +23,9 @@ import torch
 from .diffusion import generate
 from .models.placement import eval_mode, model_device
 from .rl.rollout import encode_prompts
+from .tasks.at_k import check_ks, default_ks, sample_metrics, summarize
 from .tasks.base import Example
-from .tasks.evaluation import evaluate_completions, shard_examples
+from .tasks.evaluation import evaluate_completions, shard_examples, shard_indices
 
 
 @dataclass
@@ -25,6 +34,10 @@ class EvalResult:
     mean_reward: float
     num_examples: int
     records: List[Dict[str, Any]]
+    n: int = 1
+    """Samples per example."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+    """``pass@k``, ``maj@k``, ``mean@k`` for every k (means over examples)."""
 
 
 def _dp_group():
@@ -39,11 +52,39 @@ def _dp_group():
 
 def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_length: int, steps: int,
                    block_length: int, temperature: float = 0.0, threshold: Optional[float] = None,
-                   micro_batch: int = 16, seed: int = 0, progress: bool = False, cache: str = "none") -> EvalResult:
-    """Greedy (or sampled) completions for ``examples``; accuracy = share with full reward.
+                   micro_batch: int = 16, seed: int = 0, progress: bool = False, cache: str = "none",
+                   n: int = 1, ks: Optional[Sequence[int]] = None) -> EvalResult:
+    """Greedy (or sampled) completions for ``examples``; accuracy = share of samples with full reward.
 
-    Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``."""
+    Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``;
+    with ``n > 1`` also ``samples`` (every sample's completion, extracted answer, reward,
+    correct) and the example's own ``pass@k`` / ``maj@k`` / ``mean@k`` (``ks``: default
+    :func:`~.tasks.at_k.default_ks`); the top-level fields are those of the first sample."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ks = check_ks(ks, n) if ks is not None else default_ks(n)
+    sampling = dict(gen_length=gen_length, steps=steps, block_length=block_length, temperature=temperature,
+                    threshold=threshold, progress=progress, cache=cache)
     group, rank, world = _dp_group()
+    if n == 1 and temperature == 0:
+        records = _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling)
+    else:
+        records = _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks,
+                                   sampling)
+    if world > 1:
+        gathered: List[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, records, group=group)
+        records = [r for part in gathered for r in part]
+    per_example = [rec if "samples" in rec else sample_metrics([rec], ks, task.same_answer) for rec in records]
+    samples = [s for rec in records for s in rec.get("samples", [rec])]
+    count = max(len(samples), 1)
+    return EvalResult(accuracy=sum(s["correct"] for s in samples) / count,
+                      mean_reward=sum(s["reward"] for s in samples) / count,
+                      num_examples=len(records), records=records, n=n, metrics=summarize(per_example, ks))
+
+
+def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling):
+    """One completion per example, batches of ``micro_batch`` within this rank's shard."""
     mine = shard_examples(list(examples), rank, world)
     completions: List[str] = []
     prompts = [task.prompt(ex, tokenizer) for ex in mine]  # the exact texts, recorded with the results
@@ -52,16 +93,39 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
             ids, valid = encode_prompts(tokenizer, prompts[start:start + micro_batch], device=device)
-            out = generate(model, ids, gen_length=gen_length, steps=steps, block_length=block_length,
-                           temperature=temperature, threshold=threshold, generator=generator,
-                           prompt_valid=valid, progress=progress, cache=cache)
+            out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
             completions += [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
-    _, records = evaluate_completions(task, mine, completions, prompts)
-    if world > 1:
-        gathered: List[Any] = [None] * world
-        torch.distributed.all_gather_object(gathered, records, group=group)
-        records = [r for part in gathered for r in part]
-    n = len(records)
-    return EvalResult(accuracy=sum(r["correct"] for r in records) / max(n, 1),
-                      mean_reward=sum(r["reward"] for r in records) / max(n, 1),
-                      num_examples=n, records=records)
+    return evaluate_completions(task, mine, completions, prompts)[1]
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The generator seed of chunk ``chunk`` of a sampled evaluation (independent of the ranks)."""
+    digest = hashlib.sha256(f"stabledrl-eval:{seed}:{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling):
+    """``n`` samples per example, chunk by chunk (see the module docstring); one record per example."""
+    examples = list(examples)
+    per_chunk = max(1, micro_batch // n)
+    chunks = [examples[i:i + per_chunk] for i in range(0, len(examples), per_chunk)]
+    device = model_device(model)
+    records: List[Dict[str, Any]] = []
+    with torch.no_grad(), eval_mode(model):
+        for c in shard_indices(len(chunks), rank, world):
+            prompts = [task.prompt(ex, tokenizer) for ex in chunks[c]]
+            ids, valid = encode_prompts(tokenizer, prompts, device=device)
+            ids, valid = ids.repeat_interleave(n, 0), valid.repeat_interleave(n, 0)
+            generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, c))
+            out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
+            texts = [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
+            for j, ex in enumerate(chunks[c]):
+                mine = texts[j * n:(j + 1) * n]
+                _, scored = evaluate_completions(task, [ex] * n, mine, [prompts[j]] * n)
+                samples = [{key: r[key] for key in ("completion", "extracted", "reward", "correct")}
+                           for r in scored]
+                record = {key: value for key, value in scored[0].items()}
+                record["index"] = ex.meta.get("index", c * per_chunk + j)
+                record.update(samples=samples, **sample_metrics(samples, ks, task.same_answer))
+                records.append(record)
+    return records

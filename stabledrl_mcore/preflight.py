@@ -4,8 +4,8 @@
 files: the preset name, every path (``model.checkpoint``, ``model.tokenizer``,
 ``rollout.data_path``), the parallel layout against the model's own shape (from
 the preset and ``model.overrides``, or the checkpoint's config), the rows each
-rank holds against ``parallel.micro_batch_size``, and the training (and held-out)
-examples: they load and are not empty. It builds no model and reads only
+rank holds against ``parallel.micro_batch_size``, the prompt format (``rollout.chat_template``
+exists and renders), and the training (and held-out) examples: they load and are not empty. It builds no model and reads only
 config files, safetensors headers and the data, so a bad run fails in seconds
 with one line naming the field and the fix.
 """
@@ -197,10 +197,14 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
 def _task(cfg: RunConfig):
     from .tasks import get_task
 
+    from .tasks.prompts import rollout_prompt_format
+
     try:
-        return get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+        task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.task_options of task {cfg.rollout.task!r}: {err}") from None
+    task.prompt_format = rollout_prompt_format(cfg.rollout)  # the template file exists and renders
+    return task
 
 
 def _load(cfg: RunConfig, task, split: str) -> list:

@@ -75,7 +75,7 @@ def cluster(tmp_path_factory):
 
 
 def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIPT, env_overrides=None,
-            sbatch=SBATCH_CPU) -> str:
+            sbatch=SBATCH_CPU, script_args=()) -> str:
     """sbatch ``script`` (default: the LLaDA job with the tiny config) in CPU mode; returns the job id."""
     env = cluster.env()
     env.update(STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_DEVICE="cpu")
@@ -86,7 +86,7 @@ def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIP
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)  # the job derives its own rendezvous from SLURM, not from this shell
     proc = subprocess.run(["sbatch", "--parsable", *sbatch,
-                           f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", script],
+                           f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", script, *script_args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
@@ -224,3 +224,42 @@ def test_bench_job_writes_its_json(cluster, tmp_path):
     _wait_final(cluster, job, run_dir, timeout=300)
     result = json.loads((run_dir / "logs" / job / "restart_0" / "bench.json").read_text())
     assert result["layout"]["world_size"] == 1 and result["phases"]["step"]["tokens_per_s"] > 0
+
+
+def _eval_script_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STABLEDRL_", "SLURM_"))}
+    env.update(extra)
+    return env
+
+
+def test_eval_script_parses_and_refuses_missing_or_training_inputs():
+    """slurm/eval.sh: valid bash; without a checkpoint or task, or with training-only settings, it
+    stops with one line (exit 2) before asking SLURM for anything."""
+    assert subprocess.run(["bash", "-n", "slurm/eval.sh"], cwd=ROOT, timeout=30).returncode == 0
+    for env, needle in (({"STABLEDRL_TASK": "gsm8k"}, "STABLEDRL_CKPT"),
+                        ({"STABLEDRL_CKPT": "/x"}, "STABLEDRL_TASK"),
+                        ({"STABLEDRL_CKPT": "/x", "STABLEDRL_TASK": "gsm8k", "STABLEDRL_OVERRIDES": "steps=1"},
+                         "STABLEDRL_OVERRIDES")):
+        proc = subprocess.run(["bash", "slurm/eval.sh"], cwd=ROOT, env=_eval_script_env(**env),
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_eval_job_samples_across_two_nodes(cluster, tmp_path):
+    """slurm/eval.sh on 2 nodes x 1 task (DP = 2): every sample of every example, and the summary."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=2)
+    flags = ["--limit", "3", "--gen-length", "4", "--steps", "4", "--block-length", "4", "--n", "2",
+             "--temperature", "1.0", "--k", "1,2", "--batch-size", "2", "--threads", "1"]
+    run_dir, out = tmp_path / "eval_run", tmp_path / "eval" / "sudoku.jsonl"
+    job = _submit(cluster, run_dir, script="slurm/eval.sh",
+                  env_overrides={"STABLEDRL_CKPT": hf, "STABLEDRL_TASK": "sudoku"},
+                  sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=00:10:00"),
+                  script_args=(*flags, "--out", str(out)))
+    _wait_final(cluster, job, run_dir, timeout=300)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    summary = json.loads(out.with_name("sudoku.summary.json").read_text())
+    assert len(records) == 3 and all(len(r["samples"]) == 2 for r in records) and "pass@2" in summary
+    assert "stabledrl_mcore.cli eval" in (run_dir / "logs" / job / "restart_0" / "command.txt").read_text()

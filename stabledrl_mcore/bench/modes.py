@@ -23,7 +23,8 @@ import torch
 from ..config import ConfigError, RunConfig
 
 # rollout fields the training set-up reads once (prompt stream, task): a mode cannot change them
-SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step")
+SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step",
+                "system_prompt", "prompt_template", "chat_template")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 

@@ -18,6 +18,7 @@ import torch
 from ..config import RunConfig
 from ..tasks import GENERATED_TASKS, get_task
 from ..tasks.base import Example
+from ..tasks.prompts import rollout_prompt_format
 
 
 @dataclass
@@ -150,6 +151,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
         raise NotImplementedError("pipeline parallelism is not supported by the RL loop yet "
                                   "(rollouts need a pipelined sampler); use tensor and data parallelism")
     task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+    task.prompt_format = rollout_prompt_format(cfg.rollout)  # the prompts eval and generate use too
     # the data is read (and a bad file refused) before anything distributed or a model is built
     examples = train_examples if train_examples is not None else load_train_examples(cfg, task)
     bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,

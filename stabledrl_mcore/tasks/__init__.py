@@ -15,7 +15,7 @@ from stabledrl_mcore.tasks.evaluation import (SHARD_MODES, evaluate_completions,
 from stabledrl_mcore.tasks.extract import answer_tag, last_boxed, parse_number
 from stabledrl_mcore.tasks.math_equiv import math_equal
 from stabledrl_mcore.tasks.math_tasks import Gsm8kTask, Math500Task, resolve_data_root
-from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, build_prompt
+from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, PromptFormat, build_prompt, prompt_format
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions, solve as solve_sudoku
 
@@ -29,6 +29,6 @@ __all__ = [
     "SHARD_MODES", "evaluate_completions", "shard_examples", "shard_indices", "write_jsonl",
     "answer_tag", "last_boxed", "parse_number", "math_equal",
     "Gsm8kTask", "Math500Task", "resolve_data_root",
-    "SYSTEM_PROMPT", "build_prompt", "anti_short_boxed_bonus",
+    "SYSTEM_PROMPT", "PromptFormat", "build_prompt", "prompt_format", "anti_short_boxed_bonus",
     "SudokuTask", "count_solutions", "solve_sudoku",
 ]

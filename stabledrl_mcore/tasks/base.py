@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from stabledrl_mcore.tasks.prompts import build_prompt
+from stabledrl_mcore.tasks.prompts import PromptFormat
 from stabledrl_mcore.tasks.shaping import (ANTI_SHORT_BOXED_MIN_CHARS, ANTI_SHORT_BOXED_MIN_RATIO,
                                            anti_short_boxed_bonus, check_anti_short_boxed_thresholds)
 
@@ -102,6 +102,8 @@ class Task:
     """Add :func:`~.shaping.anti_short_boxed_bonus` (0 or 1) to every reward."""
     anti_short_boxed_min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS
     anti_short_boxed_min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO
+    prompt_format: PromptFormat = PromptFormat()
+    """System prompt override, user-turn template and chat template (``rollout.*``; :mod:`.prompts`)."""
 
     def __init__(self, *, anti_short_boxed: bool = False,
                  anti_short_boxed_min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
@@ -140,11 +142,12 @@ class Task:
     def prompt(self, example: Example, tokenizer: Any = None) -> str:
         """The full prompt: chat template of ``tokenizer`` if it has one, else plain text.
 
-        With ``prompt_style == "compact"`` it is :meth:`compact_prompt` instead.
+        With ``prompt_style == "compact"`` it is :meth:`compact_prompt` instead. ``prompt_format``
+        (the run's system prompt, template and chat template) applies in train, eval and generate.
         """
         if self.prompt_style == "compact":
             return self.compact_prompt(example)
-        return build_prompt(example.prompt, tokenizer, system_prompt=self.system_prompt)
+        return self.prompt_format.render(example.prompt, tokenizer, default_system=self.system_prompt)
 
     def compact_prompt(self, example: Example) -> str:
         """The bare question, no system prompt or template (tiny from-scratch models)."""
@@ -186,6 +189,10 @@ class Task:
     def is_correct(self, completion: str, reference: Any) -> bool:
         """Strict correctness (used for accuracy): full *base* reward (shaping terms do not count)."""
         return self.base_reward(completion, reference) >= self.base_reward_range[1]
+
+    def same_answer(self, a: str, b: str) -> bool:
+        """Whether two extracted answers are the same (maj@k votes): equal up to whitespace."""
+        return " ".join(str(a).split()) == " ".join(str(b).split())
 
     def __repr__(self) -> str:
         extra = ", anti_short_boxed=True" if self.anti_short_boxed else ""

@@ -164,6 +164,13 @@ class _FileMathTask(Task):
         formatted = float(bool(tag))
         return (1.0 - self.format_weight) * correct + self.format_weight * formatted
 
+    def same_answer(self, a: str, b: str) -> bool:
+        """Two extracted answers are the same when the task's verifier says so (maj@k votes)."""
+        try:
+            return bool(self._correct(a, b))
+        except Exception:
+            return super().same_answer(a, b)
+
     def is_correct(self, completion: str, reference: Any) -> bool:
         ref = self.check_reference(reference)
         try:

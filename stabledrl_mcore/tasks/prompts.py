@@ -11,11 +11,20 @@ documented plain fallback::
 
     Question: <question>
     Answer:
+
+:class:`PromptFormat` is what a run configures (``rollout.system_prompt``,
+``rollout.prompt_template``, ``rollout.chat_template``; the same flags on
+``eval`` / ``generate``): the system prompt (None = the task's own), the user
+turn as a template of ``{question}``, and a Jinja chat template file that
+replaces the tokenizer's. ``Task.prompt`` renders through it, so training,
+evaluation and generation format prompts with one function. See docs/evaluation.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 MATH_SYSTEM_PROMPT = (
     "You are a careful math solver. Think step by step, showing your reasoning "
@@ -53,20 +62,159 @@ def plain_prompt(question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
     return f"{head}Question: {question}\nAnswer:"
 
 
-def build_prompt(question: str, tokenizer: Any = None, *, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """Format ``question`` with ``tokenizer``'s chat template, or the plain fallback."""
-    if not _has_chat_template(tokenizer):
+def build_prompt(question: str, tokenizer: Any = None, *, system_prompt: str = SYSTEM_PROMPT,
+                 chat_template: Optional[str] = None) -> str:
+    """Format ``question`` with ``tokenizer``'s chat template, or the plain fallback.
+
+    ``chat_template``: the text of a Jinja chat template used instead of the tokenizer's
+    (also for tokenizers without one), rendered by :func:`render_chat_template`."""
+    if chat_template is None and not _has_chat_template(tokenizer):
         return plain_prompt(question, system_prompt)
+
+    def apply(messages):
+        if chat_template is not None:
+            return render_chat_template(chat_template, messages, tokenizer)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     messages = [{"role": "user", "content": question}]
     if system_prompt:
         messages.insert(0, {"role": "system", "content": system_prompt})
     try:
-        out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = apply(messages)
     except Exception:  # some templates refuse a system role: fold it into the user turn
         if not system_prompt:
             raise
-        merged = [{"role": "user", "content": f"{system_prompt}\n\n{question}"}]
-        out = tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+        out = apply([{"role": "user", "content": f"{system_prompt}\n\n{question}"}])
     if not isinstance(out, str):
         raise TypeError(f"apply_chat_template returned {type(out).__name__}, expected str")
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(text: str):
+    """A Jinja template compiled as Hugging Face compiles chat templates (sandboxed, trimmed blocks)."""
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(text)
+
+
+def render_chat_template(text: str, messages: Sequence[dict], tokenizer: Any = None) -> str:
+    """Render the Jinja chat template ``text`` for ``messages`` with ``add_generation_prompt``.
+
+    Variables: ``messages``, ``add_generation_prompt`` (true) and the tokenizer's
+    ``bos_token`` / ``eos_token`` / ``pad_token`` strings ("" without a tokenizer)."""
+    backend = getattr(tokenizer, "backend", None)
+    specials = {name: str(getattr(backend, name, None) or "") for name in ("bos_token", "eos_token", "pad_token")}
+    return _compiled(text).render(messages=list(messages), add_generation_prompt=True, **specials)
+
+
+QUESTION = "{question}"
+"""The placeholder of :attr:`PromptFormat.template`."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a task's question becomes the model's prompt (see the module docstring).
+
+    system_prompt: None = the task's own system prompt; "" = none.
+    template:      the user turn; ``{question}`` is replaced by the question (nothing else is
+                   substituted, so braces such as ``\\boxed{}`` stay as written).
+    chat_template: path of a Jinja chat template file replacing the tokenizer's; None = the
+                   tokenizer's own (or the plain fallback when it has none).
+    Build one with :func:`prompt_format`, which checks it.
+    """
+
+    system_prompt: Optional[str] = None
+    template: str = QUESTION
+    chat_template: Optional[str] = None
+    chat_template_text: Optional[str] = None
+    """The file's text, read once by :func:`prompt_format`."""
+
+    @property
+    def is_default(self) -> bool:
+        return self.system_prompt is None and self.template == QUESTION and self.chat_template is None
+
+    def render(self, question: str, tokenizer: Any = None, *, default_system: str = "") -> str:
+        """The prompt text for ``question`` (``default_system``: the task's system prompt)."""
+        system = default_system if self.system_prompt is None else self.system_prompt
+        return build_prompt(self.template.replace(QUESTION, question), tokenizer, system_prompt=system,
+                            chat_template=self.chat_template_text)
+
+
+PROMPT_FIELDS = ("rollout.system_prompt", "rollout.prompt_template", "rollout.chat_template")
+"""The config fields of a :class:`PromptFormat` (their names in error messages)."""
+
+
+def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] = None,
+                  chat_template: Optional[str] = None, *, names: Sequence[str] = PROMPT_FIELDS) -> PromptFormat:
+    """A checked :class:`PromptFormat`: the template holds ``{question}``; the chat template file
+    exists, parses and renders a test conversation. A failure is one :class:`~..errors.UserError`
+    line naming the field (``names``: system prompt, template, chat template) and the fix."""
+    from stabledrl_mcore.errors import UserError
+
+    template = QUESTION if template is None else template
+    if not isinstance(template, str) or QUESTION not in template:
+        raise UserError(f"{names[1]}: {template!r} has no {QUESTION} placeholder (where the question goes), "
+                        f"e.g. 'Solve: {QUESTION}'")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise UserError(f"{names[0]} must be a string (or null for the task's own), got {system_prompt!r}")
+    if chat_template is None:
+        return PromptFormat(system_prompt, template)
+    text = _read_template(str(chat_template), names[2])
+    fmt = PromptFormat(system_prompt, template, str(chat_template), text)
+    try:
+        out = fmt.render("test question", default_system="test system prompt")
+    except Exception as err:  # noqa: BLE001 - any Jinja failure is the file's, named in one line
+        raise UserError(f"{names[2]}: {chat_template} does not render a test conversation: "
+                        f"{type(err).__name__}: {err}") from None
+    if not isinstance(out, str) or not out.strip():
+        raise UserError(f"{names[2]}: {chat_template} renders an empty prompt for a test conversation")
+    return fmt
+
+
+def rollout_prompt_format(rollout: Any) -> PromptFormat:
+    """The checked :class:`PromptFormat` of a config's ``rollout`` section (train, preflight).
+
+    ``prompt_style: compact`` prompts are the bare question: the prompt fields are refused there."""
+    from stabledrl_mcore.errors import UserError
+
+    given = {"rollout.system_prompt": rollout.system_prompt is not None,
+             "rollout.prompt_template": rollout.prompt_template != QUESTION,
+             "rollout.chat_template": rollout.chat_template is not None}
+    if rollout.prompt_style == "compact" and any(given.values()):
+        named = ", ".join(name for name, set_ in given.items() if set_)
+        raise UserError(f"{named}: rollout.prompt_style=compact prompts are the bare question; set "
+                        f"rollout.prompt_style=chat to use them, or unset them")
+    return prompt_format(rollout.system_prompt, rollout.prompt_template, rollout.chat_template)
+
+
+def _read_template(path: str, name: str) -> str:
+    from stabledrl_mcore.errors import UserError
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise UserError(f"{name}: {path} does not exist (give a Jinja chat template file)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{name}: cannot read {path}: {err}") from None
+    try:
+        import jinja2
+    except ImportError:
+        raise UserError(f"{name}: rendering {path} needs jinja2 (pip install jinja2)") from None
+    try:
+        _compiled(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise UserError(f"{name}: {path}: line {err.lineno}: {err.message} (not a valid Jinja template)") from None
+    return text

@@ -1,0 +1,40 @@
+#!/bin/bash
+# `stabledrl eval` of one checkpoint across the allocation: examples sharded over the data-parallel
+# ranks (one task per GPU, DP = tasks / STABLEDRL_TP), results written by rank 0.
+#
+#   STABLEDRL_CKPT=runs/llada_8b/checkpoints/step_00000100 STABLEDRL_TASK=gsm8k \
+#     sbatch [--nodes=N] [--partition=P] [--account=A] slurm/eval.sh [EVAL FLAGS ...]
+#   e.g. ... slurm/eval.sh --n 16 --temperature 0.6 --k 1,4,16 --gen-length 256 --out results/gsm8k.jsonl
+#
+# Submit from the repository root (or set STABLEDRL_ROOT). Arguments are `stabledrl eval` flags
+# (not config overrides). Environment, defaults:
+#   STABLEDRL_CKPT (required)  HF directory, converted checkpoint or training checkpoint step_*
+#   STABLEDRL_TASK (required)  gsm8k | math500 | countdown | sudoku | ...
+#   STABLEDRL_TP=1             tensor-parallel size of each replica
+#   STABLEDRL_RUN_DIR=runs/eval_<task>  (logs)  STABLEDRL_PYTHON=python  STABLEDRL_DEVICE=gpu
+#   MASTER_ADDR=<first node>  MASTER_PORT=<20000 + job id % 20000>   (details: slurm/common.sh)
+# Results: --out (default ./eval_<task>_<split>.jsonl in the submit directory) and its
+# .summary.json; an existing file is refused before any rank starts (pass --overwrite).
+#SBATCH --job-name=stabledrl-eval
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --time=04:00:00
+#SBATCH --output=slurm-%x-%j.out
+
+# shellcheck source=slurm/common.sh
+source "${STABLEDRL_ROOT:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}}/slurm/common.sh"
+[[ -n "${STABLEDRL_CKPT:-}" ]] || sdrl_die "set STABLEDRL_CKPT to the checkpoint to evaluate"
+[[ -n "${STABLEDRL_TASK:-}" ]] || sdrl_die "set STABLEDRL_TASK to the task (gsm8k, math500, countdown, sudoku, ...)"
+for unused in STABLEDRL_CONFIG STABLEDRL_OVERRIDES; do
+    [[ -z "${!unused:-}" ]] || sdrl_die "$unused is for training jobs; eval takes flags after the script name"
+done
+sdrl_setup
+sdrl_log_dir "${STABLEDRL_RUN_DIR:-runs/eval_$STABLEDRL_TASK}"
+EVAL=("$STABLEDRL_PYTHON" -m stabledrl_mcore.cli eval --ckpt "$STABLEDRL_CKPT" --task "$STABLEDRL_TASK"
+      --tp "${STABLEDRL_TP:-1}" --no-progress "$@")
+# every input once, before any rank starts (a bad flag, data file, template or existing output)
+"${EVAL[@]}" --check || sdrl_die "eval inputs refused (above): ${EVAL[*]}"
+rc=0
+sdrl_run_step "${EVAL[@]}" || rc=$?
+exit "$rc"
