@@ -1,10 +1,9 @@
 """``stabledrl sft``: masking, the loss against hand computations (LLaDA, SDAR per block), data rows,
 training of both architectures with an exact ``--resume auto``, and the command line."""
 
+import contextlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -192,28 +191,106 @@ def _sft_worker(tmp, out):
                                       if torch.is_tensor(v)}, s.block_size)
             bootstrap.destroy()
     cli = _overrides(os.path.join(tmp, "cli"), data, "llada-tiny", steps=1)
-    results["cli"] = [main(["sft", *cli]), main(["sft", *cli])]  # the second: the run directory is used
+    results["cli"] = [main(["sft", *cli])]
+    with open(os.path.join(tmp, "cli_stderr.txt"), "w") as err, contextlib.redirect_stderr(err):
+        results["cli"].append(main(["sft", *cli]))  # the run directory is used now
     torch.save(results, out)
 
 
+def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.sft import SFTConfig
+    from stabledrl_mcore.sft.preflight import preflight_sft
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("examples/sft/tiny_cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"], cls=SFTConfig)
+    summary = preflight_sft(cfg, world_size=2)
+    assert "preflight ok: model.preset llada-tiny" in summary and "data-parallel 2" in summary and "64 rows" in summary
+    with pytest.raises(Exception, match=r"sft.batch_size=16 must split into 2 data-parallel rank\(s\) of whole "
+                                        r"parallel.micro_batch_size=16"):
+        preflight_sft(load_config("examples/sft/tiny_cpu.yaml", ["parallel.micro_batch_size=16"], cls=SFTConfig),
+                      world_size=2)
+
+
+def _layout_worker(tmp, name, extra, out):
+    """The uninterrupted llada-tiny run of :func:`_sft_worker` on 2 ranks (one layout per launch)."""
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.sft import SFTConfig, train_sft
+
+    run = os.path.join(tmp, name)
+    s = train_sft(load_config(None, _overrides(run, os.path.join(tmp, "data.jsonl"), "llada-tiny", **extra),
+                              cls=SFTConfig))
+    state = {k: v.detach().clone() for k, v in s.model.state_dict().items() if torch.is_tensor(v)}
+    torch.save(state, out.format(rank=torch.distributed.get_rank()))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every Megatron run of this file, once: both architectures (full, cut + resumed, the CLI) on
+    one rank, the llada-tiny run again on two (DP=2, TP=2)."""
+    tmp = tmp_path_factory.mktemp("sft")
+    spawn(_sft_worker, 1, (str(tmp), str(tmp / "one_rank.pt")), timeout=300)
+    two = [{}, {}]
+    for name, extra in (("dp2", {}), ("tp2", {"parallel.tensor_parallel": 2})):
+        spawn(_layout_worker, 2, (str(tmp), name, extra, str(tmp / (name + ".{rank}.pt"))), timeout=300)
+        for rank in (0, 1):
+            two[rank][name] = torch.load(tmp / f"{name}.{rank}.pt")
+    return tmp, torch.load(tmp / "one_rank.pt"), two
+
+
 @pytest.mark.multiprocess
-def test_sft_trains_both_architectures_checkpoints_and_resumes_exactly(tmp_path, capfd):
-    out = str(tmp_path / "results.pt")
-    spawn(_sft_worker, 1, (str(tmp_path), out), timeout=300)
-    results = torch.load(out)
-    for preset, block_size in (("llada-tiny", None), ("sdar-tiny", 4)):
-        (full, used_block), (resumed, _) = results[preset, "full"], results[preset, "cut"]
-        assert used_block == block_size, "SDAR trains through the staircase layout, LLaDA bidirectionally"
-        run = tmp_path / preset
-        curve = [json.loads(line)["fixed_mask_loss"] for line in open(run / "full" / "metrics.jsonl")]
-        assert len(curve) == 4 and curve[-1] < curve[0] - 0.1, f"{preset}: loss did not fall: {curve}"
-        assert sorted(os.listdir(run / "cut" / "checkpoints")) == ["step_00000002", "step_00000004"]
-        steps = [json.loads(line)["step"] for line in open(run / "cut" / "metrics.jsonl")]
-        assert steps == [1, 2, 3, 4], "the resumed run continued at step 3"
-        state = json.load(open(run / "cut" / "checkpoints" / "step_00000004" / "train_state.json"))
-        assert state["step"] == 4 and state["data_position"] == 4 * 8
-        for key in full:
-            assert torch.equal(full[key], resumed[key]), f"{preset}: {key} differs after --resume auto"
+@pytest.mark.parametrize("preset,block_size", [("llada-tiny", None), ("sdar-tiny", 4)])
+def test_sft_trains_checkpoints_and_resumes_exactly(trained, preset, block_size):
+    tmp, results, _ = trained
+    (full, used_block), (resumed, _) = results[preset, "full"], results[preset, "cut"]
+    assert used_block == block_size, "SDAR trains through the staircase layout, LLaDA bidirectionally"
+    run = tmp / preset
+    curve = [json.loads(line)["fixed_mask_loss"] for line in open(run / "full" / "metrics.jsonl")]
+    assert len(curve) == 4 and curve[-1] < curve[0] - 0.1, f"{preset}: loss did not fall: {curve}"
+    assert sorted(os.listdir(run / "cut" / "checkpoints")) == ["step_00000002", "step_00000004"]
+    steps = [json.loads(line)["step"] for line in open(run / "cut" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4], "the resumed run continued at step 3"
+    state = json.load(open(run / "cut" / "checkpoints" / "step_00000004" / "train_state.json"))
+    assert state["step"] == 4 and state["data_position"] == 4 * 8
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), f"{preset}: {key} differs after --resume auto"
+
+
+@pytest.mark.multiprocess
+def test_stabledrl_sft_trains_and_refuses_a_used_run_directory(trained):
+    tmp, results, _ = trained
     assert results["cli"] == [0, 2], "stabledrl sft trains; a second run into the used directory is refused"
-    assert os.path.isdir(tmp_path / "cli" / "checkpoints" / "step_00000001")
-    assert "--resume auto" in capfd.readouterr().err
+    assert os.path.isdir(tmp / "cli" / "checkpoints" / "step_00000001" / "hf"), "the tokenizer travels with it"
+    assert "--resume auto" in (tmp / "cli_stderr.txt").read_text()
+
+
+@pytest.mark.multiprocess
+def test_dp2_equals_dp1_and_tp2_trains(trained):
+    tmp, results, two = trained
+    ref = results["llada-tiny", "full"][0]
+    for rank in (0, 1):
+        got = two[rank]["dp2"]
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5, f"DP=2 rank {rank} differs from DP=1"
+    loss = [[json.loads(line)["loss"] for line in open(d / "metrics.jsonl")]
+            for d in (tmp / "llada-tiny" / "full", tmp / "dp2", tmp / "tp2")]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-5), "the logged loss is the job's mean"
+    assert all(0 < v < 10 for v in loss[2]), "TP=2 trains"
+    tp = two[0]["tp2"]
+    fc2 = [k for k in tp if k.endswith("linear_fc2.weight")][0]
+    assert tp[fc2].shape[1] * 2 == ref[fc2].shape[1], "TP=2 holds half of fc2"
+
+
+def test_sft_command_refuses_bad_input_before_any_rank(tmp_path, capsys):
+    from stabledrl_mcore.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a="}\n')
+    assert main(["sft", f"sft.data_path={data}", f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    assert f"{data}:1: no text field 'response'" in capsys.readouterr().err
+    assert main(["sft", "logging.run_dir=x"]) == 2
+    assert "sft.data_path is required" in capsys.readouterr().err
+    assert main(["sft", f"sft.data_path={data}", "parallel.retain_update_graph=true"]) == 2
+    assert "parallel.retain_update_graph belongs to the RL loop" in capsys.readouterr().err
+    assert main(["sft", f"sft.data_path={data}", "rollout.task=gsm8k"]) == 2
+    assert "rollout" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing written"

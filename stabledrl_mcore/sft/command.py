@@ -6,7 +6,7 @@ import argparse
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML SFT config (see examples/configs/sft_tiny.yaml)")
+    parser.add_argument("--config", metavar="FILE", help="YAML SFT config (see examples/sft/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, e.g. sft.data_path=data.jsonl model.checkpoint=DIR")
     parser.add_argument("--resume", default=None, metavar="auto|none|PATH",
