@@ -190,6 +190,14 @@ def _sft_worker(tmp, out):
             results[preset, name] = ({k: v.detach().clone() for k, v in s.model.state_dict().items()
                                       if torch.is_tensor(v)}, s.block_size)
             bootstrap.destroy()
+    from stabledrl_mcore.rl import trainer as rl_trainer
+
+    def preempt(s, step):  # as SIGUSR1 would: the step finishes, a checkpoint is written, the run stops
+        rl_trainer._PREEMPTION["caught"] = step == 2
+    cfg = load_config(None, _overrides(os.path.join(tmp, "preempted"), data, "llada-tiny"), cls=SFTConfig)
+    results["preempted"] = train_sft(cfg, hooks=[preempt]).preempted
+    rl_trainer._PREEMPTION["caught"] = False
+    bootstrap.destroy()
     cli = _overrides(os.path.join(tmp, "cli"), data, "llada-tiny", steps=1)
     results["cli"] = [main(["sft", *cli])]
     with open(os.path.join(tmp, "cli_stderr.txt"), "w") as err, contextlib.redirect_stderr(err):
@@ -262,6 +270,13 @@ def test_stabledrl_sft_trains_and_refuses_a_used_run_directory(trained):
     assert results["cli"] == [0, 2], "stabledrl sft trains; a second run into the used directory is refused"
     assert os.path.isdir(tmp / "cli" / "checkpoints" / "step_00000001" / "hf"), "the tokenizer travels with it"
     assert "--resume auto" in (tmp / "cli_stderr.txt").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_preempted_sft_run_checkpoints_and_stops(trained):
+    tmp, results, _ = trained
+    assert results["preempted"] is True
+    assert os.listdir(tmp / "preempted" / "checkpoints") == ["step_00000002"]
 
 
 @pytest.mark.multiprocess

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -159,7 +159,3 @@ class PlainText:
 
     chat_template = None
 
-
-def describe(data: SFTData) -> Dict[str, int]:
-    """Counts for the console: rows, row length, answer tokens."""
-    return {"rows": len(data), "row_tokens": data.ids.shape[1], "answer_tokens": int(data.answer.sum())}

@@ -82,7 +82,8 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
               stop_after: Optional[int] = None) -> SFTSetup:
     """Run ``cfg.steps`` SFT steps. ``hooks(setup, step)`` run on every rank after each step (their
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
-    checkpoint (the demo stops at a validation accuracy); ``stop_after`` ends early (tests)."""
+    checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
+    from DP-reduced metrics); ``stop_after`` ends early (tests)."""
     from ..rl.trainer import (_maybe_resume, _progress, install_preemption_handlers, preemption_agreed,
                               prepare_start, save_training_checkpoint)
     from .setup import build_sft
