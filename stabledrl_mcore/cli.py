@@ -131,6 +131,8 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
              _lazy(".commands", "add_generate_arguments"), _lazy(".commands", "run_generate")),
             ("eval", "evaluate a checkpoint on a task (sharded over ranks)",
              _lazy(".commands", "add_eval_arguments"), _lazy(".commands", "run_eval")),
+            ("sft", "masked-diffusion SFT on JSONL/parquet conversations (LLaDA recipe, SDAR staircase)",
+             _lazy(".sft.command", "add_sft_arguments"), _lazy(".sft.command", "run_sft")),
             ("stress", "GRPO vs StableDRL with and without ratio noise (stability experiment)",
              _lazy(".commands", "add_stress_arguments"), _lazy(".commands", "run_stress")),
             ("bench", "measure per-phase throughput and MFU (and a baseline, weak scaling)",

@@ -5,7 +5,7 @@
 1. labelled puzzles (with solutions) for SFT and a validation set, from the
    ``train`` split with the run's seed (held-out ``test`` grids never occur);
 2. a character sentencepiece tokenizer trained on them;
-3. masked-diffusion SFT from scratch (LLaDA eq. 3, SFT variant) until the
+3. masked-diffusion SFT from scratch (``stabledrl sft``'s loop, LLaDA eq. 3) until the
    validation accuracy *first* reaches ``sft_target``: the RL start point is
    chosen by accuracy, not by time, because SFT on this task goes through a
    sharp phase transition (0% -> 90%+ within a few hundred steps);
@@ -75,52 +75,62 @@ def position_overrides(positions: str, tokenizer) -> Dict[str, object]:
     raise ValueError(f"positions must be one of {POSITION_INPUTS}, got {positions!r}")
 
 
+def sft_rows(task, examples: List[Example]) -> List[Dict[str, str]]:
+    """The labelled puzzles as ``stabledrl sft`` prompt/response rows (compact prompt, solution)."""
+    return [{"prompt": task.prompt(ex), "response": ex.reference["solution"]} for ex in examples]
+
+
 def sft_batches(tokenizer, task, examples: List[Example]):
-    """``[prompt | solution | EOS]`` rows, the completion mask, and the completion length."""
-    rows = [tokenizer.encode(task.prompt(ex)) + tokenizer.encode(ex.reference["solution"])
-            + [tokenizer.eos_token_id] for ex in examples]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    completion = torch.zeros_like(ids, dtype=torch.bool)
+    """``[prompt | solution | EOS]`` rows as the SFT library encodes :func:`sft_rows`, the answer
+    mask, and the answer length (every grid has the same length: no padding)."""
+    from ..sft import SFTSection, encode_rows
+
+    records = [(f"example {i}", row) for i, row in enumerate(sft_rows(task, examples))]
+    data = encode_rows(records, SFTSection(data_path="-"), tokenizer, source="labelled puzzles")
     prompt_len = len(tokenizer.encode(task.prompt(examples[0])))
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        completion[i, prompt_len:len(row)] = True
-    return ids, completion, width - prompt_len
+    return data.ids, data.answer, data.ids.shape[1] - prompt_len
 
 
-def run_sft(model, tokenizer, task, labelled: List[Example], validation: List[Example], *,
-            setting: TinySudoku) -> Dict[str, float]:
-    """Masked-diffusion SFT until validation accuracy first reaches ``setting.sft_target``."""
-    from ..diffusion.pretrain import masked_diffusion_loss
+def sft_overrides(out: str, setting: TinySudoku, tokenizer, data_path: str) -> List[str]:
+    """The setting's SFT as a ``stabledrl sft`` config (one rank; AdamW, no clipping, no decay)."""
+    model = json.dumps(tiny_model_overrides(tokenizer, setting))
+    return [f"model.overrides={model}", f"model.tokenizer={tokenizer.path}", f"sft.data_path={data_path}",
+            f"sft.batch_size={setting.sft_batch}", f"parallel.micro_batch_size={setting.sft_batch}",
+            "parallel.threads=1", f"parallel.seed={setting.seed}", f"steps={setting.sft_steps}",
+            "optim.name=adam", f"optim.lr={setting.sft_lr}", "optim.betas=[0.9, 0.999]", "optim.weight_decay=0.0",
+            "optim.clip_grad=0.0", "optim.distributed=false", f"logging.run_dir={os.path.join(out, 'sft')}",
+            "logging.wandb_mode=disabled", "logging.log_every=25", "logging.progress=false",
+            "checkpoint.save_every=0", "checkpoint.keep_last=1", "checkpoint.overwrite=true"]
+
+
+def run_sft(out: str, tokenizer, task, labelled: List[Example], validation: List[Example], *,
+            setting: TinySudoku):
+    """Masked-diffusion SFT (``stabledrl sft``'s loop) until validation accuracy first reaches
+    ``setting.sft_target``; returns ``(model, record)``."""
+    from ..config import load_config
     from ..evaluation import evaluate_model
+    from ..sft import SFTConfig, train_sft
+    from ..tasks import write_jsonl
 
-    ids, completion, gen_length = sft_batches(tokenizer, task, labelled)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=setting.sft_lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(setting.seed)
-    from tqdm import tqdm
+    data_path = os.path.join(out, "sft_data.jsonl")
+    write_jsonl(data_path, sft_rows(task, labelled))
+    cfg = load_config(None, sft_overrides(out, setting, tokenizer, data_path), cls=SFTConfig)
+    gen_length = sft_batches(tokenizer, task, labelled[:1])[2]
+    last = {"accuracy": 0.0}
 
-    accuracy, step = 0.0, 0
-    bar = tqdm(total=setting.sft_steps, desc="sft", unit="step", dynamic_ncols=True)
-    for step in range(1, setting.sft_steps + 1):
-        rows = torch.randint(0, ids.shape[0], (setting.sft_batch,), generator=generator)
-        loss = masked_diffusion_loss(model, ids[rows], completion[rows], generator=generator,
-                                     mask_id=tokenizer.mask_token_id)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        bar.update(1)
-        every = setting.sft_eval_every_rising if accuracy > 0 else setting.sft_eval_every
-        if step % every == 0:
-            accuracy = evaluate_model(model, tokenizer, task, validation, gen_length=gen_length,
-                                      steps=gen_length, block_length=gen_length,
-                                      micro_batch=len(validation)).accuracy
-            bar.set_postfix(loss=f"{loss.item():.3f}", val_acc=f"{accuracy:.2f}")
-            bar.write(f"sft step {step:4d} | loss {loss.item():.3f} | validation accuracy {accuracy:.3f}")
-            if accuracy >= setting.sft_target:
-                break
-    bar.close()
-    return {"sft_steps": step, "sft_validation_accuracy": accuracy, "gen_length": gen_length}
+    def validate(s, step: int) -> Dict[str, float]:
+        every = setting.sft_eval_every_rising if last["accuracy"] > 0 else setting.sft_eval_every
+        if step % every:
+            return {}
+        last["accuracy"] = evaluate_model(s.model, tokenizer, task, validation, gen_length=gen_length,
+                                          steps=gen_length, block_length=gen_length,
+                                          micro_batch=len(validation)).accuracy
+        print(f"sft step {step:4d} | validation accuracy {last['accuracy']:.3f}", flush=True)
+        return {"validation_accuracy": last["accuracy"]}
+
+    s = train_sft(cfg, hooks=[validate], stop_when=lambda m: m.get("validation_accuracy", 0.0) >= setting.sft_target)
+    steps = s.scheduler.num_steps
+    return s.model, {"sft_steps": steps, "sft_validation_accuracy": last["accuracy"], "gen_length": gen_length}
 
 
 def prepare_sft_checkpoint(out: str, setting: TinySudoku,
@@ -131,7 +141,6 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     ``out/sft.json`` says it was made with the same setting.
     """
     from ..checkpoint.mcore_io import save_model_checkpoint
-    from ..models import build_model
     from ..parallel import bootstrap
     from ..tokenizer import train_sentencepiece
 
@@ -153,12 +162,10 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     tok_dir = os.path.join(out, "tokenizer")
     tokenizer = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in labelled],
                                     tok_dir, vocab_size=16)
-    bootstrap.initialize(1, 1, seed=setting.seed)
+    log(f"[sft] {len(labelled)} labelled puzzles, {len(validation)} for validation (stabledrl sft's loop, "
+        f"run directory {os.path.join(out, 'sft')})")
     try:
-        model = build_model(tiny_model_config(tokenizer, setting))
-        log(f"[sft] {sum(p.numel() for p in model.parameters()):,}-parameter model, "
-            f"{len(labelled)} labelled puzzles, {len(validation)} for validation")
-        result = run_sft(model, tokenizer, task, labelled, validation, setting=setting)
+        model, result = run_sft(out, tokenizer, task, labelled, validation, setting=setting)
         checkpoint = os.path.join(out, "sft_checkpoint")
         save_model_checkpoint(model, checkpoint, hf_assets=tok_dir, overwrite=True)
     finally:
@@ -172,16 +179,21 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     return record
 
 
+def tiny_model_overrides(tokenizer, setting: TinySudoku) -> Dict[str, object]:
+    """The ``llada-tiny`` fields the setting replaces (``model.overrides``), the tokenizer's ids included."""
+    return dict(vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
+                init_std=setting.init_std, **position_overrides(setting.positions, tokenizer),
+                num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
+                num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
+                mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+
+
 def tiny_model_config(tokenizer, setting: TinySudoku):
     """``llada-tiny`` resized to the setting, with the tokenizer's special ids."""
     from ..models import get_preset
 
-    return get_preset("llada-tiny", vocab_size=tokenizer.vocab_size, hidden_size=setting.hidden_size,
-                      init_std=setting.init_std, **position_overrides(setting.positions, tokenizer),
-                      num_layers=setting.num_layers, num_attention_heads=setting.num_heads,
-                      num_query_groups=setting.num_heads, ffn_hidden_size=setting.ffn_hidden_size,
-                      mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
+    return get_preset("llada-tiny", **tiny_model_overrides(tokenizer, setting))
 
 
 def answer_separator_id(tokenizer, separator: str = "=") -> int:

@@ -135,12 +135,35 @@ def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     return load_tokenizer(target)
 
 
-def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = None) -> TrainingSetup:
-    """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
-    from megatron.core import parallel_state as ps
+def build_optimizer(cfg, model, dtype: torch.dtype, total_updates: int):
+    """``(ddp, optimizer, scheduler)`` of ``cfg.optim`` around ``model``: Megatron DDP, the Megatron
+    optimizer (distributed ZeRO-1 on CPU/gloo as on GPU, Adam only: validated) and its LR
+    schedule over ``total_updates`` optimizer updates (``train`` and ``sft`` share it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    distributed = cfg.optim.distributed
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    opt_cfg = OptimizerConfig(
+        optimizer=cfg.optim.name, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
+        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1], sgd_momentum=0.0, clip_grad=cfg.optim.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr, max_lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr, lr_warmup_steps=cfg.optim.warmup_steps,
+        lr_decay_steps=max(total_updates, cfg.optim.warmup_steps + 1), lr_decay_style=cfg.optim.decay_style,
+        start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total_updates,
+        wd_incr_style="constant")
+    return ddp, optimizer, scheduler
+
+
+def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = None) -> TrainingSetup:
+    """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
+    from megatron.core import parallel_state as ps
 
     from ..models import build_model
     from ..parallel import bootstrap
@@ -168,23 +191,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     if cfg.model.checkpoint:
         load_initial_weights(model, cfg.model.checkpoint)
     reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
-    # Megatron's distributed (ZeRO-1) optimizer, on CPU/gloo as on GPU (Adam only: validated)
-    distributed = cfg.optim.distributed
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
-    opt_cfg = OptimizerConfig(
-        optimizer=cfg.optim.name, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
-        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
-        adam_beta2=cfg.optim.betas[1], sgd_momentum=0.0, clip_grad=cfg.optim.clip_grad,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     total = max(cfg.steps * cfg.algo.inner_iterations, 1)  # the schedule counts optimizer updates
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr, max_lr=cfg.optim.lr,
-        min_lr=cfg.optim.min_lr, lr_warmup_steps=cfg.optim.warmup_steps,
-        lr_decay_steps=max(total, cfg.optim.warmup_steps + 1), lr_decay_style=cfg.optim.decay_style,
-        start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total,
-        wd_incr_style="constant")
+    ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, total)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
     rows = cfg.rollout.generated_prompts // dp_size * cfg.rollout.group_size

@@ -1,0 +1,53 @@
+"""``stabledrl sft``: masked-diffusion SFT from a config file plus dotted overrides (like ``train``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML SFT config (see examples/sft/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, e.g. sft.data_path=data.jsonl model.checkpoint=DIR")
+    parser.add_argument("--resume", default=None, metavar="auto|none|PATH",
+                        help="resume from the newest complete checkpoint (auto) or PATH")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a run directory that holds an earlier run (moved aside, never deleted)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
+    parser.add_argument("--print-config", action="store_true", help="validate and print the resolved config, then exit")
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
+    from ..cli import _world_size
+    from ..config import ConfigError, load_config, to_dict
+    from .config import SFTConfig
+    from .preflight import preflight_sft
+
+    if not args.print_config:
+        from ..rl.trainer import install_preemption_handlers
+
+        install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
+    cfg = load_config(args.config, overrides, cls=SFTConfig)
+    summary = preflight_sft(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(f"# {summary}")
+        return 0
+    print(summary, flush=True)
+    from .trainer import sft_rank
+
+    if args.nproc is not None and args.nproc > 1:
+        from ..parallel.launch import exit_status, spawn
+        from ..rl.trainer import EXIT_PREEMPTED
+
+        return exit_status(spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
+                                 threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
+    return sft_rank(args.config, overrides)

@@ -1,0 +1,88 @@
+"""Build an SFT run from an :class:`~.config.SFTConfig`: distributed start-up, tokenizer, data,
+backbone (preset or ``model.checkpoint``), Megatron DDP, optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import DataError
+from .config import SFTConfig
+from .data import SFTData, load_sft_data, tokenizer_corpus
+
+
+def sft_tokenizer(cfg: SFTConfig):
+    """``model.tokenizer``, else the checkpoint's (also under ``hf/``), else (random init) a tiny
+    sentencepiece tokenizer trained on the data into ``<run_dir>/tokenizer`` by rank 0."""
+    from ..tokenizer import load_tokenizer, train_sentencepiece
+
+    path = cfg.model.tokenizer or cfg.model.checkpoint
+    if path and not cfg.model.tokenizer and os.path.isdir(os.path.join(path, "hf")):
+        path = os.path.join(path, "hf")
+    if path:
+        return load_tokenizer(path)
+    target = os.path.join(cfg.logging.run_dir, "tokenizer")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0 and not os.path.isdir(target):
+        train_sentencepiece(tokenizer_corpus(cfg.sft), target + ".tmp", vocab_size=64)
+        os.replace(target + ".tmp", target)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return load_tokenizer(target)
+
+
+def check_data(data: SFTData, mcfg, description: str) -> None:
+    """Token ids inside the model's vocabulary, rows inside its learned positions (if it has them)."""
+    top = int(data.ids.max())
+    if top >= mcfg.vocab_size:
+        raise DataError(f"{data.source}: token id {top} is outside {description}'s vocabulary "
+                        f"({mcfg.vocab_size}); use the model's own tokenizer (model.tokenizer)")
+    if mcfg.position_embedding == "learned" and data.ids.shape[1] > mcfg.max_position_embeddings:
+        raise DataError(f"{data.source}: rows of {data.ids.shape[1]} tokens exceed {description}'s "
+                        f"max_position_embeddings={mcfg.max_position_embeddings}; set sft.max_length (and shorten "
+                        f"the longer rows)")
+
+
+def build_sft(cfg: SFTConfig):
+    """Initialise distributed state and build everything :func:`~.trainer.train_sft` needs."""
+    from megatron.core import parallel_state as ps
+
+    from ..models import build_model
+    from ..parallel import bootstrap
+    from ..rl.setup import _model_config, build_optimizer, load_initial_weights
+    from .trainer import RowStream, SFTSetup
+
+    p = cfg.parallel
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    bootstrap.initialize(p.tensor_parallel, 1, seed=p.seed, timeout_minutes=p.timeout_minutes,
+                         backend=None if p.backend == "auto" else p.backend)
+    tokenizer = sft_tokenizer(cfg)
+    data = load_sft_data(cfg.sft, tokenizer)
+    mcfg = _model_config(cfg, tokenizer)
+    check_data(data, mcfg, "the model")
+    bootstrap.validate_parallel_layout(torch.distributed.get_world_size(), p.tensor_parallel, 1,
+                                       num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
+                                       num_query_groups=mcfg.num_query_groups)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
+    if cfg.model.checkpoint:
+        load_initial_weights(model, cfg.model.checkpoint)
+    ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, max(cfg.steps, 1))
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    check_batch(cfg, dp_size)
+    rows = RowStream(len(data), cfg.sft.batch_size, dp_rank, dp_size, p.seed)
+    block_size = int(mcfg.block_size) if mcfg.arch == "sdar" else None
+    return SFTSetup(cfg, model, ddp, optimizer, scheduler, tokenizer, data, rows, dp_rank, dp_size, block_size)
+
+
+def check_batch(cfg: SFTConfig, data_parallel: int) -> None:
+    """``sft.batch_size`` splits over the data-parallel ranks and then into micro-batches."""
+    from ..config import ConfigError
+
+    batch, micro = cfg.sft.batch_size, cfg.parallel.micro_batch_size
+    if batch % data_parallel or (batch // data_parallel) % micro:
+        raise ConfigError(f"sft.batch_size={batch} must split into {data_parallel} data-parallel rank(s) of "
+                          f"whole parallel.micro_batch_size={micro} micro-batches (batch_size / DP a multiple "
+                          f"of micro_batch_size)")

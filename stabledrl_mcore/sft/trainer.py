@@ -1,0 +1,208 @@
+"""The masked-diffusion SFT loop of ``stabledrl sft`` (and the demo's SFT).
+
+    for step in steps:
+        this rank's rows of the step -> micro-batches: masks drawn, loss, backward
+        grad sync -> (skip if non-finite on any rank) -> clip -> optimizer step
+        log, hooks, checkpoint
+
+Same machinery as ``train``: Megatron DDP and optimizer (:func:`~..rl.setup.build_optimizer`),
+tensor and data parallelism, atomic checkpoints with checksums, run-directory rules and
+``--resume auto`` (:mod:`..checkpoint.history`, :mod:`..checkpoint.resume`), pre-emption
+(SIGUSR1/SIGTERM: checkpoint, exit 75). Every draw comes from (seed, step, global
+micro-batch index), so the data-parallel split does not change the run and a resume is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ..checkpoint.history import checkpoint_root
+from ..config import save_config, to_dict
+from ..diffusion.pretrain import sft_sequence_losses
+from ..metrics import create_logger
+from ..models.placement import model_device
+from ..rl.setup import derive_seed, phase_generator
+from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite
+from .config import SFTConfig
+from .data import SFTData
+
+Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
+
+
+class RowStream:
+    """Rows of step ``s``: a seeded permutation per epoch, ``batch_size`` per step, split over DP ranks."""
+
+    def __init__(self, num_rows: int, batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def position(self, step: int) -> int:
+        """Index of the first row of ``step`` in the endless stream (saved in checkpoints)."""
+        return step * self.batch_size
+
+    def for_step(self, step: int) -> torch.Tensor:
+        local = self.batch_size // self.dp_size
+        start = self.position(step) + self.dp_rank * local
+        epochs = {}
+        rows = []
+        for index in range(start, start + local):
+            epoch, offset = divmod(index, self.num_rows)
+            if epoch not in epochs:
+                g = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "sft-rows", epoch))
+                epochs[epoch] = torch.randperm(self.num_rows, generator=g)
+            rows.append(int(epochs[epoch][offset]))
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class SFTSetup:
+    cfg: SFTConfig
+    model: Any
+    ddp: Any
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    data: SFTData
+    prompts: RowStream  # the name train's checkpoint code reads (data position)
+    dp_rank: int
+    dp_size: int
+    block_size: Optional[int]  # SDAR: the staircase layout; None: LLaDA's bidirectional forward
+    reference: Any = None  # no KL reference in SFT (train's checkpoint code asks)
+    preempted: bool = False
+    stopped_early: bool = False
+
+
+def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional[Callable[[Dict], bool]] = None,
+              stop_after: Optional[int] = None) -> SFTSetup:
+    """Run ``cfg.steps`` SFT steps. ``hooks(setup, step)`` run on every rank after each step (their
+    metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
+    checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
+    from DP-reduced metrics); ``stop_after`` ends early (tests)."""
+    from ..rl.trainer import (_maybe_resume, _progress, install_preemption_handlers, preemption_agreed,
+                              prepare_start, save_training_checkpoint)
+    from .setup import build_sft
+
+    plan, notes = prepare_start(cfg)
+    s = build_sft(cfg)
+    root = checkpoint_root(cfg)
+    start, resumed = _maybe_resume(s, root, plan)
+    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
+                           wandb_project=cfg.logging.wandb_project, console_keys=("loss", "grad_norm", "lr", "step_s"))
+    if torch.distributed.get_rank() == 0:
+        save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
+        for note in notes + resumed:
+            logger.info(note)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    install_preemption_handlers()
+    health, bar = SkipLimit(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0), _progress(cfg, start, end)
+    with logger:
+        for step in range(start, end):
+            began = time.perf_counter()
+            metrics, skip_reason = sft_update(s, step)
+            metrics["step_s"] = time.perf_counter() - began
+            for hook in hooks:
+                metrics.update(hook(s, step + 1) or {})
+            logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
+            bar.update(1)
+            s.stopped_early = bool(stop_when and stop_when(metrics)) and step + 1 < end
+            health.after_step(step + 1, skip_reason, final=step + 1 == end or s.stopped_early)
+            s.preempted = preemption_agreed()
+            save_every = cfg.checkpoint.save_every
+            if s.preempted or s.stopped_early or step + 1 == end or save_every and (step + 1) % save_every == 0:
+                save_training_checkpoint(s, root, step + 1)
+            if s.preempted:
+                logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
+            if s.preempted or s.stopped_early:
+                break
+    bar.close()
+    return s
+
+
+def sft_update(s: SFTSetup, step: int) -> Tuple[Dict[str, float], Optional[str]]:
+    """One optimizer step on this rank's rows of ``step`` (gradients accumulated over micro-batches):
+    ``(metrics, why the update was skipped or None)``."""
+    cfg, device = s.cfg, model_device(s.model)
+    rows = s.prompts.for_step(step)
+    micro = cfg.parallel.micro_batch_size
+    first_chunk = s.dp_rank * (len(rows) // micro)  # global micro-batch index: draws independent of DP
+    s.ddp.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for k, begin in enumerate(range(0, len(rows), micro)):
+        chosen = rows[begin:begin + micro]
+        ids, answer = s.data.ids[chosen].to(device), s.data.answer[chosen].to(device)
+        generator = phase_generator(cfg.parallel.seed, step, first_chunk + k, "sft", device=device)
+        losses, _ = sft_sequence_losses(s.ddp, ids, answer, mask_id=s.model.dllm_config.mask_token_id,
+                                        generator=generator, eps=cfg.sft.eps, block_size=s.block_size)
+        (losses.sum() / len(rows)).backward()  # DDP averages over data-parallel ranks: the job's mean
+        total += losses.detach().sum().double()
+    s.ddp.finish_grad_sync()
+    s.scheduler.step(increment=1)
+    loss = _job_mean(total, len(rows) * s.dp_size)
+    lr = s.optimizer.param_groups[0]["lr"]
+    if not agree_ok(bool(torch.isfinite(total))) or not grads_finite(s.model):
+        s.optimizer.zero_grad()
+        return {"loss": loss, "lr": lr, "skipped_updates": 1.0}, "non-finite loss or gradients"
+    _, grad_norm, _ = s.optimizer.step()
+    return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm or 0.0), "skipped_updates": 0.0}, None
+
+
+def _job_mean(local_sum: torch.Tensor, rows: int) -> float:
+    """Mean per-sequence loss over the data-parallel group (tensor-parallel ranks hold the same rows)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() > 1:
+        local_sum = local_sum.clone()
+        torch.distributed.all_reduce(local_sum, group=ps.get_data_parallel_group())
+    return float(local_sum) / rows
+
+
+class SkipLimit:
+    """Skipped updates: more than ``limit`` in a row, or none applied in a run from step 0, fail it."""
+
+    def __init__(self, limit: Optional[int], logger, *, from_step_zero: bool):
+        self.limit, self.logger, self.from_step_zero = limit, logger, from_step_zero
+        self.in_a_row = self.applied = self.skipped = 0
+
+    def after_step(self, step: int, reason: Optional[str], *, final: bool) -> None:
+        if reason is None:
+            self.applied, self.in_a_row = self.applied + 1, 0
+        else:
+            self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+            self.logger.info(f"warning: step {step}: update skipped ({reason}); {self.in_a_row} in a row")
+        if self.limit is not None and self.in_a_row > self.limit:
+            raise SkippedUpdatesError(f"{self.in_a_row} SFT updates in a row were skipped at step {step} ({reason}; "
+                                      f"sft.max_skipped_updates={self.limit}): check the starting checkpoint, "
+                                      f"lower optim.lr or resume from an earlier checkpoint")
+        if final and self.skipped and not self.applied and self.from_step_zero:
+            raise SkippedUpdatesError(f"every one of this run's {self.skipped} SFT updates was skipped ({reason}), "
+                                      f"so nothing was trained; check the starting checkpoint and optim.lr")
+
+
+def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
+    """One rank of an SFT run from a config file plus dotted overrides; 75 = pre-empted
+    (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
+    from ..checkpoint.writers import bind_checkpoint_writers
+    from ..config import load_config
+    from ..rl.trainer import EXIT_PREEMPTED, PREEMPTED_MARKER
+
+    bind_checkpoint_writers()
+    cfg = load_config(config, list(overrides), cls=SFTConfig)
+    marker = os.path.join(cfg.logging.run_dir, PREEMPTED_MARKER)
+    try:
+        os.remove(marker)
+    except FileNotFoundError:
+        pass
+    setup = train_sft(cfg)
+    if not setup.preempted:
+        return 0
+    if torch.distributed.get_rank() == 0:
+        with open(marker, "w") as handle:
+            handle.write(json.dumps({"exit_status": EXIT_PREEMPTED, "time": time.time()}) + "\n")
+    return EXIT_PREEMPTED
