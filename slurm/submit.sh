@@ -28,7 +28,10 @@ for arg in "$@"; do
         options+=("$arg")
     fi
 done
-[[ -n "$script" ]] || die "name a job script (a file, or one of: $(cd "$ROOT/slurm" && ls train_*.sh bench_*.sh convert.sh eval.sh 2>/dev/null | tr '\n' ' '))"
+if [[ -z "$script" ]]; then
+    die "name a job script (a file, or one of: $(cd "$ROOT/slurm" && ls -- *.sh | grep -v -x -e common.sh -e submit.sh |
+        paste -s -d ' '))"
+fi
 
 absolute_file() {  # absolute_file VAR: VAR must name an existing file; made absolute
     local name=$1
@@ -38,12 +41,15 @@ absolute_file() {  # absolute_file VAR: VAR must name an existing file; made abs
 }
 absolute_file STABLEDRL_CONFIG
 absolute_file STABLEDRL_ENV_SETUP
-if [[ -n "${STABLEDRL_RUN_DIR:-}" ]]; then export STABLEDRL_RUN_DIR; STABLEDRL_RUN_DIR=$(realpath -m "$STABLEDRL_RUN_DIR"); fi
+if [[ -n "${STABLEDRL_RUN_DIR:-}" ]]; then
+    export STABLEDRL_RUN_DIR; STABLEDRL_RUN_DIR=$(realpath -m "$STABLEDRL_RUN_DIR")
+fi
 if [[ "${STABLEDRL_PYTHON:-}" == */* && "${STABLEDRL_PYTHON}" != /* ]]; then
     [[ -x "$STABLEDRL_PYTHON" ]] || die "STABLEDRL_PYTHON=$STABLEDRL_PYTHON is not an executable"
     export STABLEDRL_PYTHON; STABLEDRL_PYTHON=$(realpath "$STABLEDRL_PYTHON")
 fi
-[[ -z "${STABLEDRL_MOUNTS:-}" || -n "${STABLEDRL_CONTAINER:-}" ]] || die "STABLEDRL_MOUNTS is set but STABLEDRL_CONTAINER is not"
+[[ -z "${STABLEDRL_MOUNTS:-}" || -n "${STABLEDRL_CONTAINER:-}" ]] ||
+    die "STABLEDRL_MOUNTS is set but STABLEDRL_CONTAINER is not"
 
 signal="" previous=""
 for arg in "${options[@]}"; do

@@ -200,7 +200,8 @@ def test_train_job_completes_across_two_nodes(cluster, tmp_path):
     assert f"{run_dir}:{run_dir}" in calls[1] and len(calls[0].split(",")) == 4, calls  # the run dir: known later
     # the env-setup file was sourced by the config check and by every rank, on its node, first
     marks = (tmp_path / "env_setup.marks").read_text().splitlines()
-    ranks = sorted(m.split(" nccl")[0].split(" ", 1)[1] for m in marks if "cli train" in m and "--print-config" not in m)
+    ranks = sorted(m.split(" nccl")[0].split(" ", 1)[1] for m in marks
+                   if "cli train" in m and "--print-config" not in m)
     assert ranks == ["rank=0 node=n1", "rank=1 node=n2"], marks
     assert any("--print-config" in m for m in marks) and all("nccl_ib_timeout=7" in m for m in marks), marks
     batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job_id}.out").read_text()
