@@ -15,8 +15,9 @@
 #   STABLEDRL_DEVICE     gpu | cpu                       default: gpu
 #                        (cpu hides GPUs from the ranks: gloo, no GPU binding; submit
 #                         with --gpus-per-node=0 when the cluster has no GPUs)
-#   STABLEDRL_ENV_SETUP  a bash file sourced before Python starts: in the batch shell and
-#                        in every task (every node, every rank), e.g. `module load ...`
+#   STABLEDRL_ENV_SETUP  a bash file sourced before Python starts: in the batch shell (not
+#                        with a container) and in every task (every node, every rank, inside
+#                        the container if any), e.g. `module load ...`
 #   STABLEDRL_CONTAINER  pyxis/enroot image: every srun gets --container-image=IMAGE,
 #                        --container-mounts (STABLEDRL_MOUNTS, plus the repository, the
 #                        working directory, the run directory and STABLEDRL_ENV_SETUP at
