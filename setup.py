@@ -26,6 +26,7 @@ setup(
         "transformers>=4.53,<6",
         "tokenizers>=0.19",
         "wandb>=0.19",
+        "tensorboard>=2.14",  # logging.tensorboard (torch.utils.tensorboard)
         "psutil>=5.9",
         "tqdm>=4.66",
         "matplotlib>=3.8",

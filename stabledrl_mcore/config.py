@@ -253,6 +253,13 @@ class CheckpointSection:
     overwrite: bool = False
     """A fresh run into a directory that holds an earlier run moves that run aside (never deletes);
     without it such a run is refused (docs/checkpoints.md)."""
+    save_every_minutes: float = 0.0
+    """Also save when this many minutes of rank 0's clock have passed since the last save (0 = off);
+    with ``save_every`` too, whichever comes first. Every rank saves the same step."""
+    preemption_lead_s: Optional[float] = None
+    """Seconds between the pre-emption signal and the hard kill (SLURM ``--signal=...@N``; the job
+    scripts set it). The trainer warns when it is shorter than one step plus twice the measured
+    save time (``<run_dir>/checkpoint_timing.json``). None = unknown, no check."""
 
 
 @dataclass
@@ -288,6 +295,17 @@ class LoggingSection:
     """wandb project name."""
     progress: bool = True
     """Progress bars on the console."""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user); None = wandb's default."""
+    wandb_name: Optional[str] = None
+    """wandb run name; None = wandb's generated name. Requeues and resumes keep the run (its id
+    is kept in ``<run_dir>/wandb_run_id``)."""
+    wandb_group: Optional[str] = None
+    """wandb group (e.g. one sweep or ablation)."""
+    wandb_tags: Tuple[str, ...] = ()
+    """wandb tags, a list."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` (rank 0)."""
 
 
 @dataclass
@@ -312,6 +330,7 @@ class RunConfig:
         _choice("optim.name", self.optim.name, ("adam", "sgd"))
         _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
+        self._validate_logging_and_saving()
         _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
         _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
         _choice("rollout.cache", self.rollout.cache, ("none", "prefix", "dual"))
@@ -348,6 +367,22 @@ class RunConfig:
             raise ConfigError("steps, checkpoint.save_every and eval.every must be >= 0")
         return self
 
+
+    def _validate_logging_and_saving(self) -> None:
+        """wandb fields without wandb, and checkpoint timing fields, refused by name."""
+        lg, ck = self.logging, self.checkpoint
+        given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
+                 if getattr(lg, n)]
+        if given and lg.wandb_mode == "disabled":
+            raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
+                              f"logging.wandb_mode=disabled: set "
+                              f"logging.wandb_mode=offline or online, or drop them")
+        if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
+            raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
+        if ck.save_every_minutes < 0:
+            raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
+        if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
+            raise ConfigError(f"checkpoint.preemption_lead_s must be > 0 seconds or null, got {ck.preemption_lead_s}")
 
     def _validate_dynamic_sampling(self) -> None:
         """``rollout.filter_uniform_groups`` / ``rollout.oversample_prompts``, refused by name."""

@@ -1,9 +1,17 @@
-"""One metrics logger: compact console lines, a JSONL file and wandb; a no-op twin for other ranks.
+"""One metrics logger: compact console lines, a JSONL file, wandb and TensorBoard; a no-op twin
+for other ranks.
 
 ``create_logger(run_dir, ...)`` returns a :class:`MetricsLogger` on rank 0 and a
-:class:`NullLogger` everywhere else, so training code logs unconditionally.
+:class:`NullLogger` everywhere else, so training code logs unconditionally
+(:func:`logger_options` turns a ``logging`` config section into its keywords).
 wandb runs offline by default (``WANDB_MODE=offline`` semantics, files under
-``<run_dir>/wandb``); ``mode="online"`` syncs, ``"disabled"`` skips it.
+``<run_dir>/wandb``); ``mode="online"`` syncs, ``"disabled"`` skips it. The wandb run id
+is kept in ``<run_dir>/wandb_run_id`` (written once), so every relaunch into the run
+directory (a SLURM requeue, ``--resume``) continues the same wandb run; ``--overwrite``
+moves the file aside with the run, so the next run gets a new id. wandb's x axis is the
+``step`` metric (a resume that repeats steps logs them again, wandb never drops them).
+TensorBoard (``tensorboard=True``) writes scalars to ``<run_dir>/tensorboard``; a
+resumed run purges the events of the steps it repeats.
 """
 
 from __future__ import annotations
@@ -11,9 +19,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import sys
 import time
-from typing import Any, Dict, Iterable, Optional, TextIO
+from typing import Any, Dict, Iterable, Optional, Sequence, TextIO
+
+WANDB_ID_FILE = "wandb_run_id"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _jsonable(value: Any) -> Any:
@@ -49,7 +62,9 @@ class MetricsLogger(NullLogger):
 
     def __init__(self, run_dir: str, *, config: Optional[Dict[str, Any]] = None,
                  wandb_mode: str = "offline", wandb_project: str = "stabledrl",
-                 run_name: Optional[str] = None, console_keys: Iterable[str] = (),
+                 run_name: Optional[str] = None, wandb_entity: Optional[str] = None,
+                 wandb_group: Optional[str] = None, wandb_tags: Sequence[str] = (),
+                 tensorboard: bool = False, start_step: int = 0, console_keys: Iterable[str] = (),
                  stream: Optional[TextIO] = None, jsonl_name: str = "metrics.jsonl"):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
@@ -58,27 +73,38 @@ class MetricsLogger(NullLogger):
         self._stream = stream  # None: sys.stdout as it is when a line is written
         self._console_keys = tuple(console_keys)
         self._start = time.time()
-        self._wandb = None
+        self._wandb = self._tensorboard = None
         if wandb_mode != "disabled":
-            self._wandb = self._start_wandb(run_dir, config, wandb_mode, wandb_project, run_name)
+            self._wandb = self._start_wandb(run_dir, config, mode=wandb_mode, project=wandb_project,
+                                            name=run_name, entity=wandb_entity, group=wandb_group,
+                                            tags=list(wandb_tags))
+        if tensorboard:
+            self._tensorboard = _start_tensorboard(run_dir, start_step)
 
     @staticmethod
-    def _start_wandb(run_dir, config, mode, project, name):
+    def _start_wandb(run_dir, config, **options):
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
             import wandb
         except ImportError:  # pragma: no cover - wandb is a hard dependency
             return None
-        return wandb.init(project=project, name=name, dir=run_dir, mode=mode, config=config or {},
-                          reinit="finish_previous")
+        run = wandb.init(dir=run_dir, config=config or {}, id=wandb_run_id(run_dir), resume="allow",
+                         reinit="finish_previous", **options)
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        return run
 
     def log(self, step: int, metrics: Dict[str, Any], *, console: bool = True) -> None:
         record = {"step": step, "time": round(time.time() - self._start, 3)}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items()
-                             if isinstance(v, (int, float)) and k != "step"}, step=step)
+            self._wandb.log({**scalars, "step": step})
+        if self._tensorboard is not None:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()
         if console:
             keys = self._console_keys or [k for k in metrics if isinstance(record[k], (int, float))]
             parts = [f"step {step:>5d}"] + [_fmt(k, record[k]) for k in keys if k in record]
@@ -96,6 +122,9 @@ class MetricsLogger(NullLogger):
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if not self._jsonl.closed:
             self._jsonl.close()
 
@@ -104,6 +133,61 @@ def _fmt(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"
+
+
+def logger_options(logging) -> Dict[str, Any]:
+    """:func:`create_logger` keywords from a ``logging`` config section."""
+    return dict(wandb_mode=logging.wandb_mode, wandb_project=logging.wandb_project,
+                wandb_entity=logging.wandb_entity, run_name=logging.wandb_name,
+                wandb_group=logging.wandb_group, wandb_tags=tuple(logging.wandb_tags),
+                tensorboard=logging.tensorboard)
+
+
+def wandb_run_id(run_dir: str) -> str:
+    """The wandb run id of ``run_dir``: read from ``<run_dir>/wandb_run_id``, or a new one written
+    there atomically, once (a hard link, so two writers can never both win)."""
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    if not os.path.exists(path):
+        new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+        part = f"{path}.{os.getpid()}.part"
+        with open(part, "w") as handle:
+            handle.write(new + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(part, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(part)
+    with open(path) as handle:
+        run_id = handle.read().strip()
+    if not run_id or any(ch not in string.ascii_letters + string.digits + "-_" for ch in run_id):
+        from .errors import UserError
+
+        raise UserError(f"{path}: not a wandb run id ({run_id!r}); delete the file for a new wandb run")
+    return run_id
+
+
+def _start_tensorboard(run_dir: str, start_step: int):
+    """A SummaryWriter on ``<run_dir>/tensorboard``; a run continued from ``start_step`` purges the
+    earlier events of the steps it logs again."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from .errors import UserError
+
+        raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                        "(or set logging.tensorboard=false)") from None
+    log_dir = os.path.join(run_dir, TENSORBOARD_DIR)
+    purge = (start_step + 1 if start_step else 0) if os.path.isdir(log_dir) else None
+    return SummaryWriter(log_dir=log_dir, purge_step=purge)
+
+
+def tensorboard_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def create_logger(run_dir: str, *, rank: Optional[int] = None, **kwargs) -> NullLogger:

@@ -65,6 +65,7 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
     _check_tokenizer(cfg)
+    _check_logging(cfg)
     try:
         data_parallel = _check_layout(cfg, mcfg, world_size)
     except ParallelLayoutError as err:
@@ -164,6 +165,14 @@ def _check_tokenizer(cfg: RunConfig) -> None:
     if path and not (_has_tokenizer(path) or _has_tokenizer(os.path.join(path, "hf"))):
         raise ConfigError(f"model.checkpoint {path} holds no tokenizer (tokenizer.json or *.model, "
                           f"also looked in {os.path.join(path, 'hf')}); set model.tokenizer=DIR")
+
+
+def _check_logging(cfg: RunConfig) -> None:
+    from .metrics import tensorboard_available
+
+    if cfg.logging.tensorboard and not tensorboard_available():
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                          "(or set logging.tensorboard=false)")
 
 
 def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[int]:

@@ -35,3 +35,105 @@ def test_wandb_disabled(tmp_path):
         lg.log(3, {"x": 1})
     assert not (tmp_path / "wandb").exists()
     assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["x"] == 1
+
+
+class _FakeRun:
+    def __init__(self):
+        self.logged, self.metrics = [], []
+
+    def define_metric(self, name, **kwargs):
+        self.metrics.append((name, kwargs))
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self):
+        pass
+
+
+def _capture_wandb_init(monkeypatch):
+    import wandb
+
+    calls = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        return _FakeRun()
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    return calls
+
+
+def test_wandb_init_gets_entity_name_group_tags_and_the_kept_run_id(tmp_path, monkeypatch):
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.metrics import WANDB_ID_FILE, logger_options
+
+    calls = _capture_wandb_init(monkeypatch)
+    cfg = load_config(None, ["logging.wandb_entity=team", "logging.wandb_name=exp-1", "logging.wandb_group=abl",
+                             "logging.wandb_tags=[rl, llada]", "logging.wandb_project=proj"])
+    for _ in range(2):  # a requeue: the same run directory, the same wandb run
+        with create_logger(str(tmp_path), rank=0, stream=io.StringIO(), **logger_options(cfg.logging)) as lg:
+            lg.log(1, {"reward": 0.5})
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    assert len(run_id) == 12 and run_id.isalnum()
+    for call in calls:
+        assert (call["entity"], call["name"], call["group"], call["tags"], call["project"]) == (
+            "team", "exp-1", "abl", ["rl", "llada"], "proj")
+        assert call["id"] == run_id and call["resume"] == "allow" and call["mode"] == "offline"
+
+
+def test_overwrite_moves_the_wandb_id_aside_so_a_fresh_run_gets_a_new_one(tmp_path, monkeypatch):
+    from stabledrl_mcore.checkpoint.history import move_run_aside
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.metrics import WANDB_ID_FILE
+
+    calls = _capture_wandb_init(monkeypatch)
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
+    with create_logger(str(tmp_path), rank=0, stream=io.StringIO()) as lg:
+        lg.log(1, {"x": 1})
+    attic = move_run_aside(cfg)
+    assert not (tmp_path / WANDB_ID_FILE).exists()
+    with create_logger(str(tmp_path), rank=0, stream=io.StringIO()) as lg:
+        lg.log(1, {"x": 1})
+    old = open(f"{attic}/{WANDB_ID_FILE}").read().strip()
+    assert calls[0]["id"] == old != calls[1]["id"]
+
+
+def test_a_bad_wandb_id_file_is_named(tmp_path):
+    import pytest
+
+    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.metrics import WANDB_ID_FILE, wandb_run_id
+
+    (tmp_path / WANDB_ID_FILE).write_text("not an id!\n")
+    with pytest.raises(UserError, match="wandb_run_id: not a wandb run id"):
+        wandb_run_id(str(tmp_path))
+
+
+def test_tensorboard_sink_writes_scalars_and_a_resume_purges_repeated_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", tensorboard=True, stream=io.StringIO()) as lg:
+        for step in (1, 2, 3):
+            lg.log(step, {"reward": step / 10, "note": "text"})
+    with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", tensorboard=True, start_step=2,
+                       stream=io.StringIO()) as lg:  # resumed from step 2: step 3 again
+        lg.log(3, {"reward": 0.9})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward", "time"]  # strings are not scalars
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward")] == [(1, 0.1), (2, 0.2), (3, 0.9)]
+
+
+def test_wandb_fields_without_wandb_and_tensorboard_missing_are_refused_by_name(monkeypatch):
+    import pytest
+
+    from stabledrl_mcore import metrics
+    from stabledrl_mcore.config import ConfigError, load_config
+    from stabledrl_mcore.preflight import _check_logging
+
+    with pytest.raises(ConfigError, match="logging.wandb_tags has no effect with logging.wandb_mode=disabled"):
+        load_config(None, ["logging.wandb_mode=disabled", "logging.wandb_tags=[a]"])
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
+    with pytest.raises(ConfigError, match="logging.tensorboard=true needs the tensorboard package: pip install"):
+        _check_logging(load_config(None, ["logging.tensorboard=true"]))

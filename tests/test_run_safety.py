@@ -195,7 +195,8 @@ def test_overwrite_moves_the_old_run_aside_and_starts_fresh(record):
     assert over["steps"] == [1]
     assert over["ckpts"][0].startswith("overwritten-") and over["ckpts"][1:] == ["step_00000001"], over
     assert over["moved_ckpts"] == ["step_00000001", "step_00000002", "step_00000003"], over
-    assert "attic" in over["listing"] and over["attic"] == [["config.yaml", "metrics.jsonl", "tokenizer"]], over
+    assert "attic" in over["listing"] and over["attic"] == [
+        ["checkpoint_timing.json", "config.yaml", "metrics.jsonl", "tokenizer"]], over
 
 
 @pytest.mark.multiprocess

@@ -31,8 +31,30 @@ TINY = ("logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_
         "rollout.group_size=4 rollout.gen_length=8 rollout.steps=4 rollout.block_length=8 "
         "parallel.micro_batch_size=4 parallel.threads=1 checkpoint.save_every=1000 "
         "checkpoint.keep_last=5")
-# Two emulated nodes x one task, no GPUs: --gpus-per-node=0 replaces the header's 8.
-SBATCH_CPU = ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=00:15:00")
+# Two emulated nodes x one task, no GPUs: --gpus-per-node=0 and --cpus-per-task=1 replace the
+# header's 8 and 8 (the headers' --exclusive --mem=0 stay). An hour, so that the train scripts'
+# --signal=B:USR1@1800 comes after the test (a lead longer than the limit signals at once).
+SBATCH_CPU = ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=01:00:00")
+# A stand-in for pyxis: records every srun's container options, strips them, runs the real srun
+# (in the --container-workdir, as pyxis does).
+SRUN_STUB = """#!/bin/bash
+args=() workdir=""
+for arg in "$@"; do
+    case "$arg" in
+        --container-workdir=*) workdir=${arg#*=}; printf '%s ' "$arg" >>"$SRUN_STUB_LOG" ;;
+        --container-*) printf '%s ' "$arg" >>"$SRUN_STUB_LOG" ;;
+        *) args+=("$arg") ;;
+    esac
+done
+echo >>"$SRUN_STUB_LOG"
+if [[ -n "$workdir" ]]; then cd "$workdir"; fi
+exec REAL_SRUN "${args[@]}"
+"""
+# The STABLEDRL_ENV_SETUP file: one marker line per shell that sourced it.
+ENV_SETUP = """echo "step=${SLURM_STEP_ID:-batch} rank=${SLURM_PROCID:-batch} node=${SLURMD_NODENAME:-?} \
+nccl_ib_timeout=${NCCL_IB_TIMEOUT:-unset} cmd=$*" >>"$(dirname "${BASH_SOURCE[0]}")/env_setup.marks"
+export STABLEDRL_TEST_SETUP=sourced
+"""
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
@@ -75,8 +97,10 @@ def cluster(tmp_path_factory):
 
 
 def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIPT, env_overrides=None,
-            sbatch=SBATCH_CPU, script_args=()) -> str:
-    """sbatch ``script`` (default: the LLaDA job with the tiny config) in CPU mode; returns the job id."""
+            sbatch=SBATCH_CPU, submit=("sbatch",), cwd=ROOT, env_extra=None, script_args=()) -> str:
+    """sbatch ``script`` (default: the LLaDA job with the tiny config) in CPU mode; returns the job id.
+    ``submit`` is the command (e.g. slurm/submit.sh), run in ``cwd``; ``env_extra`` adds variables;
+    ``script_args`` follow the script."""
     env = cluster.env()
     env.update(STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_DEVICE="cpu")
     env.update(env_overrides if env_overrides is not None else
@@ -85,9 +109,10 @@ def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIP
     env.pop("STABLEDRL_ROOT", None)  # the script finds the repository from the submit dir
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)  # the job derives its own rendezvous from SLURM, not from this shell
-    proc = subprocess.run(["sbatch", "--parsable", *sbatch,
+    env.update(env_extra or {})
+    proc = subprocess.run([*submit, "--parsable", *sbatch,
                            f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", script, *script_args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
 
@@ -139,11 +164,58 @@ def _checkpoint_steps(run_dir: Path):
                   if (p / "train_state.json").exists())
 
 
+def _cluster_environment(tmp_path: Path) -> dict:
+    """A pyxis stand-in srun first on PATH, a container image and mounts, an env-setup file (given
+    relative to the submit directory ``tmp_path/submit``), NCCL_IB_TIMEOUT set by the user."""
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir()
+    real = shutil.which("srun")
+    (stub_dir / "srun").write_text(SRUN_STUB.replace("REAL_SRUN", real))
+    (stub_dir / "srun").chmod(0o755)
+    (tmp_path / "env_setup.sh").write_text(ENV_SETUP)
+    return {"PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}", "SRUN_STUB_LOG": str(tmp_path / "srun.log"),
+            "STABLEDRL_CONTAINER": "/images/stabledrl.sqsh", "STABLEDRL_MOUNTS": f"{tmp_path}/data:/data",
+            "STABLEDRL_ENV_SETUP": "../env_setup.sh", "NCCL_IB_TIMEOUT": "7"}  # relative to the submit dir
+
+
 def test_train_job_completes_across_two_nodes(cluster, tmp_path):
-    run_dir = tmp_path / "run"
-    job_id = _submit(cluster, run_dir, steps=3)
+    """Submitted with slurm/submit.sh from another directory, in a (stand-in) container, with an
+    env-setup file; then the same job with plain sbatch from there fails with one line."""
+    run_dir, submit_dir = tmp_path / "run", tmp_path / "submit"
+    submit_dir.mkdir()
+    job_id = _submit(cluster, run_dir, steps=3, submit=(str(ROOT / "slurm/submit.sh"),), cwd=submit_dir,
+                     script="train_llada_8b.sh", env_extra=_cluster_environment(tmp_path),
+                     sbatch=(*SBATCH_CPU, "--signal=B:USR1@1200"))
     info = _wait_final(cluster, job_id, run_dir, timeout=420)
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
+    diag = lambda: _diagnostics(cluster, job_id, run_dir)  # noqa: E731
+
+    # every srun (the config check on one node, the ranks) ran in the container with the mounts
+    calls = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(calls) == 2, calls
+    for call in calls:
+        assert "--container-image=/images/stabledrl.sqsh" in call and f"--container-workdir={submit_dir}" in call
+        mounts = call.split("--container-mounts=")[1].split()[0].split(",")
+        assert mounts[:4] == [f"{tmp_path}/data:/data", f"{ROOT}:{ROOT}", f"{submit_dir}:{submit_dir}",
+                              f"{tmp_path}/env_setup.sh:{tmp_path}/env_setup.sh"], mounts
+    assert f"{run_dir}:{run_dir}" in calls[1] and len(calls[0].split(",")) == 4, calls  # the run dir: known later
+    # the env-setup file was sourced by the config check and by every rank, on its node, first
+    marks = (tmp_path / "env_setup.marks").read_text().splitlines()
+    ranks = sorted(m.split(" nccl")[0].split(" ", 1)[1] for m in marks
+                   if "cli train" in m and "--print-config" not in m)
+    assert ranks == ["rank=0 node=n1", "rank=1 node=n2"], marks
+    assert any("--print-config" in m for m in marks) and all("nccl_ib_timeout=7" in m for m in marks), marks
+    batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job_id}.out").read_text()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 (default)" in batch_log and "NCCL_IB_TIMEOUT=7 (yours)" in batch_log, diag()
+    assert "pre-emption lead time 1200 s (from STABLEDRL_SIGNAL_LEAD_S)" in batch_log, diag()  # submit.sh's
+
+    # plain sbatch from a directory that is not the repository: the job fails at once, saying so
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    bad = _submit(cluster, other / "run", submit=("sbatch",), cwd=other, script=str(ROOT / TRAIN_SCRIPT))
+    _wait(cluster, bad, other, lambda: _job(cluster, bad).get("JobState") in FINAL_STATES, "the end", 120)
+    out = (other / f"run-slurm-{bad}.out").read_text()
+    assert f"stabledrl: error: {other} is not the stabledrl_mcore repository" in out, out
 
     assert _metric_steps(run_dir) == [1, 2, 3]
     assert _checkpoint_steps(run_dir) == [3]
@@ -156,12 +228,14 @@ def test_train_job_completes_across_two_nodes(cluster, tmp_path):
     assert "rank 1/2" in headers[1] and "node=n2" in headers[1], headers
     command = (logs / "command.txt").read_text()
     assert "srun" in command and "stabledrl_mcore.cli train" in command and "--resume auto" in command
-    assert f"run_dir: {run_dir}" in (logs / "config.yaml").read_text()
+    resolved = (logs / "config.yaml").read_text()
+    assert f"run_dir: {run_dir}" in resolved and "preemption_lead_s: 1200" in resolved, resolved
 
 
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     run_dir, steps = tmp_path / "run", 24
-    job_id = _submit(cluster, run_dir, steps=steps)
+    # a lead too short for any step: the trainer warns with the measured save time
+    job_id = _submit(cluster, run_dir, steps=steps, env_extra={"STABLEDRL_SIGNAL_LEAD_S": "1"})
     _wait(cluster, job_id, run_dir, lambda: _metric_steps(run_dir), "the first metrics line", 300)
     # The signal SLURM sends before the time limit (--signal=B:USR1@...), now, to the batch shell.
     cluster.run("scancel", "--batch", "--signal=USR1", job_id)
@@ -177,6 +251,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert 1 <= preempted_at < steps, f"the job ended before the signal arrived\n{diag()}"
     assert _checkpoint_steps(run_dir) == [preempted_at, steps], diag()
     assert "restart=1" in (logs / "restart_1" / "rank_0.log").read_text().splitlines()[0]
+    assert "warning: the pre-emption lead time is 1 s" in first, diag()
+    assert json.loads((run_dir / "checkpoint_timing.json").read_text())["save_s"] > 0, diag()
 
     # The requeued attempt resumed from the checkpoint: steps continue, never restart at 1.
     assert _metric_steps(run_dir) == list(range(1, steps + 1)), diag()
@@ -205,11 +281,15 @@ def test_convert_job_then_the_sdar_recipe_job(cluster, tmp_path):
               "rollout.group_size=2 rollout.gen_length=8 "
               f"rollout.data_path={ROOT / 'tests/fixtures/math500_test.jsonl'} steps=1")
     job = _submit(cluster, run_dir, script="slurm/train_sdar_8b.sh", env_overrides={"STABLEDRL_OVERRIDES": scaled},
-                  sbatch=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=00:15:00"))
+                  sbatch=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
+                          "--time=01:00:00"))
     _wait_final(cluster, job, run_dir, timeout=480)
+    batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job}.out").read_text()
+    assert "pre-emption lead time 1800 s (from the job script's #SBATCH --signal)" in batch_log, batch_log
     assert _metric_steps(run_dir) == [1] and _checkpoint_steps(run_dir) == [1]
     resolved = (run_dir / "logs" / job / "restart_0" / "config.yaml").read_text()
-    for line in ("dtype: bf16", "recompute: true", "likelihood: staircase", "tensor_parallel: 2"):
+    for line in ("dtype: bf16", "recompute: true", "likelihood: staircase", "tensor_parallel: 2",
+                 "preemption_lead_s: 1800"):
         assert line in resolved, resolved
     state = json.loads((run_dir / "checkpoints/step_00000001/train_state.json").read_text())
     assert state["world_size"] == 4 and state["tensor_parallel"] == 2
@@ -220,7 +300,8 @@ def test_bench_job_writes_its_json(cluster, tmp_path):
     job = _submit(cluster, run_dir, script="slurm/bench_throughput.sh",
                   env_overrides={"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
                                  "STABLEDRL_OVERRIDES": TINY},
-                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=00:10:00"))
+                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
+                          "--time=00:10:00"))
     _wait_final(cluster, job, run_dir, timeout=300)
     result = json.loads((run_dir / "logs" / job / "restart_0" / "bench.json").read_text())
     assert result["layout"]["world_size"] == 1 and result["phases"]["step"]["tokens_per_s"] > 0
@@ -263,3 +344,16 @@ def test_eval_job_samples_across_two_nodes(cluster, tmp_path):
     summary = json.loads(out.with_name("sudoku.summary.json").read_text())
     assert len(records) == 3 and all(len(r["samples"]) == 2 for r in records) and "pass@2" in summary
     assert "stabledrl_mcore.cli eval" in (run_dir / "logs" / job / "restart_0" / "command.txt").read_text()
+
+
+def test_submit_refuses_missing_files_before_anything_is_queued(tmp_path):
+    """slurm/submit.sh checks at submit time (no cluster needed: it fails before sbatch)."""
+    env = dict(os.environ, STABLEDRL_ENV_SETUP="missing_setup.sh")
+    proc = subprocess.run([str(ROOT / "slurm/submit.sh"), "--nodes=2", "train_llada_8b.sh"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc
+    assert proc.stderr.strip() == (f"slurm/submit.sh: error: STABLEDRL_ENV_SETUP=missing_setup.sh is not a file "
+                                   f"(relative paths are relative to {tmp_path})")
+    proc = subprocess.run([str(ROOT / "slurm/submit.sh"), "--nodes=2", "no_such_job.sh"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "name a job script" in proc.stderr and "train_llada_8b.sh" in proc.stderr

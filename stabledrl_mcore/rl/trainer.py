@@ -22,13 +22,14 @@ from ..checkpoint.history import abandon_later_steps, checkpoint_root, continue_
 from ..checkpoint.resume import ResumePlan, check_model_config, plan_resume
 from ..checkpoint.state import TrainState, load_checkpoint, save_checkpoint
 from ..config import RunConfig, save_config, to_dict
-from ..metrics import create_logger
+from ..metrics import create_logger, logger_options
 from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .dynamic_sampling import filter_uniform_groups
 from .rollout import generate_rollouts, score_rollouts
+from .save_schedule import SaveSchedule
 from .setup import TrainingSetup, build_training, phase_generator, sync_reference
 from .step_metrics import step_metrics
 from .estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
@@ -163,8 +164,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     start, notes = _maybe_resume(s, ckpt_root, plan)
     notes = moved_aside + notes
     spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
-    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
-                           wandb_project=cfg.logging.wandb_project,
+    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
                            console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s",
                                          "test_accuracy"))
     if torch.distributed.get_rank() == 0:
@@ -175,6 +175,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     bar = _progress(cfg, start, end)
     install_preemption_handlers()
     evaluate = make_heldout_evaluator(cfg, s.task, s.tokenizer)
+    saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
     with logger:
         if evaluate and start == 0:
             logger.log(0, evaluate(s.model))
@@ -202,8 +203,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
             health.after_step(step + 1, update["update_skips"], metrics, final=step + 1 == end)
             bar.update(1)
             stop = preemption_agreed()
-            if stop or step + 1 == end or cfg.checkpoint.save_every and (step + 1) % cfg.checkpoint.save_every == 0:
-                save_training_checkpoint(s, ckpt_root, step + 1)
+            if saves.due(step + 1, end, preempted=stop):
+                saves.save(lambda: save_training_checkpoint(s, ckpt_root, step + 1), step + 1, metrics.get("step_s"))
             if stop:
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
                 s.preempted = True
