@@ -369,20 +369,7 @@ class RunConfig:
 
 
     def _validate_logging_and_saving(self) -> None:
-        """wandb fields without wandb, and checkpoint timing fields, refused by name."""
-        lg, ck = self.logging, self.checkpoint
-        given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
-                 if getattr(lg, n)]
-        if given and lg.wandb_mode == "disabled":
-            raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
-                              f"logging.wandb_mode=disabled: set "
-                              f"logging.wandb_mode=offline or online, or drop them")
-        if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
-            raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
-        if ck.save_every_minutes < 0:
-            raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
-        if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
-            raise ConfigError(f"checkpoint.preemption_lead_s must be > 0 seconds or null, got {ck.preemption_lead_s}")
+        validate_logging_and_saving(self.logging, self.checkpoint)
 
     def _validate_dynamic_sampling(self) -> None:
         """``rollout.filter_uniform_groups`` / ``rollout.oversample_prompts``, refused by name."""
@@ -469,6 +456,22 @@ def _choice(name: str, value: Any, allowed: Sequence[str]) -> None:
         close = difflib.get_close_matches(str(value), list(allowed), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}{hint}")
+
+
+def validate_logging_and_saving(lg: "LoggingSection", ck: "CheckpointSection") -> None:
+    """wandb fields without wandb, and checkpoint timing fields, refused by name (train and sft)."""
+    given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
+             if getattr(lg, n)]
+    if given and lg.wandb_mode == "disabled":
+        raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
+                          f"logging.wandb_mode=disabled: set "
+                          f"logging.wandb_mode=offline or online, or drop them")
+    if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
+        raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
+    if ck.save_every_minutes < 0:
+        raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
+    if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
+        raise ConfigError(f"checkpoint.preemption_lead_s must be > 0 seconds or null, got {ck.preemption_lead_s}")
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),

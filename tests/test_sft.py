@@ -219,6 +219,13 @@ def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
         preflight_sft(load_config("examples/sft/tiny_cpu.yaml", ["parallel.micro_batch_size=16"], cls=SFTConfig),
                       world_size=2)
 
+    # the logging / save-schedule fields train honours are honoured (or refused) the same way here
+    with pytest.raises(Exception, match="logging.wandb_name has no effect with logging.wandb_mode=disabled"):
+        load_config("examples/sft/tiny_cpu.yaml", ["logging.wandb_mode=disabled", "logging.wandb_name=x"],
+                    cls=SFTConfig)
+    with pytest.raises(Exception, match="checkpoint.save_every_minutes must be >= 0"):
+        load_config("examples/sft/tiny_cpu.yaml", ["checkpoint.save_every_minutes=-1"], cls=SFTConfig)
+
 
 def _layout_worker(tmp, name, extra, out):
     """The uninterrupted llada-tiny run of :func:`_sft_worker` on 2 ranks (one layout per launch)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import (CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection,
-                      ParallelSection, _choice, get_dotted)
+                      ParallelSection, _choice, get_dotted, validate_logging_and_saving)
 
 FORMATS = ("auto", "jsonl", "parquet", "disk")
 CHAT_TEMPLATES = ("auto", "never")
@@ -99,6 +99,7 @@ class SFTConfig:
             raise ConfigError(f"sft.max_skipped_updates must be >= 0 or null, got {self.sft.max_skipped_updates}")
         if self.steps < 0 or self.checkpoint.save_every < 0:
             raise ConfigError("steps and checkpoint.save_every must be >= 0")
+        validate_logging_and_saving(self.logging, self.checkpoint)
         defaults = SFTConfig(sft=SFTSection(data_path="-"))
         for name in RL_ONLY:
             if get_dotted(self, name) != get_dotted(defaults, name):

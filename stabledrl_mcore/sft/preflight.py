@@ -20,7 +20,7 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
     """Validate ``cfg`` against the files it names and ``world_size`` (None = unknown); one-line summary."""
     from ..checkpoint.resume import preflight as check_run_directory
     from ..parallel.bootstrap import validate_parallel_layout
-    from ..preflight import _check_tokenizer, model_shape
+    from ..preflight import _check_logging, _check_tokenizer, model_shape
     from .setup import check_batch, check_data
 
     resume = cfg.checkpoint.resume
@@ -28,6 +28,7 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
     _check_tokenizer(cfg)
+    _check_logging(cfg)
     p = cfg.parallel
     try:
         data_parallel = validate_parallel_layout(

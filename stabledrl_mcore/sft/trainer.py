@@ -25,7 +25,8 @@ import torch
 from ..checkpoint.history import checkpoint_root
 from ..config import save_config, to_dict
 from ..diffusion.pretrain import sft_sequence_losses
-from ..metrics import create_logger
+from ..metrics import create_logger, logger_options
+from ..rl.save_schedule import SaveSchedule
 from ..models.placement import model_device
 from ..rl.setup import derive_seed, phase_generator
 from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite
@@ -92,14 +93,15 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     s = build_sft(cfg)
     root = checkpoint_root(cfg)
     start, resumed = _maybe_resume(s, root, plan)
-    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), wandb_mode=cfg.logging.wandb_mode,
-                           wandb_project=cfg.logging.wandb_project, console_keys=("loss", "grad_norm", "lr", "step_s"))
+    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
+                           console_keys=("loss", "grad_norm", "lr", "step_s"))
     if torch.distributed.get_rank() == 0:
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
         for note in notes + resumed:
             logger.info(note)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     install_preemption_handlers()
+    saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
     health, bar = SkipLimit(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0), _progress(cfg, start, end)
     with logger:
         for step in range(start, end):
@@ -113,9 +115,8 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
             s.stopped_early = bool(stop_when and stop_when(metrics)) and step + 1 < end
             health.after_step(step + 1, skip_reason, final=step + 1 == end or s.stopped_early)
             s.preempted = preemption_agreed()
-            save_every = cfg.checkpoint.save_every
-            if s.preempted or s.stopped_early or step + 1 == end or save_every and (step + 1) % save_every == 0:
-                save_training_checkpoint(s, root, step + 1)
+            if saves.due(step + 1, end, preempted=s.preempted or s.stopped_early):
+                saves.save(lambda: save_training_checkpoint(s, root, step + 1), step + 1, metrics["step_s"])
             if s.preempted:
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
             if s.preempted or s.stopped_early:
