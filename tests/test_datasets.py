@@ -120,7 +120,9 @@ def test_the_config_fields_reach_the_task_and_misfits_are_refused(tmp_path, caps
     for extra, message in ((["rollout.prompt_key=q"], "rollout.prompt_key=q: task sudoku generates"),
                            (["rollout.task=qa", "rollout.task_options.verifier=numerc"],
                             "unknown verifier 'numerc'; did you mean numeric?"),
-                           (["rollout.task=qa", "rollout.reward_timeout_s=3"], "set rollout.reward_fn too")):
+                           (["rollout.task=qa", "rollout.reward_timeout_s=3"], "set rollout.reward_fn too"),
+                           (["rollout.task=qa", "rollout.answer_key=a", "rollout.task_options.answer_key=b"],
+                            "rollout.answer_key and rollout.task_options.answer_key both set")):
         assert main(["train", "--config", CONFIG, *extra, "--print-config"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err

@@ -259,7 +259,6 @@ def build_task(cfg: RunConfig):
         if shaping:
             raise ConfigError(f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
                               f"rollout.reward_fn replaces: drop one of them")
-
         task = CustomRewardTask(task, load_reward_fn(r.reward_fn), spec=r.reward_fn, timeout_s=r.reward_timeout_s)
     return task
 

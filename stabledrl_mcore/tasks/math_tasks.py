@@ -133,10 +133,10 @@ class _FileMathTask(Task):
             raise ValueError(f"{self.name}: source must be 'local' or 'hf', got {source!r}")
         keys = (self.prompt_key, self.answer_key)
         if path is not None:
-            source = check_local(path)
-            if not source.exists():
-                raise FileNotFoundError(self._missing_message(source, split))
-            return load_rows(source, split, required=keys)
+            local = check_local(path)
+            if not local.exists():
+                raise FileNotFoundError(self._missing_message(local, split))
+            return load_rows(local, split, required=keys)
         folder = resolve_data_root(self.data_root) / self.dir_name  # <split>.jsonl (or .parquet, ...)
         if split_file(folder, split) is None and not is_saved_dataset(folder):
             raise FileNotFoundError(self._missing_message(self.default_path(split), split))
