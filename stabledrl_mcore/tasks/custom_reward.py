@@ -15,9 +15,10 @@ the task holds it (``qa``, GSM8K, MATH500, AIME: the answer string; countdown an
 dict). The value (a finite number; ``bool`` counts as 0/1) replaces the task's reward for
 training (``reward_mean``, advantages); accuracy (``accuracy/<task>``) stays the task's own
 verifier. The task option ``anti_short_boxed`` still adds its bonus; options that only shape the
-task's own reward (:data:`TASK_REWARD_OPTIONS`) are refused. Each call has ``rollout.reward_timeout_s`` seconds. A call that raises, runs out of
-time or returns something that is not a finite number scores 0, is counted in the step's
-``reward_errors`` metric, and the first such failure of each kind is printed once per process.
+task's own reward (:data:`TASK_REWARD_OPTIONS`) are refused. Each call has
+``rollout.reward_timeout_s`` seconds. A call that raises, runs out of time or returns something
+that is not a finite number scores 0, is counted in the step's ``reward_errors`` metric, and the
+first such failure of each kind is printed once per process.
 
 The time limit is a ``SIGALRM`` deadline in the main thread (the training loop); off the main
 thread, or while another alarm is armed, the call runs in a helper thread that is abandoned
@@ -38,7 +39,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from stabledrl_mcore.errors import UserError
+from stabledrl_mcore.errors import UserError, one_line
 from stabledrl_mcore.tasks.math_equiv import call_with_deadline, signals_available
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 
@@ -157,7 +158,7 @@ class CustomRewardTask:
                       f"counted in the reward_errors metric, this message is shown once)", file=sys.stderr,
                       flush=True)
             value = 0.0
-        if getattr(self.task, "anti_short_boxed", False):  # the shaping term every task offers composes with your reward
+        if getattr(self.task, "anti_short_boxed", False):  # the shaping term of every task adds to yours
             value += anti_short_boxed_bonus(completion, min_chars=self.task.anti_short_boxed_min_chars,
                                             min_ratio=self.task.anti_short_boxed_min_ratio)
         return value
@@ -178,19 +179,17 @@ class CustomRewardTask:
             return box
 
         if signals_available():
-            if call_with_deadline(run, self.timeout_s, _TIMED_OUT) is _TIMED_OUT:
-                box = {"timeout": True}
-        else:
+            timed_out = call_with_deadline(run, self.timeout_s, _TIMED_OUT) is _TIMED_OUT
+        else:  # off the main thread: a helper thread, abandoned if it overruns
             worker = threading.Thread(target=run, daemon=True, name="reward_fn")
             worker.start()
             worker.join(self.timeout_s)
-            if worker.is_alive():
-                box = {"timeout": True}
-        if box.get("timeout"):
+            timed_out = worker.is_alive()
+        if timed_out:
             raise _Failure("timeout", f"took longer than rollout.reward_timeout_s={self.timeout_s:g} s")
         if "error" in box:
             err = box["error"]
-            raise _Failure("error", f"raised {type(err).__name__}: {err}")
+            raise _Failure("error", f"raised {type(err).__name__}: {one_line(err)[:300]}")
         value = box.get("value")
         try:
             number = float(value)

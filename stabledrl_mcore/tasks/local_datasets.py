@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -206,7 +207,7 @@ def answer_value(row: Row, key: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         kind = "empty (null)" if value is None else f"a {type(value).__name__}, not a string or number"
         raise ValueError(f"field {key!r} is {kind}")
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"field {key!r} is {value}, not a finite number")
     text = str(value)
     if not text.strip():
