@@ -31,6 +31,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "math-verify>=0.7",
+        "datasets>=3",
     ],
     extras_require={
         "test": ["pytest>=8"],

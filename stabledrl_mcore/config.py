@@ -70,7 +70,8 @@ class RolloutSection:
     task: str = "sudoku"
     """Task name (``stabledrl_mcore.tasks.available_tasks()``)."""
     data_path: Optional[str] = None
-    """Local data file or root for file-backed tasks (GSM8K, MATH500)."""
+    """Local data for file-backed tasks (qa, GSM8K, MATH500, AIME): a JSONL/JSON/parquet/CSV file, a
+    ``save_to_disk`` folder or a folder of ``<split>.<ext>`` files (docs/data.md)."""
     data_seed: Optional[int] = None
     """Seed of generated prompt pools (Sudoku, Countdown); None = ``parallel.seed``."""
     prompt_style: str = "chat"
@@ -121,6 +122,19 @@ class RolloutSection:
     chat_template: Optional[str] = None
     """A Jinja chat template file used instead of the tokenizer's (checked at preflight); None = the
     tokenizer's own, or the plain ``Question: ... Answer:`` fallback when it has none."""
+    prompt_key: Optional[str] = None
+    """File-backed tasks: the column holding the question (None = the task's own: ``prompt`` for
+    ``qa``, ``question`` for GSM8K, ...); see docs/data.md."""
+    answer_key: Optional[str] = None
+    """File-backed tasks: the column holding the reference answer (None = the task's own, ``answer``)."""
+    split: str = "train"
+    """Split trained on: a ``<split>.<ext>`` file of a ``rollout.data_path`` folder (or of the task's
+    data root), or a split of a ``save_to_disk`` DatasetDict; a ``data_path`` file is read whatever it is."""
+    reward_fn: Optional[str] = None
+    """Your reward, ``path/to/file.py:function`` or ``package.module:function``, called as
+    ``fn(completion, reference) -> float`` instead of the task's reward (docs/data.md)."""
+    reward_timeout_s: float = 10.0
+    """Time limit of one ``reward_fn`` call; a call past it scores 0 and counts in ``reward_errors``."""
 
     @property
     def generated_prompts(self) -> int:

@@ -20,10 +20,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, get_dotted
 from .errors import DataError
 from .parallel.bootstrap import ParallelLayoutError
 from .tasks import GENERATED_TASKS
+from .tasks.local_datasets import check_local
 
 _TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
 _GENERATED_SAMPLE = 8  # generated tasks: a few examples prove the options work; the run draws its own
@@ -78,6 +79,9 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     if cfg.rollout.cache != "none" and mcfg.arch != "llada":
         raise ConfigError(f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
                           f"decodes with its own KV cache of finished blocks: set rollout.cache=none")
+    for name in ("rollout.data_path", "eval.data_path"):  # local files only, refused by the field's name
+        if get_dotted(cfg, name):
+            check_local(get_dotted(cfg, name), name)
     task = _task(cfg)
     train = _load(cfg, task, "train")
     report = PreflightReport(description, world_size, data_parallel, len(train),
@@ -204,16 +208,15 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
 
 
 def _task(cfg: RunConfig):
-    from .tasks import get_task
-
-    from .tasks.prompts import rollout_prompt_format
+    """The run's task as every rank builds it (``rollout.reward_fn`` is imported here once)."""
+    from .rl.setup import build_task
 
     try:
-        task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
+        return build_task(cfg)  # also checks the prompt template / chat template file renders
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.task_options of task {cfg.rollout.task!r}: {err}") from None
-    task.prompt_format = rollout_prompt_format(cfg.rollout)  # the template file exists and renders
-    return task
 
 
 def _load(cfg: RunConfig, task, split: str) -> list:

@@ -22,11 +22,11 @@ MATH500 = FIXTURES / "math500_test.jsonl"
 # ----------------------------------------------------------------- registry and prompts
 
 def test_registry_lists_tasks_and_rejects_unknown():
-    assert available_tasks() == ["countdown", "gsm8k", "math500", "sudoku"]
+    assert available_tasks() == ["aime2024", "aime2025", "countdown", "gsm8k", "math500", "qa", "sudoku"]
     for name in available_tasks():
         task = get_task(name)
         assert task.name == name and task.reward_range == (0.0, 1.0)
-    with pytest.raises(ValueError, match="valid tasks: countdown, gsm8k, math500, sudoku"):
+    with pytest.raises(ValueError, match="valid tasks: aime2024, aime2025, countdown, gsm8k, math500, qa, sudoku"):
         get_task("gsm9k")
 
 

@@ -168,6 +168,8 @@ def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> R
             rewards.append(0.0)
             correct.append(False)
             errors += 1
+    if hasattr(task, "pop_failures"):  # rollout.reward_fn: calls that raised or timed out scored 0
+        errors += task.pop_failures()
     device = batch.sequences.device
     batch.rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
     batch.correct = torch.tensor(correct, dtype=torch.bool, device=device)

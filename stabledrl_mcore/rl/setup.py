@@ -125,7 +125,7 @@ def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not os.path.isdir(target):
         data = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}  # file-backed tasks
-        sample = task.load("train", n=256, seed=cfg.parallel.seed, **data)
+        sample = task.load(cfg.rollout.split, n=256, seed=cfg.parallel.seed, **data)
         texts = [task.prompt(ex) for ex in sample] + [str(ex.meta.get("answer_text", ex.reference))
                                                       for ex in sample]
         train_sentencepiece(texts, target + ".tmp", vocab_size=64)
@@ -173,8 +173,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     if cfg.parallel.pipeline_parallel > 1:
         raise NotImplementedError("pipeline parallelism is not supported by the RL loop yet "
                                   "(rollouts need a pipelined sampler); use tensor and data parallelism")
-    task = get_task(cfg.rollout.task, prompt_style=cfg.rollout.prompt_style, **cfg.rollout.task_options)
-    task.prompt_format = rollout_prompt_format(cfg.rollout)  # the prompts eval and generate use too
+    task = build_task(cfg)
     # the data is read (and a bad file refused) before anything distributed or a model is built
     examples = train_examples if train_examples is not None else load_train_examples(cfg, task)
     bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
@@ -239,10 +238,45 @@ def load_initial_weights(model, path: str) -> None:
         load_model_weights(model, path)
 
 
+def build_task(cfg: RunConfig):
+    """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
+    columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
+    refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
+    from ..config import ConfigError
+
+    r = cfg.rollout
+    options = dict(r.task_options)
+    for name in ("prompt_key", "answer_key"):
+        value = getattr(r, name)
+        if value is None:
+            continue
+        if r.task in GENERATED_TASKS:
+            raise ConfigError(f"rollout.{name}={value}: task {r.task} generates its examples (no data columns); "
+                              f"it applies to file-backed tasks such as qa, gsm8k, math500, aime2024")
+        if name in options:
+            raise ConfigError(f"rollout.{name} and rollout.task_options.{name} both set: keep rollout.{name}")
+        options[name] = value
+    if not r.reward_timeout_s > 0:
+        raise ConfigError(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
+    if r.reward_timeout_s != type(r).reward_timeout_s and not r.reward_fn:
+        raise ConfigError("rollout.reward_timeout_s limits rollout.reward_fn calls: set rollout.reward_fn too")
+    task = get_task(r.task, prompt_style=r.prompt_style, **options)
+    task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
+    if r.reward_fn:
+        from ..tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
+
+        shaping = [k for k in TASK_REWARD_OPTIONS if k in options]
+        if shaping:
+            raise ConfigError(f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
+                              f"rollout.reward_fn replaces: drop one of them")
+        task = CustomRewardTask(task, load_reward_fn(r.reward_fn), spec=r.reward_fn, timeout_s=r.reward_timeout_s)
+    return task
+
+
 def load_train_examples(cfg: RunConfig, task, *, sample: Optional[int] = None) -> List[Example]:
     """The training examples of ``cfg`` (a generated task draws ``sample`` of them when given)."""
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
     if cfg.rollout.task in GENERATED_TASKS:
         kwargs["n"] = sample or max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
     seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
-    return task.load("train", seed=seed, **kwargs)
+    return task.load(cfg.rollout.split, seed=seed, **kwargs)

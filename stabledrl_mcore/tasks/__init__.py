@@ -1,4 +1,5 @@
-"""RL tasks for dLLM post-training: GSM8K, MATH500, Countdown, 4x4 Sudoku.
+"""RL tasks for dLLM post-training: GSM8K, MATH500, AIME 2024/2025, Countdown, 4x4 Sudoku, and
+``qa`` (your own dataset with a chosen verifier, :mod:`.qa`).
 
 ``get_task(name)`` returns a task with ``load(split, ...)``, ``prompt(example,
 tokenizer)``, ``reward(completion, reference) -> float in reward_range`` ([0, 1],
@@ -15,6 +16,8 @@ from stabledrl_mcore.tasks.evaluation import (SHARD_MODES, evaluate_completions,
 from stabledrl_mcore.tasks.extract import answer_tag, last_boxed, parse_number
 from stabledrl_mcore.tasks.math_equiv import math_equal
 from stabledrl_mcore.tasks.math_tasks import Gsm8kTask, Math500Task, resolve_data_root
+from stabledrl_mcore.tasks.aime import Aime2024Task, Aime2025Task
+from stabledrl_mcore.tasks.qa import QaTask
 from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, PromptFormat, build_prompt, prompt_format
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions, solve as solve_sudoku
@@ -28,7 +31,7 @@ __all__ = [
     "CountdownTask", "evaluate_expression", "solve_countdown",
     "SHARD_MODES", "evaluate_completions", "shard_examples", "shard_indices", "write_jsonl",
     "answer_tag", "last_boxed", "parse_number", "math_equal",
-    "Gsm8kTask", "Math500Task", "resolve_data_root",
+    "Gsm8kTask", "Math500Task", "resolve_data_root", "Aime2024Task", "Aime2025Task", "QaTask",
     "SYSTEM_PROMPT", "PromptFormat", "build_prompt", "prompt_format", "anti_short_boxed_bonus",
     "SudokuTask", "count_solutions", "solve_sudoku",
 ]

@@ -9,7 +9,10 @@ Data comes from local JSONL files in the datasets' public formats:
   only ``test``).
 
 ``data_root`` is the constructor argument, else ``$STABLEDRL_DATA``, else
-``./data``. ``load(split, path=...)`` reads an explicit file instead.
+``./data``. ``load(split, path=...)`` reads an explicit file instead. Both are
+read by :mod:`.local_datasets`, so the files may also be parquet, JSON, CSV or a
+``save_to_disk`` folder, and ``prompt_key`` / ``answer_key`` (``rollout.prompt_key``
+/ ``rollout.answer_key``) rename the two columns.
 ``load(split, source="hf")`` reads through the ``datasets`` library (needs it
 installed and network access); it is never tried implicitly.
 
@@ -30,6 +33,8 @@ from typing import Any
 from stabledrl_mcore.errors import DataError
 from stabledrl_mcore.tasks.base import Example, Task, register_task
 from stabledrl_mcore.tasks.extract import answer_tag, boxed_then_tag, numbers_equal, parse_number
+from stabledrl_mcore.tasks.local_datasets import (answer_value, check_local, is_saved_dataset, load_rows,
+                                                  split_file, text_value)
 from stabledrl_mcore.tasks.math_equiv import DEFAULT_TIMEOUT_S, math_equal
 from stabledrl_mcore.tasks.prompts import MATH_SYSTEM_PROMPT
 
@@ -85,25 +90,34 @@ class _FileMathTask(Task):
     format_hint: str = ""
 
     def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
-                 **options: Any) -> None:
+                 prompt_key: str | None = None, answer_key: str | None = None, **options: Any) -> None:
         super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         if not 0.0 <= format_weight <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {format_weight}")
         self.data_root = data_root
         self.format_weight = float(format_weight)
         self.system_prompt = MATH_SYSTEM_PROMPT
+        for key in (prompt_key, answer_key):
+            if key is not None and (not isinstance(key, str) or not key):
+                raise ValueError(f"prompt_key / answer_key must be non-empty column names, got {key!r}")
+        self.prompt_key = prompt_key or self.fields[0]
+        """Column of the question (``rollout.prompt_key``; default: the dataset's public name)."""
+        self.answer_key = answer_key or self.fields[1]
+        """Column of the reference answer (``rollout.answer_key``)."""
 
     def default_path(self, split: str) -> Path:
         return resolve_data_root(self.data_root) / self.dir_name / f"{split}.jsonl"
 
     def _missing_message(self, path: Path, split: str) -> str:
-        hf_args = ", ".join(repr(a) for a in self.hf_id)
         return (f"{self.name}: data file not found: {path} (one JSON object per line with "
                 f"{self.format_hint}); point to it with rollout.data_path=FILE (stabledrl train), "
                 f"--data-path FILE (stabledrl eval) or path=FILE (Python), or set ${DATA_ENV} to the "
                 f"data root holding {self.dir_name}/{split}.jsonl; to download it (network needed): "
-                f"python -c \"import datasets; datasets.load_dataset({hf_args})['{split}']"
-                f".to_json('{path}')\"")
+                f"{self._download_command(path, split)}")
+
+    def _download_command(self, path: Path, split: str) -> str:
+        hf_args = ", ".join(repr(a) for a in self.hf_id)
+        return f"python -c \"import datasets; datasets.load_dataset({hf_args})['{split}'].to_json('{path}')\""
 
     def _rows(self, split: str, path: str | None, source: str) -> list[tuple[str, dict[str, Any]]]:
         """``(where, row)`` pairs, ``where`` naming the file and line (or the dataset and index)."""
@@ -117,13 +131,16 @@ class _FileMathTask(Task):
                     for i, r in enumerate(datasets.load_dataset(*self.hf_id)[split])]
         if source != "local":
             raise ValueError(f"{self.name}: source must be 'local' or 'hf', got {source!r}")
-        file = Path(path) if path is not None else self.default_path(split)
-        if not file.is_file():
-            raise FileNotFoundError(self._missing_message(file, split))
-        rows = read_numbered_jsonl(file, self.fields)
-        if not rows:
-            raise DataError(f"{self.name}: {file} holds no examples (empty file)")
-        return [(f"{file}:{lineno}", row) for lineno, row in rows]
+        keys = (self.prompt_key, self.answer_key)
+        if path is not None:
+            local = check_local(path)
+            if not local.exists():
+                raise FileNotFoundError(self._missing_message(local, split))
+            return load_rows(local, split, required=keys)
+        folder = resolve_data_root(self.data_root) / self.dir_name  # <split>.jsonl (or .parquet, ...)
+        if split_file(folder, split) is None and not is_saved_dataset(folder):
+            raise FileNotFoundError(self._missing_message(self.default_path(split), split))
+        return load_rows(folder, split, required=keys)
 
     def _example(self, row: dict[str, Any], index: int) -> Example:
         raise NotImplementedError
@@ -190,9 +207,10 @@ class Gsm8kTask(_FileMathTask):
     format_hint = "'question' and 'answer' fields, the answer ending in '#### <number>'"
 
     def _example(self, row: dict[str, Any], index: int) -> Example:
-        gold = self.check_reference(gsm8k_gold(str(row["answer"])))
-        return Example(prompt=str(row["question"]), reference=gold,
-                       meta={"index": index, "solution": row["answer"]})
+        solution = text_value(row, self.answer_key)
+        gold = self.check_reference(gsm8k_gold(solution))
+        return Example(prompt=text_value(row, self.prompt_key), reference=gold,
+                       meta={"index": index, "solution": solution})
 
     def check_reference(self, reference: Any) -> str:
         ref = super().check_reference(reference)
@@ -226,7 +244,8 @@ class Math500Task(_FileMathTask):
         for key in ("subject", "level", "unique_id"):
             if key in row:
                 meta[key] = row[key]
-        return Example(prompt=str(row["problem"]), reference=str(row["answer"]), meta=meta)
+        return Example(prompt=text_value(row, self.prompt_key), reference=answer_value(row, self.answer_key),
+                       meta=meta)
 
     def _correct(self, answer: str | None, reference: str) -> bool:
         return math_equal(answer, reference, self.timeout_s)
