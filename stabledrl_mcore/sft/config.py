@@ -15,7 +15,6 @@ from typing import Optional
 from ..config import (CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection,
                       ParallelSection, _choice, get_dotted, validate_logging_and_saving)
 
-FORMATS = ("auto", "jsonl", "parquet", "disk")
 CHAT_TEMPLATES = ("auto", "never")
 RL_ONLY = ("parallel.retain_update_graph",)
 """Fields of the shared sections with no meaning for SFT (refused unless left at their default)."""
@@ -26,10 +25,10 @@ class SFTSection:
     """The conversations to fine-tune on and how they become token rows."""
 
     data_path: Optional[str] = None
-    """A JSONL file, a parquet file or a ``datasets.save_to_disk`` folder (required)."""
-    format: str = "auto"
-    """``auto`` (by extension: ``.jsonl``/``.json`` JSON lines, ``.parquet``, a folder = ``disk``),
-    ``jsonl``, ``parquet`` or ``disk``."""
+    """A local ``.jsonl``, ``.json``, ``.parquet`` or ``.csv`` file, a ``datasets.save_to_disk`` folder or a
+    folder of ``<split>.<ext>`` files (required; the formats of ``rollout.data_path``, docs/data.md)."""
+    split: str = "train"
+    """The split of a folder of split files or of a saved ``DatasetDict`` (a file is read whatever it is)."""
     prompt_key: str = "prompt"
     """Column of the prompt text (prompt/response rows)."""
     response_key: str = "response"
@@ -74,7 +73,6 @@ class SFTConfig:
         _choice("optim.name", self.optim.name, ("adam", "sgd"))
         _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
         _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        _choice("sft.format", self.sft.format, FORMATS)
         _choice("sft.chat_template", self.sft.chat_template, CHAT_TEMPLATES)
         if not self.sft.data_path:
             raise ConfigError("sft.data_path is required: a JSONL or parquet file of prompt/response or "

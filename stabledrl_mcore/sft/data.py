@@ -1,4 +1,4 @@
-"""SFT data: conversation rows from JSONL / parquet / ``save_to_disk`` folders to token rows.
+"""SFT data: conversation rows from local data files (JSONL, JSON, parquet, CSV, ``save_to_disk``) to token rows.
 
 A row is either ``{prompt_key: str, response_key: str}`` or ``{messages_key: [{role, content},
 ...]}`` whose last turn is the assistant's answer. The prompt is the prompt text (through
@@ -12,10 +12,8 @@ generation with EOS). Bad rows are named by file and line (JSONL) or row (parque
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
 
@@ -35,47 +33,15 @@ class SFTData:
         return self.ids.shape[0]
 
 
-def data_format(section: SFTSection) -> str:
-    """The format of ``sft.data_path`` (``sft.format`` or from the path)."""
-    path, fmt = section.data_path, section.format
-    if fmt != "auto":
-        return fmt
-    if os.path.isdir(path):
-        return "disk"
-    if path.endswith((".jsonl", ".json")):
-        return "jsonl"
-    if path.endswith(".parquet"):
-        return "parquet"
-    raise DataError(f"sft.data_path={path}: cannot tell the format from the name (.jsonl, .json, "
-                    f".parquet or a datasets.save_to_disk folder); set sft.format")
-
-
-def read_rows(section: SFTSection) -> Iterator[Tuple[str, Any]]:
-    """``(where, row)`` for every row of ``sft.data_path`` (``where`` names the file and line/row)."""
-    path = section.data_path
-    if not os.path.exists(path):
-        raise DataError(f"sft.data_path={path} does not exist")
-    fmt = data_format(section)
-    if fmt == "jsonl":
-        with open(path) as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{number}", json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{number}: not valid JSON ({err.msg}); one JSON object per line") from None
-        return
-    import datasets  # lazily: only parquet and save_to_disk folders need it
+def read_rows(section: SFTSection) -> List[Tuple[str, Any]]:
+    """``(where, row)`` for every row of ``sft.data_path``'s ``sft.split`` (``where`` names the file and
+    line/row), read by the same local loader as the RL tasks' data (:mod:`..tasks.local_datasets`)."""
+    from ..tasks.local_datasets import load_rows
 
     try:
-        table = datasets.load_from_disk(path) if fmt == "disk" else datasets.Dataset.from_parquet(path)
-    except Exception as err:  # noqa: BLE001 - any reader failure is a bad input file
-        raise DataError(f"sft.data_path={path}: cannot read it as {fmt} ({type(err).__name__}: {err})") from None
-    if isinstance(table, datasets.DatasetDict):
-        raise DataError(f"sft.data_path={path} holds splits {', '.join(table)}; point at one split's folder")
-    for number, row in enumerate(table):
-        yield f"{path} row {number}", row
+        return load_rows(section.data_path, section.split, field="sft.data_path")
+    except FileNotFoundError as err:
+        raise DataError(str(err)) from None
 
 
 def render(row: Any, where: str, section: SFTSection, tokenizer) -> Tuple[str, str]:
