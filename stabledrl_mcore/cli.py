@@ -46,19 +46,28 @@ def _world_size(nproc: Optional[int], default: Optional[int]) -> Optional[int]:
     return default
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config, save_config, to_dict
-    from .preflight import preflight
+def run_config_from_args(args: argparse.Namespace, cls=None):
+    """``(config, overrides)`` of ``train`` and ``sft``: the file plus overrides, ``--resume`` /
+    ``--overwrite`` as ``checkpoint.*`` overrides (the ranks get the same); ``--nproc`` checked; pre-emption handlers installed first (unless
+    ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
+    from .config import ConfigError, RunConfig, load_config
 
     if not args.print_config:
         from .rl.trainer import install_preemption_handlers
 
-        install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
+        install_preemption_handlers()
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
-    cfg = load_config(args.config, overrides)
+    return load_config(args.config, overrides, cls=cls or RunConfig), overrides
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .config import save_config, to_dict
+    from .preflight import preflight
+
+    cfg, overrides = run_config_from_args(args)
     # every check that needs no model, before any rank starts; a plain `train` is one process
     report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
     from .checkpoint.resume import preflight as check_run_directory

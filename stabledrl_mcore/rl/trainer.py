@@ -225,20 +225,25 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """
-    import os
-
     from ..checkpoint.writers import bind_checkpoint_writers
     from ..config import load_config
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))
-    marker = os.path.join(cfg.logging.run_dir, PREEMPTED_MARKER)
+    return run_with_preemption_marker(cfg.logging.run_dir, lambda: train(cfg))
+
+
+def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
+    """``run()`` (a training loop returning its set-up); 0, or :data:`EXIT_PREEMPTED` with rank 0
+    leaving ``<run_dir>/PREEMPTED`` (an earlier launch's marker is removed first)."""
+    import os
+
+    marker = os.path.join(run_dir, PREEMPTED_MARKER)
     try:
         os.remove(marker)  # every rank may try: the first one wins
     except FileNotFoundError:
         pass
-    setup = train(cfg)
-    if not setup.preempted:
+    if not run().preempted:
         return 0
     if torch.distributed.get_rank() == 0:
         with open(marker, "w") as handle:

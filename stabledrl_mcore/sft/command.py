@@ -20,20 +20,12 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
-    from ..cli import _world_size
-    from ..config import ConfigError, load_config, to_dict
+    from ..cli import _world_size, run_config_from_args
+    from ..config import to_dict
     from .config import SFTConfig
     from .preflight import preflight_sft
 
-    if not args.print_config:
-        from ..rl.trainer import install_preemption_handlers
-
-        install_preemption_handlers()  # before the slow start-up, so an early USR1 is not fatal
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-    overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
-    cfg = load_config(args.config, overrides, cls=SFTConfig)
+    cfg, overrides = run_config_from_args(args, SFTConfig)
     summary = preflight_sft(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
     if args.print_config:
         import yaml

@@ -14,7 +14,6 @@ micro-batch index), so the data-parallel split does not change the run and a res
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ from ..checkpoint.history import checkpoint_root
 from ..config import save_config, to_dict
 from ..diffusion.pretrain import sft_sequence_losses
 from ..metrics import create_logger, logger_options
-from ..rl.save_schedule import SaveSchedule
 from ..models.placement import model_device
+from ..rl.save_schedule import SaveSchedule
 from ..rl.setup import derive_seed, phase_generator
 from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite
 from .config import SFTConfig
@@ -191,19 +190,8 @@ def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
     from ..checkpoint.writers import bind_checkpoint_writers
     from ..config import load_config
-    from ..rl.trainer import EXIT_PREEMPTED, PREEMPTED_MARKER
+    from ..rl.trainer import run_with_preemption_marker
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)
-    marker = os.path.join(cfg.logging.run_dir, PREEMPTED_MARKER)
-    try:
-        os.remove(marker)
-    except FileNotFoundError:
-        pass
-    setup = train_sft(cfg)
-    if not setup.preempted:
-        return 0
-    if torch.distributed.get_rank() == 0:
-        with open(marker, "w") as handle:
-            handle.write(json.dumps({"exit_status": EXIT_PREEMPTED, "time": time.time()}) + "\n")
-    return EXIT_PREEMPTED
+    return run_with_preemption_marker(cfg.logging.run_dir, lambda: train_sft(cfg))

@@ -25,7 +25,6 @@ answer; the default ``w = 0`` is pure correctness.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -46,32 +45,6 @@ def resolve_data_root(data_root: str | os.PathLike | None = None) -> Path:
     if data_root is not None:
         return Path(data_root)
     return Path(os.environ.get(DATA_ENV) or "data")
-
-
-def read_jsonl(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; :class:`DataError` naming file and line on bad JSON or missing fields."""
-    return [row for _, row in read_numbered_jsonl(path, required)]
-
-
-def read_numbered_jsonl(path: str | os.PathLike,
-                        required: tuple[str, ...] = ()) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` of every non-blank line of a JSONL file (see :func:`read_jsonl`)."""
-    rows: list[tuple[int, dict[str, Any]]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise DataError(f"{path}:{lineno}: missing field(s) {missing}; expected {list(required)}")
-            rows.append((lineno, row))
-    return rows
 
 
 def gsm8k_gold(answer_field: str) -> str:
