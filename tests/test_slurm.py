@@ -234,7 +234,7 @@ def test_train_job_completes_across_two_nodes(cluster, tmp_path):
 
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     run_dir, steps = tmp_path / "run", 24
-    # a lead too short for any step: the trainer warns with the measured save time
+    # a 1 s pre-emption lead, passed to the trainer as checkpoint.preemption_lead_s
     job_id = _submit(cluster, run_dir, steps=steps, env_extra={"STABLEDRL_SIGNAL_LEAD_S": "1"})
     _wait(cluster, job_id, run_dir, lambda: _metric_steps(run_dir), "the first metrics line", 300)
     # The signal SLURM sends before the time limit (--signal=B:USR1@...), now, to the batch shell.
@@ -251,8 +251,11 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert 1 <= preempted_at < steps, f"the job ended before the signal arrived\n{diag()}"
     assert _checkpoint_steps(run_dir) == [preempted_at, steps], diag()
     assert "restart=1" in (logs / "restart_1" / "rank_0.log").read_text().splitlines()[0]
-    assert "warning: the pre-emption lead time is 1 s" in first, diag()
-    assert json.loads((run_dir / "checkpoint_timing.json").read_text())["save_s"] > 0, diag()
+    # the lead reached the trainer and each save was timed; whether 1 s is too short depends on this
+    # machine's save time, so the warning itself is tested with set times in test_save_schedule.py
+    assert "preemption_lead_s: 1.0\n" in (logs / "restart_0" / "config.yaml").read_text(), diag()
+    timing = json.loads((run_dir / "checkpoint_timing.json").read_text())
+    assert timing["save_s"] > 0 and timing["max_save_s"] >= timing["save_s"], diag()
 
     # The requeued attempt resumed from the checkpoint: steps continue, never restart at 1.
     assert _metric_steps(run_dir) == list(range(1, steps + 1)), diag()
@@ -337,7 +340,8 @@ def test_eval_job_samples_across_two_nodes(cluster, tmp_path):
     run_dir, out = tmp_path / "eval_run", tmp_path / "eval" / "sudoku.jsonl"
     job = _submit(cluster, run_dir, script="slurm/eval.sh",
                   env_overrides={"STABLEDRL_CKPT": hf, "STABLEDRL_TASK": "sudoku"},
-                  sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=00:10:00"),
+                  sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
+                          "--time=00:10:00"),
                   script_args=(*flags, "--out", str(out)))
     _wait_final(cluster, job, run_dir, timeout=300)
     records = [json.loads(line) for line in out.read_text().splitlines()]
