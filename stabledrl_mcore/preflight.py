@@ -51,16 +51,21 @@ class PreflightReport:
         return f"preflight ok: {self.model}; {layout}; {data}"
 
 
+def check_pipeline_options(cfg: RunConfig) -> None:
+    """Options a pipelined run cannot honour, refused by name (also checked on every rank)."""
+    if cfg.parallel.pipeline_parallel > 1 and cfg.parallel.retain_update_graph:
+        raise ConfigError(f"parallel.retain_update_graph=true keeps each micro-batch's autograd graph for "
+                          f"the update, which Megatron's pipeline schedules cannot reuse: set it to false "
+                          f"with parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}")
+
+
 def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
     """Validate ``cfg`` against the files it names and the job's ``world_size`` (None = unknown).
 
     Raises :class:`ConfigError` (a field), :class:`~.parallel.bootstrap.ParallelLayoutError`,
     :class:`DataError` or ``FileNotFoundError`` (data), each with a one-line message.
     """
-    if cfg.parallel.pipeline_parallel > 1:
-        raise ConfigError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: the RL loop does "
-                          f"not support pipeline parallelism yet (rollouts need a pipelined sampler); "
-                          f"use tensor and data parallelism")
+    check_pipeline_options(cfg)
     resume = cfg.checkpoint.resume
     if resume not in ("none", "auto") and not os.path.isdir(resume):
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")

@@ -65,7 +65,7 @@ def _print_config(capsys, *overrides):
     ("parallel.tensor_parallel=3", "num_attention_heads (4) is not divisible by tensor_parallel (3)"),
     ("model.overrides.num_layerz=2", "'num_layerz' is not a DLLMConfig field; did you mean num_layers?"),
     ("algo.likelihood=staircase", "algo.likelihood=staircase needs a block-diffusion (SDAR) model"),
-    ("parallel.pipeline_parallel=2", "parallel.pipeline_parallel=2: the RL loop does not support"),
+    ("parallel.pipeline_parallel=3", "num_layers (4) is not divisible by pipeline_parallel (3)"),
     ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume: /no/such/step_00000005 is not"),
 ])
 def test_print_config_refuses_bad_names_and_layouts(capsys, override, expected):
@@ -75,6 +75,13 @@ def test_print_config_refuses_bad_names_and_layouts(capsys, override, expected):
         assert "did you mean gsm8k?" in line
     if override.startswith("parallel.tensor"):
         assert "parallel.tensor_parallel=3" in line and "model.preset llada-tiny" in line
+
+
+def test_print_config_refuses_options_a_pipeline_cannot_honour(capsys):
+    line = _print_config(capsys, "parallel.pipeline_parallel=2", "parallel.retain_update_graph=true")
+    assert "parallel.retain_update_graph=true" in line and "parallel.pipeline_parallel=2" in line
+    assert main(["train", "--config", CONFIG, "parallel.pipeline_parallel=2", "--nproc", "2", "--print-config"]) == 0
+    assert "world 2, data-parallel 1" in capsys.readouterr().out
 
 
 def test_print_config_refuses_a_missing_checkpoint_or_tokenizer(capsys, tmp_path):

@@ -68,7 +68,7 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
-    from ..rl.update import accumulate_gradients
+    from ..rl.update import accumulate_gradients, sync_gradients
 
     peaks = []
     coef = batch.plan.scored.float()
@@ -77,7 +77,7 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
         s.optimizer.zero_grad()
         accumulate_gradients(s.ddp, batch, spec, coef, micro_batch=s.cfg.parallel.micro_batch_size,
                              mask_id=s.model.dllm_config.mask_token_id)
-        s.ddp.finish_grad_sync()
+        sync_gradients(s.ddp)
         s.optimizer.step()
         peaks.append(_status("VmHWM"))
     return peaks

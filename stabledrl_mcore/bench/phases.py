@@ -213,12 +213,12 @@ class StableDRLPhases:
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
-        from ..rl.update import accumulate_gradients
+        from ..rl.update import accumulate_gradients, sync_gradients
 
         self.s.ddp.zero_grad_buffer()
         accumulate_gradients(self.s.ddp, self.batch, self.spec, self.unit, micro_batch=self.mb,
                              mask_id=self.mask_id)
-        self.s.ddp.finish_grad_sync()
+        sync_gradients(self.s.ddp)
         return float(self.batch.plan.num_mc * self.seq_tokens)
 
     def optimizer(self) -> float:

@@ -30,6 +30,7 @@ from ..diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_
 from ..diffusion.mask_schemes import MaskRegions, build_mask_plan
 from ..diffusion.masking import MaskPlan
 from ..models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
+from ..parallel.pipeline import is_pipelined, pipeline_forward
 from .losses import spg_select_bound
 from .rollout import RolloutBatch
 
@@ -128,14 +129,10 @@ def _scheme(spec: LikelihoodSpec):
     return spec.scheme, dict(spec.scheme_options, prefix_mask_prob=spec.prefix_mask_prob)
 
 
-def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
-               rows: slice, mask_id: int, draw: int) -> torch.Tensor:
-    """log p(clean token | noisy input) for ``rows`` under draw ``draw``: ``[n, S]``, 0 off the scored set.
-
-    The attention is an :class:`AttentionLayout` (staircase for SDAR, bidirectional for
-    LLaDA) carrying the prompts' left-pad counts, so no dense mask is built on GPU;
-    the counts are read once per batch (``left_pad_counts`` remembers the last one).
-    """
+def token_logp_inputs(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int,
+                      draw: int) -> Tuple[Dict[str, object], Callable[[torch.Tensor], torch.Tensor]]:
+    """``(model keyword arguments, reduce)`` of :func:`token_logp`: ``reduce(logits)`` gives the
+    ``[n, S]`` token log-probs (under pipeline parallelism it runs on the last stage)."""
     ids = batch.sequences[rows]
     noisy = ids.masked_fill(plan.masked[draw, rows], mask_id)
     scored = plan.scored[draw, rows]
@@ -153,8 +150,20 @@ def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
         keys = padding_mask(torch.cat([keys_ok, keys_ok], 1) if spec.kind == "staircase" else keys_ok)
         pattern = layout.dense(x.shape[1], x.shape[1], device=ids.device)
         mask = keys if pattern is None else pattern | keys
-    logits = model(x, position_ids=pos, attention_mask=mask)[:, :n]
-    return gather_log_probs(logits, ids, scored)
+    return ({"input_ids": x, "position_ids": pos, "attention_mask": mask},
+            lambda logits: gather_log_probs(logits[:, :n], ids, scored))
+
+
+def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
+               rows: slice, mask_id: int, draw: int) -> torch.Tensor:
+    """log p(clean token | noisy input) for ``rows`` under draw ``draw``: ``[n, S]``, 0 off the scored set.
+
+    The attention is an :class:`AttentionLayout` (staircase for SDAR, bidirectional for
+    LLaDA) carrying the prompts' left-pad counts, so no dense mask is built on GPU;
+    the counts are read once per batch (``left_pad_counts`` remembers the last one).
+    """
+    inputs, reduce = token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+    return reduce(model(**inputs))
 
 
 def chunks(num_mc: int, size: int, micro_batch: int):
@@ -175,6 +184,10 @@ def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodS
     forward less per inner iteration, at the cost of holding activations for the
     whole rank batch x ``num_mc``.
     """
+    if is_pipelined(model):
+        if graphs is not None:
+            raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
+        return _pipelined_token_logp(model, batch, plan, spec, micro_batch=micro_batch, mask_id=mask_id)
     out = None  # float32, or the log-probs' own dtype if wider (a float64 model in tests)
     with torch.set_grad_enabled(graphs is not None):
         for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
@@ -185,6 +198,21 @@ def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodS
             out[draw, rows] = tok.detach().to(out.dtype)
             if graphs is not None:
                 graphs[(draw, start)] = tok
+    return out
+
+
+def _pipelined_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
+                          micro_batch: int, mask_id: int) -> torch.Tensor:
+    """:func:`all_token_logp` under pipeline parallelism: every (draw, micro-batch) chunk is one
+    pipeline micro-batch of one forward-only schedule, the log-probs reduced on the last stage."""
+    order = list(chunks(plan.num_mc, batch.size, micro_batch))
+    inputs, reducers = zip(*(token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+                             for draw, _, rows in order))
+    toks = pipeline_forward(model, inputs, lambda logits, i: reducers[i](logits))
+    out = torch.zeros(plan.masked.shape, dtype=torch.promote_types(toks[0].dtype, torch.float32),
+                      device=plan.masked.device)
+    for (draw, _, rows), tok in zip(order, toks):
+        out[draw, rows] = tok.to(out.dtype)
     return out
 
 

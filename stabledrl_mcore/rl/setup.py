@@ -170,9 +170,9 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
 
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
-    if cfg.parallel.pipeline_parallel > 1:
-        raise NotImplementedError("pipeline parallelism is not supported by the RL loop yet "
-                                  "(rollouts need a pipelined sampler); use tensor and data parallelism")
+    from ..preflight import check_pipeline_options
+
+    check_pipeline_options(cfg)
     task = build_task(cfg)
     # the data is read (and a bad file refused) before anything distributed or a model is built
     examples = train_examples if train_examples is not None else load_train_examples(cfg, task)

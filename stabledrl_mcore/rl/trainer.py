@@ -25,6 +25,7 @@ from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger, logger_options
 from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
+from ..parallel.pipeline import pipelined
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .dynamic_sampling import filter_uniform_groups
@@ -34,7 +35,7 @@ from .setup import TrainingSetup, build_training, phase_generator, sync_referenc
 from .step_metrics import step_metrics
 from .estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
 from .health import RunHealth
-from .update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients
+from .update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients, sync_gradients
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -100,11 +101,12 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     ref, ref_plan = None, None  # the reference's log-probs, scored once per plan until it is synced
     for inner in range(a.inner_iterations):
         old, plan, current, retained = iteration_inputs(
-            s.ddp if cfg.parallel.retain_update_graph else s.model, batch, spec, inner, sampling=a.mask_sampling,
-            micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
+            s.ddp if cfg.parallel.retain_update_graph else pipelined(s.model), batch, spec, inner,
+            sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
             chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
         if s.reference is not None and plan is not ref_plan:
-            ref, ref_plan = all_token_logp(s.reference, batch, plan, spec, micro_batch=micro, mask_id=mask_id), plan
+            ref = all_token_logp(pipelined(s.reference), batch, plan, spec, micro_batch=micro, mask_id=mask_id)
+            ref_plan = plan
         coef, loss_metrics = loss_coefficients(
             current, batch, spec, plan=plan, old=old, loss=a.loss, loss_options=a.loss_options, eps=a.eps,
             ratio_noise=noise, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, ref_tok=ref,
@@ -118,10 +120,10 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         s.optimizer.zero_grad()
         finite_loss = agree_ok(coef is not None)  # the same answer on every rank
         if finite_loss:
-            accumulate_gradients(s.ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
+            accumulate_gradients(pipelined(s.ddp), batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
                                  retained=retained)
         retained = None
-        s.ddp.finish_grad_sync()
+        sync_gradients(s.ddp)
         s.scheduler.step(increment=1)
         # every rank skips together: never short-circuit one rank past grads_finite's all-reduce
         if not finite_loss or not grads_finite(s.model):
@@ -178,7 +180,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
     with logger:
         if evaluate and start == 0:
-            logger.log(0, evaluate(s.model))
+            logger.log(0, evaluate(pipelined(s.model)))
         health = RunHealth(cfg.algo.max_skipped_updates, logger, from_step_zero=start == 0)
         for step in range(start, end):
             timer.seconds.clear()
@@ -196,7 +198,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
                     update = policy_update(s, kept, spec, step)
             metrics = step_metrics(s, batch, update, timer.seconds, kept=kept)
             if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
-                metrics.update(evaluate(s.model))
+                metrics.update(evaluate(pipelined(s.model)))
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
@@ -281,7 +283,7 @@ def rollout_phase(s: TrainingSetup, step: int):
     """Phase 1: this rank's prompts of ``step``, ``group_size`` completions each."""
     r = s.cfg.rollout
     return generate_rollouts(
-        s.model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
+        pipelined(s.model), s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
         gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
         threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
         chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
@@ -292,7 +294,7 @@ def rollout_phase(s: TrainingSetup, step: int):
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
     """Phase 3: masks drawn and the old policy scored (per iteration with ``per_iteration``)."""
     chunks = _chunk_generators(s.cfg, step, model_device(s.model))
-    return old_policy_likelihood(s.model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
+    return old_policy_likelihood(pipelined(s.model), batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
                                  mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
                                  first_chunk=_first_chunk(s), sampling=s.cfg.algo.mask_sampling,
                                  iteration_generators=lambda k: chunks(f"masks/iter{k}"),

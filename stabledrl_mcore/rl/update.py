@@ -21,8 +21,9 @@ import torch
 from ..diffusion.masking import MaskPlan
 from ..errors import RunFailed
 from ..parallel.bootstrap import any_rank
+from ..parallel.pipeline import is_pipelined, pipeline_forward_backward
 from .estimates import (LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates,
-                        sequence_estimates_and_elbo, token_logp)
+                        sequence_estimates_and_elbo, token_logp, token_logp_inputs)
 from .losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
 from .noise import RatioNoise
 from .rollout import RolloutBatch
@@ -115,6 +116,20 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
     # which (draw, micro-batch) chunks carry any weight: one device->host copy for all of them
     starts = list(range(0, batch.size, micro_batch))
     live = torch.stack([coef[:, s:s + micro_batch].flatten(1).ne(0).any(-1) for s in starts], 1).tolist()
+    if is_pipelined(model):
+        if retained is not None:
+            raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
+        todo = [(draw, rows) for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch)
+                if live[draw][start // micro_batch]]
+        inputs, reducers = zip(*(token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+                                 for draw, rows in todo)) if todo else ((), ())
+
+        def surrogate(logits, i):
+            tok = reducers[i](logits)
+            return (coef[todo[i]].to(tok.dtype) * tok).sum()
+
+        pipeline_forward_backward(model, inputs, surrogate)
+        return
     for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
         weights = coef[draw, rows]
         tok = retained.pop((draw, start)) if retained is not None else None
@@ -123,6 +138,16 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
         if tok is None:
             tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
         (weights.to(tok.dtype) * tok).sum().backward()
+
+
+def sync_gradients(ddp) -> None:
+    """Megatron's ``finalize_model_grads``: the data-parallel all-reduce of every gradient, and the
+    tensor-parallel all-reduce of the parameters every TP rank holds whole but feeds with its own
+    heads only (q/k-norm, and norms under sequence parallelism). Without the latter, replicated
+    q/k-norm weights (SDAR) drift apart across TP ranks."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
 
 
 def grads_finite(model) -> bool:

@@ -28,7 +28,7 @@ from ..metrics import create_logger, logger_options
 from ..models.placement import model_device
 from ..rl.save_schedule import SaveSchedule
 from ..rl.setup import derive_seed, phase_generator
-from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite
+from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite, sync_gradients
 from .config import SFTConfig
 from .data import SFTData
 
@@ -142,7 +142,7 @@ def sft_update(s: SFTSetup, step: int) -> Tuple[Dict[str, float], Optional[str]]
                                         generator=generator, eps=cfg.sft.eps, block_size=s.block_size)
         (losses.sum() / len(rows)).backward()  # DDP averages over data-parallel ranks: the job's mean
         total += losses.detach().sum().double()
-    s.ddp.finish_grad_sync()
+    sync_gradients(s.ddp)
     s.scheduler.step(increment=1)
     loss = _job_mean(total, len(rows) * s.dp_size)
     lr = s.optimizer.param_groups[0]["lr"]
