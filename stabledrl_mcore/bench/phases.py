@@ -44,6 +44,8 @@ class PhaseResult:
     cpu_seconds: List[float] = field(default_factory=list)
     tokens: float = 0.0   # per repetition, summed over data-parallel ranks
     flops: float = 0.0    # model FLOPs per repetition of one model replica
+    stage_busy_s: float = 0.0  # pipeline parallelism: seconds inside this stage's forwards (all ranks)
+    stage_wall_s: float = 0.0  # ... and inside forward-only pipeline calls (all ranks)
 
     def summary(self, peak_flops: Optional[float] = None, model_parallel: int = 1) -> Dict[str, float]:
         """median/quartiles/IQR of the wall time, tokens/s at the median, model FLOP/s and MFU."""
@@ -54,6 +56,8 @@ class PhaseResult:
                "repeats": len(s), "cpu_median_s": statistics.median(self.cpu_seconds) if self.cpu_seconds else None,
                "tokens": self.tokens, "tokens_per_s": self.tokens / med if med > 0 and self.tokens else None,
                "model_flops": self.flops}
+        if self.stage_wall_s > 0:  # the share of a stage's forward-only pipeline time spent waiting
+            out["pipeline_bubble_fraction"] = 1.0 - self.stage_busy_s / self.stage_wall_s
         cpu = out["cpu_median_s"]
         out["tokens_per_cpu_s"] = self.tokens / cpu if cpu and self.tokens else None
         out["model_flops_per_s"] = self.flops / med if med > 0 and self.flops else None
@@ -83,6 +87,15 @@ def _reduce(values: List[float], op) -> List[float]:
     return t.cpu().tolist()
 
 
+def _model_parallel_size() -> int:
+    """Ranks holding one model replica (TP x PP): they all report the replica's tokens."""
+    from megatron.core import parallel_state as ps
+
+    if not _dist() or not ps.model_parallel_is_initialized():
+        return 1
+    return torch.distributed.get_world_size() // ps.get_data_parallel_world_size()
+
+
 def log(message: str) -> None:
     """Progress line on rank 0 (stderr, flushed)."""
     if not _dist() or torch.distributed.get_rank() == 0:
@@ -96,6 +109,8 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
     Every job returns its local token count; tokens are summed over ranks and
     each repetition's time is the slowest rank's.
     """
+    from ..parallel.pipeline import CLOCK
+
     names = list(jobs)
     results = {n: PhaseResult(n) for n in names}
     for w in range(warmup):
@@ -112,10 +127,13 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
             if _dist():
                 torch.distributed.barrier()
             _sync()
+            CLOCK.reset()
             wall, cpu = time.perf_counter(), time.process_time()
             tokens = jobs[n]()
             _sync()
             results[n].seconds.append(time.perf_counter() - wall)
+            results[n].stage_busy_s += CLOCK.busy_s
+            results[n].stage_wall_s += CLOCK.wall_s
             results[n].cpu_seconds.append(time.process_time() - cpu)
             results[n].tokens = float(tokens or 0)
             if counter is not None:
@@ -125,7 +143,9 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
         res.seconds = _reduce(res.seconds, torch.distributed.ReduceOp.MAX if _dist() else None)
         res.cpu_seconds = _reduce(res.cpu_seconds, torch.distributed.ReduceOp.MAX if _dist() else None)
         if _dist():
-            res.tokens = _reduce([res.tokens], torch.distributed.ReduceOp.SUM)[0]
+            res.tokens = _reduce([res.tokens], torch.distributed.ReduceOp.SUM)[0] / _model_parallel_size()
+            res.stage_busy_s, res.stage_wall_s = _reduce([res.stage_busy_s, res.stage_wall_s],
+                                                         torch.distributed.ReduceOp.SUM)
     return results
 
 
@@ -202,21 +222,23 @@ class StableDRLPhases:
 
     def likelihood(self, name: str) -> float:
         from ..models.placement import model_device
+        from ..parallel.pipeline import pipelined
         from ..rl.trainer import _chunk_generators, _first_chunk
         from ..rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
-        old_policy_likelihood(self.s.model, batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
+        old_policy_likelihood(pipelined(self.s.model), batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
                               chunk_generator=_chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
                               first_chunk=_first_chunk(self.s))
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
+        from ..parallel.pipeline import pipelined
         from ..rl.update import accumulate_gradients, sync_gradients
 
         self.s.ddp.zero_grad_buffer()
-        accumulate_gradients(self.s.ddp, self.batch, self.spec, self.unit, micro_batch=self.mb,
+        accumulate_gradients(pipelined(self.s.ddp), self.batch, self.spec, self.unit, micro_batch=self.mb,
                              mask_id=self.mask_id)
         sync_gradients(self.s.ddp)
         return float(self.batch.plan.num_mc * self.seq_tokens)

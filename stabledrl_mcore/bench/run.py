@@ -84,9 +84,6 @@ def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokeni
             cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
         except ModelConfigError as err:
             raise ConfigError(f"model.preset: {err}") from None
-    if cfg.parallel.pipeline_parallel > 1:
-        raise ConfigError("the RL loop (and so the benchmark) does not support pipeline parallelism yet; "
-                          "use `stabledrl plan` for PP layouts")
     return cfg
 
 
@@ -138,6 +135,10 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         peak = device_peak(override_tflops=peak_tflops) if measure_peak else None
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
+        if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
+            from ..parallel.pipeline import timed_stage_forward
+
+            timed_stage_forward(s.model)
         if baseline:
             from .baseline import BaselineStep
 

@@ -145,6 +145,7 @@ class StageClock:
     def __init__(self):
         self.busy_s = 0.0
         self.wall_s = 0.0
+        self.active = False  # inside a forward-only pipeline call
 
     @property
     def bubble_fraction(self) -> float:
@@ -170,10 +171,14 @@ def pipeline_forward(model, micro_batches: Sequence[MicroBatch],
 
     start = time.perf_counter()
     results: List[torch.Tensor] = []
-    with torch.no_grad():
-        for indices in _shape_runs(micro_batches):
-            results += _run_schedule(stage, micro_batches, indices, forward_only=True,
-                                     last_stage_fn=last_stage_fn)
+    CLOCK.active = True
+    try:
+        with torch.no_grad():
+            for indices in _shape_runs(micro_batches):
+                results += _run_schedule(stage, micro_batches, indices, forward_only=True,
+                                         last_stage_fn=last_stage_fn)
+    finally:
+        CLOCK.active = False
     device = micro_batches[0]["input_ids"].device
     out = broadcast_from_last_stage(results if ps.is_pipeline_last_stage() else None, len(micro_batches), device)
     CLOCK.wall_s += time.perf_counter() - start
@@ -225,7 +230,9 @@ def timed_stage_forward(module: torch.nn.Module) -> Callable[[], None]:
         starts.append(time.perf_counter())
 
     def after(*_):
-        CLOCK.busy_s += time.perf_counter() - starts.pop()
+        took = time.perf_counter() - starts.pop()
+        if CLOCK.active:
+            CLOCK.busy_s += took
 
     handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     return lambda: [h.remove() for h in handles]
