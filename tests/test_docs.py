@@ -57,7 +57,8 @@ def test_good_command_lines_pass(line):
 
 @pytest.mark.parametrize("line, expected", [
     ("stabledrl trian --config examples/configs/tiny_cpu.yaml", "invalid choice: 'trian'"),
-    ("stabledrl train --config examples/configs/tiny_cpu.yaml --no-such-flag", "unrecognized arguments: --no-such-flag"),
+    ("stabledrl train --config examples/configs/tiny_cpu.yaml --no-such-flag",
+     "unrecognized arguments: --no-such-flag"),
     ("stabledrl plan --tp 2", "the following arguments are required: --model"),
     ("stabledrl eval --ckpt d --task gsm8k --cache full", "invalid choice: 'full'"),
     ("PYTHONPATH=. stabledrl train --config examples/configs/tiny_cpu.yaml algo.epss=0.1",
@@ -133,3 +134,28 @@ def test_references_outside_the_repository_are_reported(tmp_path):
     (tmp_path / ".venv" / "lib.py").write_text(".." + "/shared\n")
     findings = check_docs.check_outside_references(str(tmp_path))
     assert [(f.path, f.line) for f in findings] == [("bad.py", 2)]
+
+
+# -- SLURM jobs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("line", [
+    "sbatch --nodes=2 slurm/train_llada_8b.sh algo.eps=0.1 rollout.group_size=8",
+    "slurm/submit.sh --nodes=8 --partition=gpu train_sdar_8b.sh algo.eps=0.1",
+    "STABLEDRL_CONFIG=examples/configs/tiny_cpu.yaml slurm/submit.sh slurm/train_llada_8b.sh steps=3",
+    "STABLEDRL_CKPT=<ckpt> STABLEDRL_TASK=gsm8k slurm/submit.sh slurm/eval.sh --n 16 --temperature 0.6",
+    "STABLEDRL_HF_DIR=/models/LLaDA-8B-Instruct slurm/submit.sh convert.sh",
+])
+def test_good_slurm_jobs_pass(line):
+    assert check_docs.check_commands(fenced(line), "x.md", ROOT) == []
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("sbatch slurm/train_llama_8b.sh", "job script slurm/train_llama_8b.sh: no such file"),
+    ("slurm/submit.sh --nodes=2 train_llada_8b.sh --resume auto", "are KEY=VALUE overrides, got --resume auto"),
+    ("sbatch slurm/train_sdar_8b.sh algo.epss=0.1", "unknown config key algo.epss"),
+    ("STABLEDRL_CONFIG=examples/configs/gone.yaml sbatch slurm/train_sdar_8b.sh", "gone.yaml: no such file"),
+    ("slurm/submit.sh eval.sh --n 16 --no-such-flag", "unrecognized arguments: --no-such-flag"),
+    ("slurm/submit.sh convert.sh --tp 2", "convert.sh takes no arguments"),
+])
+def test_bad_slurm_jobs_are_reported(line, expected):
+    findings = check_docs.check_commands(fenced(line), "slurm.md", ROOT)
+    assert len(findings) == 1 and expected in findings[0].message, messages(findings)

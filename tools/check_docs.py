@@ -233,13 +233,51 @@ def check_command(argv: Sequence[str], root: str) -> List[str]:
     return problems
 
 
+def slurm_jobs(line: str) -> List[Tuple[str, List[str], dict]]:
+    """``(job script, its arguments, VAR=value settings)`` of every ``sbatch`` / ``slurm/submit.sh``
+    on one shell line (the script: the first word ending in ``.sh`` after the launcher)."""
+    tokens, jobs, env = shlex.split(line, comments=True), [], {}
+    for i, token in enumerate(tokens):
+        if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", token):
+            env[token.split("=", 1)[0]] = token.split("=", 1)[1]
+        if os.path.basename(token) not in ("sbatch", "submit.sh"):
+            continue
+        rest = tokens[i + 1:]
+        cut = next((j for j, t in enumerate(rest) if t in SEPARATORS or re.match(r"^[12]?>", t)), len(rest))
+        script = next((j for j, t in enumerate(rest[:cut]) if t.endswith(".sh")), None)
+        if script is not None:
+            jobs.append((rest[script], _unsynopsis(rest[script + 1:cut]), dict(env)))
+    return jobs
+
+
+def check_slurm_job(script: str, args: Sequence[str], env: dict, root: str) -> List[str]:
+    """The job script exists (as a path or a name in slurm/); training and bench jobs take
+    ``KEY=VALUE`` overrides of their recipe (or ``STABLEDRL_CONFIG``), eval.sh takes eval flags."""
+    if is_placeholder(script):
+        return []
+    found = [p for p in (os.path.join(root, script), os.path.join(root, "slurm", script)) if os.path.isfile(p)]
+    if not found:
+        return [f"job script {script}: no such file (a path, or a name in slurm/)"]
+    name = os.path.basename(script)
+    if name == "eval.sh":
+        return check_command(["eval", "--ckpt", "CKPT", "--task", "TASK", *args], root)
+    recipe = re.search(r'^sdrl_(?:train|bench) "\$STABLEDRL_ROOT/([^"]+)"', open(found[0]).read(), re.M)
+    if recipe is None:
+        return [f"{name} takes no arguments, got {' '.join(args)}"] if args else []
+    bad = [a for a in args if "=" not in a and not is_placeholder(a)]
+    if bad:
+        return [f"{name}: arguments after the job script are KEY=VALUE overrides, got {' '.join(bad)}"]
+    command = "bench" if name.startswith("bench") else "train"
+    return check_command([command, "--config", env.get("STABLEDRL_CONFIG", recipe.group(1)), *args], root)
+
+
 def check_commands(text: str, path: str, root: str = ROOT) -> List[Finding]:
     findings = []
     for block in fenced_blocks(text):
         if block.lang in NON_SHELL:
             continue
         for number, line in joined_lines(block):
-            if "stabledrl" not in line:
+            if "stabledrl" not in line and "sbatch" not in line and "submit.sh" not in line:
                 continue
             try:
                 commands = stabledrl_commands(line)
@@ -249,6 +287,9 @@ def check_commands(text: str, path: str, root: str = ROOT) -> List[Finding]:
             for argv in commands:
                 findings += [Finding(path, number, f"stabledrl {' '.join(argv)}: {p}")
                              for p in check_command(argv, root)]
+            for script, args, env in slurm_jobs(line):
+                findings += [Finding(path, number, f"{script} {' '.join(args)}: {p}")
+                             for p in check_slurm_job(script, args, env, root)]
     return findings
 
 
