@@ -170,16 +170,24 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
     return args
 
 
+def build_parser(chosen: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser ``main`` uses, with the flags of subcommand ``chosen`` (others: names only)."""
+    return _build_parser({"train": _cmd_train}, chosen)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``main``'s parse of ``argv`` (``--debug`` dropped), running nothing; a bad line exits 2."""
+    argv = [token for token in argv if token != "--debug"]
+    return _parse(build_parser(next((a for a in argv if not a.startswith("-")), None)), argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
     from .errors import RunFailed, is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
-    argv = [token for token in argv if token != "--debug"]
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = _build_parser({"train": _cmd_train}, chosen)
-    args = _parse(parser, argv)
+    args = parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except Exception as err:  # noqa: BLE001 - bugs keep their traceback, input errors get one line

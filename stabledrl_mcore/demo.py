@@ -1,4 +1,4 @@
-"""The README's main job: ``python -m stabledrl_mcore.demo --out runs/demo [--seed 0]``.
+"""The demo (docs/experiments.md): ``python -m stabledrl_mcore.demo --out runs/demo [--seed 0]``.
 
 A complete tiny StableDRL experiment on CPU with nothing downloaded: 4x4
 Sudoku data, an own tokenizer, masked-diffusion SFT from scratch on a small

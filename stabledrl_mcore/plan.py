@@ -197,7 +197,7 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
                "reference_weights": params * bw if spec.reference_model else 0.0, "gradients": params * 4.0,
                "optimizer": params * opt_bytes / shard, "activations": act + extra_layer, "head": stage_head,
                "rollout_kv_cache": kv, "rollout_transient": rollout_tmp if (name == "last" or pp == 1) else 0.0,
-               "overhead": spec.overhead_gib * GIB}
+               "overhead": spec.overhead_gib * GIB, "recomputed_layer": extra_layer}
         # the recomputed layer lives only while its backward runs, after the head's tensors are gone
         row["training_peak"] = act + max(stage_head, extra_layer) if extra_layer else act + stage_head
         row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
@@ -312,6 +312,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--reference-model", action="store_true",
       help="count a frozen reference copy of the weights (the KL penalty, algo.kl_coef > 0)")
     a("--json", metavar="PATH", help="also write the estimates as JSON")
+    a("--plot", metavar="FILE.png", help="also draw every layout's per-GPU memory by component (bar chart)")
 
 
 def spec_from_args(args: argparse.Namespace) -> PlanSpec:
@@ -336,6 +337,10 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
 def run_plan(args: argparse.Namespace) -> int:
     """The ``stabledrl plan`` command: the requested layout in detail, then every layout."""
     spec = spec_from_args(args)
+    if args.plot:
+        from .plan_plot import check_plot_path
+
+        check_plot_path(args.plot)
     chosen = estimate(spec)
     rows = all_layouts(spec)
     print(format_plan(spec, chosen, rows))
@@ -344,4 +349,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
         plain = dataclasses.asdict(dataclasses.replace(spec, model=None))
         write_json({"spec": dict(plain, model=args.model), "chosen": chosen, "layouts": rows}, args.json)
+    if args.plot:
+        from .plan_plot import plot_plan
+
+        plot_plan(rows, spec.gpu_memory_gib, args.plot, title=format_plan(spec, chosen, rows).splitlines()[0],
+                  requested=(chosen["tp"], chosen["pp"]))
+        print(f"written: {args.plot}")
     return 0

@@ -1,4 +1,4 @@
-"""The README's main job and the stress experiment: the pieces that are cheap to check."""
+"""The demo and the stress experiment (docs/experiments.md): the pieces that are cheap to check."""
 
 import math
 import sys

@@ -188,7 +188,7 @@ def _stepped(run_dir):
 @pytest.mark.parametrize("launcher", ["nproc", "torchrun"])
 def test_sigterm_to_the_launcher_checkpoints_every_rank_and_reports_the_preemption(tmp_path, launcher):
     """--nproc: the launcher forwards SIGTERM and exits 75. torchrun forwards it too but exits 1:
-    the run directory's PREEMPTED marker is what tells a job script to requeue (slurm/README.md)."""
+    the run directory's PREEMPTED marker is what tells a job script to requeue (docs/slurm.md)."""
     run_dir = str(tmp_path / "run")
     proc = _train(run_dir, launcher)
     try:

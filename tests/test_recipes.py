@@ -226,3 +226,13 @@ def test_recipe_sources_doc_is_current():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "recipe_sources.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_recipe_sources_doc_rows_have_three_cells():
+    """A `|` inside a source (e.g. `is_mask |= ...`) is escaped, so every row renders as line | value | source."""
+    import re
+
+    rows = [line for line in open(os.path.join(ROOT, "docs", "recipes.md")) if line.startswith("| `")]
+    assert rows
+    bad = [row for row in rows if len(re.findall(r"(?<!\\)\|", row)) != 4]
+    assert not bad, bad[:3]

@@ -242,7 +242,8 @@ def render() -> str:
                 missing.append(f"{name}: {key}")
                 source = "?"
             shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"| `{key}` | `{shown}` | {source} |")
+            cell = source.replace("|", "\\|")  # a bare | would split the table cell
+            lines.append(f"| `{key}` | `{shown}` | {cell} |")
         lines.append("")
     if missing:
         raise SystemExit("recipe lines without a source (add them to tools/recipe_sources.py):\n  "

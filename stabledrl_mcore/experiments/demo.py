@@ -1,4 +1,4 @@
-"""The README's main job: SFT on labelled puzzles, StableDRL on unlabelled ones, held-out accuracy.
+"""The demo (docs/experiments.md): SFT on labelled puzzles, StableDRL on unlabelled ones, held-out accuracy.
 
 Why RL helps here: SFT sees only a small *labelled* set; RL then trains on many
 *unlabelled* puzzles scored by the verifier, which adds information the labels
@@ -22,7 +22,7 @@ from .tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
 class DemoOptions:
     out: str = "runs/demo"
     # init_std 0.05 instead of the setting's 0.02 (which the stress experiment keeps): with
-    # it SFT reached the transition sooner and RL gained more on every seed (README).
+    # it SFT reached the transition sooner and RL gained more on every seed (docs/experiments.md).
     setting: TinySudoku = field(default_factory=lambda: TinySudoku(init_std=0.05))
     rl_steps: int = 150
     eval_every: int = 25

@@ -52,7 +52,7 @@ class TinySudoku:
     sft_blanks: Optional[Tuple[int, int]] = None
     rl_blanks: Optional[Tuple[int, int]] = None
     # Model inputs, one of POSITION_INPUTS (see position_overrides). With LLaDA's RoPE
-    # ("rope") the same recipe learned far less from RL (README, "Main job").
+    # ("rope") the same recipe learned far less from RL (docs/experiments.md, "The demo").
     positions: str = "learned"
     init_std: float = 0.02        # normal init of the weight matrices (Megatron's init_method_std)
 
