@@ -136,3 +136,65 @@ def test_pipelined_rl_steps_equal_one_process(tmp_path):
             for row, want in zip(rows, ref_metrics):
                 for key in [k for k in list(keys) + ["test_reward"] if k in want]:
                     assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (arch, layout, key)
+
+
+def _resume_worker(root, arch, jobs):
+    """``(run name, layout, stop_after, resume)`` in turn; each final model's weights gathered to
+    TP=PP=1 names are saved by the comparison worker."""
+    from megatron.core import parallel_state
+
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.tasks import available_tasks
+
+    if "test_token_digits" not in available_tasks():
+        register_task("test_token_digits")(TokenDigitsTask)
+    for name, layout, stop_after, resume in jobs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        extra = dict(RESUME_OPTIM, **layout, **{"checkpoint.save_every": 1})
+        cfg = load_config(CONFIG, _overrides(os.path.join(root, name), os.path.join(root, f"hf_{arch}"), arch,
+                                             **extra))
+        train(cfg, stop_after=stop_after, resume=resume)
+
+
+RESUME_OPTIM = {"optim.name": "adam", "optim.distributed": False, "optim.lr": 1e-3}
+
+
+@pytest.mark.multiprocess
+def test_resume_at_another_pipeline_size_continues_the_run(tmp_path):
+    """PP=2 -> PP=1 and PP=1 -> PP=2: a run cut after step 1 and resumed at the other size gives the
+    straight run's step 2 (weights to 1e-5, metrics), Adam state and all (distributed optimizer)."""
+    root, arch = str(tmp_path), "llada"
+    write_hf_checkpoint(os.path.join(root, f"hf_{arch}"), arch, seed=5)
+    pp2 = LAYOUTS["pp2"]
+    spawn(_resume_worker, 2, (root, arch, [("from_pp2", pp2, 1, None)]), timeout=300)
+    spawn(_resume_worker, 1, (root, arch, [("straight", {}, None, None), ("from_pp2", {}, None, "auto"),
+                                           ("from_pp1", {}, 1, None)]), timeout=300)
+    spawn(_resume_worker, 2, (root, arch, [("from_pp1", pp2, None, "auto")]), timeout=300)
+    spawn(_load_worker, 1, (root, arch, ["straight", "from_pp2", "from_pp1"]), timeout=300)
+    weights = torch.load(os.path.join(root, "weights.pt"))
+    want = _metrics(os.path.join(root, "straight"))[-1]
+    assert want["step"] == 2 and want["grad_norm"] > 0
+    for name in ("from_pp2", "from_pp1"):
+        diff = max((weights[name][k] - weights["straight"][k]).abs().max().item() for k in weights["straight"])
+        assert diff < 1e-5, f"{name}: resumed at the other pipeline size, the weights differ by {diff}"
+        got = _metrics(os.path.join(root, name))
+        assert [m["step"] for m in got if "reward_mean" in m] == [1, 2]
+        for key in COMPARED:
+            assert got[-1][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (name, key)
+
+
+def _load_worker(root, arch, names):
+    from stabledrl_mcore.checkpoint.loader import read_config
+    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
+    from stabledrl_mcore.models import build_model
+    from stabledrl_mcore.parallel import bootstrap
+
+    bootstrap.initialize(1, 1)
+    result = {}
+    for name in names:
+        model = build_model(read_config(os.path.join(root, f"hf_{arch}")))
+        load_model_weights(model, os.path.join(root, name, "checkpoints", "step_00000002"))
+        result[name] = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    torch.save(result, os.path.join(root, "weights.pt"))

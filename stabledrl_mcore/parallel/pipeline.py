@@ -203,11 +203,17 @@ class PipelinedModel(torch.nn.Module):
     """``model(...)`` with the logits on every pipeline stage: one forward-only pipeline pass,
     the last stage's logits broadcast (``gather_output=False``: each TP rank's own vocabulary
     shard). ``module`` is this rank's stage; attributes the samplers read (``dllm_config``,
-    ``new_kv_cache``...) are looked up through it."""
+    ``new_kv_cache``...) are looked up through it.
 
-    def __init__(self, module: torch.nn.Module):
+    Without a KV cache the rows are split into up to ``2 x PP`` micro-batches so that the
+    stages overlap (bubble (p - 1) / (m + p - 1)); a cached forward is one micro-batch (the
+    cache holds whole rows).
+    """
+
+    def __init__(self, module: torch.nn.Module, micro_batches: Optional[int] = None):
         super().__init__()
         self.module = module
+        self.micro_batches = micro_batches
 
     def __getattr__(self, name: str):
         try:
@@ -218,7 +224,36 @@ class PipelinedModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask=None, **kwargs) -> torch.Tensor:
         batch = dict(kwargs, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
-        return pipeline_forward(self.module, [batch], lambda logits, _: logits)[0]
+        parts = [batch] if kwargs.get("kv_cache") is not None else split_rows(batch, self._count(input_ids))
+        outs = pipeline_forward(self.module, parts, lambda logits, _: logits)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _count(self, input_ids: torch.Tensor) -> int:
+        wanted = self.micro_batches or 2 * pipeline_world_size()
+        return max(1, min(wanted, input_ids.shape[0]))
+
+
+def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
+    """``batch`` as ``count`` micro-batches of consecutive rows: per-row tensors (first dim = rows)
+    and an :class:`~..models.masks.AttentionLayout`'s pad counts are sliced, shared ones kept."""
+    from ..models.masks import AttentionLayout
+
+    rows = batch["input_ids"].shape[0]
+    if count <= 1 or rows <= 1:
+        return [batch]
+    size = -(-rows // count)
+    parts = []
+    for start in range(0, rows, size):
+        sl = slice(start, start + size)
+        part = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+                value = value[sl]
+            elif isinstance(value, AttentionLayout) and value.pad:
+                value = value.with_padding(value.pad[sl])
+            part[key] = value
+        parts.append(part)
+    return parts
 
 
 def timed_stage_forward(module: torch.nn.Module) -> Callable[[], None]:
