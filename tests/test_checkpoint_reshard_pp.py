@@ -280,3 +280,32 @@ def test_pp2_checkpoint_resumes_at_pp1_and_back_exactly(saved_run, kind):
     if kind.startswith("dist"):
         assert fmt["pipeline_parallel"] == 2
         assert sorted(fmt["bucket_map"]) == ["0:0", "0:1"], sorted(fmt["bucket_map"])
+
+
+def test_a_layout_the_optimizer_state_cannot_be_read_at_is_refused_before_any_rank(tmp_path):
+    """``plan_resume`` (the CLI runs it before any rank starts) reads ``optimizer_format.json``:
+    another TP size, or another PP size without the bucket map, is refused by name."""
+    from stabledrl_mcore.checkpoint.resume import ResumeConfigError, plan_resume
+    from stabledrl_mcore.config import load_config
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "configs", "tiny_cpu.yaml")
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "pipeline_parallel": 2}))
+    fmt = {"version": 1, "kind": "distributed", "tensor_parallel": 1, "pipeline_parallel": 2, "bucket_map": {}}
+
+    def plan(**overrides):
+        (ckpt / "optimizer_format.json").write_text(json.dumps(fmt))
+        values = dict({"logging.run_dir": str(tmp_path / "run"), "steps": 4}, **overrides)
+        return plan_resume(load_config(config, [f"{k}={v}" for k, v in values.items()]), str(ckpt))
+
+    assert plan().state.step == 2  # PP=2 -> PP=1 with the map: accepted
+    with pytest.raises(ResumeConfigError, match=r"parallel.tensor_parallel=2: .* saved at tensor_parallel=1"):
+        plan(**{"parallel.tensor_parallel": 2})
+    del fmt["bucket_map"]
+    with pytest.raises(ResumeConfigError, match=r"parallel.pipeline_parallel=1: .*predates the bucket map"):
+        plan()
+    assert plan(**{"parallel.pipeline_parallel": 2}).state.step == 2
+    fmt["kind"] = "plain"  # the plain optimizer's state is keyed by the parameters' sharded tensors
+    assert plan(**{"parallel.tensor_parallel": 2}).state.step == 2
