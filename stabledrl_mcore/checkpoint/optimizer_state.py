@@ -147,9 +147,12 @@ def describe(optimizer) -> Dict[str, Any]:
     """The optimizer format of a checkpoint written by ``optimizer`` (collective: call on all ranks)."""
     if optimizer is None:
         return {"version": FORMAT_VERSION, "kind": "none"}
-    if not is_distributed(optimizer):
-        return {"version": FORMAT_VERSION, "kind": "plain", "optimizer": _base_name(optimizer)}
     from megatron.core import parallel_state as ps
+
+    if not is_distributed(optimizer):
+        return {"version": FORMAT_VERSION, "kind": "plain", "optimizer": _base_name(optimizer),
+                "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+                "pipeline_parallel": ps.get_pipeline_model_parallel_world_size()}
 
     layout: Dict[str, Any] = {}
     for part in _all_gather(local_layout(optimizer)):

@@ -347,8 +347,9 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
         optimizer_state.load_optimizer_state(optimizer, loaded["optimizer"])
     if rng is not None:
         restore_rng_state(rng)
-    note = optimizer is not None and optimizer_reshard.layout_note(
-        state.tensor_parallel, state.pipeline_parallel, state.world_size)
+    note = optimizer is not None and optimizer_reshard.layout_note(  # the optimizer record knows best
+        fmt.get("tensor_parallel", state.tensor_parallel), fmt.get("pipeline_parallel", state.pipeline_parallel),
+        state.world_size)
     if note and _rank() == 0:  # a resume at another layout says so once
         print(f"stabledrl: {note}", flush=True)
     return state
