@@ -248,8 +248,8 @@ class OptimizerSection:
     """Megatron's distributed (ZeRO-1) optimizer (GPU and CPU/gloo): each data-parallel rank keeps
     only its shard of the fp32 main weights and Adam moments. Adam only (Megatron's
     ``DistributedOptimizer`` wraps nothing else: ``sgd`` needs ``distributed: false``). Its
-    checkpoints reshard across data-parallel sizes but need the same tensor/pipeline layout to
-    resume, and a resume must use the same setting as the save."""
+    checkpoints reshard across data- and pipeline-parallel sizes but need the same tensor-parallel size
+    to resume, and a resume must use the same setting as the save."""
 
 
 @dataclass

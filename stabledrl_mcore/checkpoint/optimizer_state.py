@@ -16,11 +16,13 @@ writes its own contiguous shard of the grad-buffer-shaped state (fp32 main param
 depend on the data-parallel size (the DP-multiple padding at the end of a bucket is not
 stored; with ``overlap_grad_reduce`` off each buffer is one bucket whatever the DP
 size). Saving and loading therefore need no gather and no extra memory, and a
-checkpoint loads at any data-parallel size, bit for bit. It cannot change the
-tensor/pipeline layout or the parameter dtype (the buckets differ): the record holds
-every model-parallel rank's bucket layout, so such a resume is refused with one line
-instead of a shape error inside Megatron. ``fully_reshardable`` would also reshard
-TP/PP, but gathers the whole optimizer state on every rank on save and on load (tens
+checkpoint loads at any data-parallel size, bit for bit. At another pipeline-parallel
+size the buckets hold other parameters: the record also holds every model-parallel rank's
+bucket map (which parameter lies where), and :mod:`.optimizer_reshard` reads each
+parameter's range from the old buckets, again without a gather. A different
+tensor-parallel size or parameter dtype, or a PP change of a checkpoint written before
+the map, is refused with one line instead of a shape error inside Megatron.
+``fully_reshardable`` would also reshard TP/PP, but gathers the whole optimizer state on every rank on save and on load (tens
 of GB of host memory per rank at 8B), and its loader fails with torch Adam (below).
 
 The adapter (:func:`prepare_for_checkpoint`, :func:`load_optimizer_state`). Megatron's
@@ -73,6 +75,7 @@ FORMAT_FILE = "optimizer_format.json"
 FORMAT_VERSION = 1
 SHARDING_TYPE = "dp_reshardable"
 READABLE_SHARDING_TYPES = ("dp_reshardable",)
+MAP_FIELD = "bucket_map"  # per-rank bucket contents, written by :mod:`.optimizer_reshard`
 
 
 class OptimizerFormatError(ValueError):
@@ -144,9 +147,12 @@ def describe(optimizer) -> Dict[str, Any]:
     """The optimizer format of a checkpoint written by ``optimizer`` (collective: call on all ranks)."""
     if optimizer is None:
         return {"version": FORMAT_VERSION, "kind": "none"}
-    if not is_distributed(optimizer):
-        return {"version": FORMAT_VERSION, "kind": "plain", "optimizer": _base_name(optimizer)}
     from megatron.core import parallel_state as ps
+
+    if not is_distributed(optimizer):
+        return {"version": FORMAT_VERSION, "kind": "plain", "optimizer": _base_name(optimizer),
+                "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+                "pipeline_parallel": ps.get_pipeline_model_parallel_world_size()}
 
     layout: Dict[str, Any] = {}
     for part in _all_gather(local_layout(optimizer)):
@@ -225,8 +231,14 @@ def _local_incompatibility(saved: Dict[str, Any], optimizer, path: str) -> Optio
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     if (saved.get("tensor_parallel"), saved.get("pipeline_parallel")) != (tp, pp):
+        mapped = MAP_FIELD in saved
+        if mapped and saved.get("tensor_parallel") == tp:
+            return _dtype_change(saved, optimizer, path, fresh)  # :mod:`.optimizer_reshard` reads it
+        why = ("reshards across data- and pipeline-parallel sizes, not tensor-parallel ones" if mapped else
+               "reshards across data-parallel sizes only (this checkpoint predates the bucket map that "
+               "a pipeline-parallel change needs)")
         return (f"checkpoint {path} stores the distributed optimizer per grad bucket "
-                f"(dp_reshardable), which reshards across data-parallel sizes only: it was saved at "
+                f"(dp_reshardable), which {why}: it was saved at "
                 f"tensor_parallel={saved.get('tensor_parallel')} pipeline_parallel="
                 f"{saved.get('pipeline_parallel')}, this run has {tp}/{pp}; resume with that layout, "
                 f"or {fresh}")
@@ -239,6 +251,18 @@ def _local_incompatibility(saved: Dict[str, Any], optimizer, path: str) -> Optio
             return (f"checkpoint {path} was saved with a different distributed-optimizer bucket "
                     f"layout ({_short(recorded[key])}) than this run's ({_short(buffers)}): the model "
                     f"or model.dtype differs; resume with the saved model config and dtype, or {fresh}")
+    return None
+
+
+def _dtype_change(saved: Dict[str, Any], optimizer, path: str, fresh: str) -> Optional[str]:
+    """At a layout change the buckets differ; their parameter dtypes must not."""
+    def dtypes(layout):
+        return sorted({(b["param_dtype"], b["grad_dtype"]) for buffers in layout.values() for b in buffers})
+
+    before, now = dtypes(saved.get("layout") or {}), dtypes(local_layout(optimizer))
+    if now and not set(now) <= set(before):
+        return (f"checkpoint {path} holds distributed-optimizer state of {before} parameters, this run's "
+                f"are {now}: model.dtype differs; resume with the saved dtype, or {fresh}")
     return None
 
 

@@ -8,7 +8,9 @@ checkpoint), as are ``steps``, ``eval.*``, ``logging.*``, ``checkpoint.*``, ``al
 ``rollout.*``. Refused by name: changes of :data:`FROZEN` keys (model shape and vocabulary,
 initial weights, dtype, optimizer kind) and a synced KL reference the checkpoint does not
 hold; the model shape is also compared field by field with ``model_config.json`` once the
-model is built (:func:`check_model_config`). A checkpoint past ``steps`` is refused; one
+model is built (:func:`check_model_config`). A parallel layout the distributed optimizer's state
+cannot be read at (another TP size; another PP size without its bucket map) is refused from
+``optimizer_format.json`` (:func:`check_optimizer_layout`). A checkpoint past ``steps`` is refused; one
 exactly at ``steps`` means the run is complete (the trainer says so and exits 0, so a
 requeued finished job does not fail).
 """
@@ -126,11 +128,34 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
         raise ResumeConfigError(f"cannot resume {path} with a changed {shown} (the model, its vocabulary "
                                 f"or the optimizer would not match); set it back, or start a new run "
                                 f"from the weights with model.checkpoint={path}")
+    check_optimizer_layout(cfg, path)
     if saved is not None and _synced_reference(current) and not _synced_reference(saved):
         raise ResumeConfigError(f"cannot resume {path} with algo.kl_coef>0 and algo.reference_sync_every>0: "
                                 f"the checkpoint holds no synced reference policy; set "
                                 f"algo.reference_sync_every=0 or start a new run")
     return ResumePlan(path, state, cfg.steps, changes)
+
+
+def check_optimizer_layout(cfg: RunConfig, path: str) -> None:
+    """Refuse, before any rank starts, a layout the checkpoint's distributed-optimizer state cannot
+    be read at (:mod:`.optimizer_reshard`: another PP size needs its bucket map, TP must match)."""
+    from .optimizer_state import MAP_FIELD, read_format
+
+    fmt = read_format(path)
+    if fmt.get("kind") != "distributed":
+        return
+    fresh = f"or start the optimizer afresh from these weights with model.checkpoint={path} and no resume"
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    if fmt.get("tensor_parallel") != tp:
+        raise ResumeConfigError(f"cannot resume {path} at parallel.tensor_parallel={tp}: its distributed-optimizer "
+                                f"state was saved at tensor_parallel={fmt.get('tensor_parallel')} and reshards across "
+                                f"data- and pipeline-parallel sizes only; set parallel.tensor_parallel="
+                                f"{fmt.get('tensor_parallel')}, {fresh}")
+    if fmt.get("pipeline_parallel") != pp and MAP_FIELD not in fmt:
+        raise ResumeConfigError(f"cannot resume {path} at parallel.pipeline_parallel={pp}: its distributed-optimizer "
+                                f"state predates the bucket map that a pipeline-parallel change needs (saved at "
+                                f"pipeline_parallel={fmt.get('pipeline_parallel')}); set parallel.pipeline_parallel="
+                                f"{fmt.get('pipeline_parallel')}, {fresh}")
 
 
 def check_model_config(path: str, model_config: Dict[str, Any]) -> None:

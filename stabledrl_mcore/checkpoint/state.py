@@ -34,11 +34,12 @@ from trusted sources only (checksums detect corruption, not tampering).
 Model and optimizer tensors are stored as sharded tensors, so a checkpoint
 written at one TP/PP/DP layout loads at another (Megatron reshards on load).
 The one exception is the state of Megatron's distributed optimizer, stored per
-grad bucket (``dp_reshardable``): it loads at any data-parallel size but only at
-the tensor/pipeline layout it was saved at; :mod:`.optimizer_state` records the
+grad bucket (``dp_reshardable``): it loads at any data-parallel size, at another
+pipeline-parallel size through its bucket map (:mod:`.optimizer_reshard`), but only at
+the tensor-parallel size it was saved at; :mod:`.optimizer_state` records the
 format and refuses any other resume with a one-line :class:`OptimizerFormatError`
 (the model weights of such a checkpoint still load anywhere, e.g. as
-``model.checkpoint``). RNG states are restored only when the world size is unchanged.
+``model.checkpoint``). A resume at another TP/PP layout prints one line saying so. RNG states are restored only when the world size is unchanged.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import optimizer_state
+from . import optimizer_reshard, optimizer_state
 from .integrity import (CheckpointError, check_finite, load_rng_file, save_rng_file,
                         verify_checksums, write_checksums)
 from .optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
@@ -186,6 +187,10 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
     if optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
             optimizer, sharded["model"], fmt, is_loading=False)
+        if fmt["kind"] == "distributed":  # collective; what a resume at another PP size reads
+            mapping = optimizer_reshard.bucket_map(optimizer, sharded["model"], sharded["optimizer"])
+            if mapping is not None:
+                fmt[optimizer_reshard.MAP_FIELD] = mapping
     for name, module in (extra_modules or {}).items():
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     dist_checkpointing.save(sharded, tmp)
@@ -316,12 +321,14 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise NotImplementedError("virtual pipeline chunks are not supported yet")
-    fmt = None
+    fmt, reshard = None, None
     if optimizer is not None:
         fmt = optimizer_state.read_format(path)
         optimizer_state.check_compatible(fmt, optimizer, path)  # collective, before any load
     sharded = {"model": chunks[0].sharded_state_dict()}
-    if optimizer is not None:
+    if optimizer is not None and optimizer_reshard.changes_layout(fmt):  # another TP/PP: by bucket map
+        reshard = optimizer_reshard.plan(optimizer, sharded["model"], fmt, path)  # collective
+    elif optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
             optimizer, sharded["model"], fmt, is_loading=True)
     for name, module in (extra_modules or {}).items():
@@ -334,8 +341,15 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
     for name, module in (extra_modules or {}).items():
         named += [(f"{name}.{k}", v) for k, v in module.named_parameters()]
     check_finite(named, f"after loading {path}: the checkpoint is corrupt")
-    if optimizer is not None:
+    if reshard is not None:
+        optimizer_reshard.load(optimizer, reshard, fmt, path)
+    elif optimizer is not None:
         optimizer_state.load_optimizer_state(optimizer, loaded["optimizer"])
     if rng is not None:
         restore_rng_state(rng)
+    note = optimizer is not None and optimizer_reshard.layout_note(  # the optimizer record knows best
+        fmt.get("tensor_parallel", state.tensor_parallel), fmt.get("pipeline_parallel", state.pipeline_parallel),
+        state.world_size)
+    if note and _rank() == 0:  # a resume at another layout says so once
+        print(f"stabledrl: {note}", flush=True)
     return state
