@@ -158,7 +158,7 @@ def _resume_worker(root, arch, jobs):
         train(cfg, stop_after=stop_after, resume=resume)
 
 
-RESUME_OPTIM = {"optim.name": "adam", "optim.distributed": False, "optim.lr": 1e-3}
+RESUME_OPTIM = {"optim.name": "adam", "optim.distributed": True, "optim.lr": 1e-3}
 
 
 @pytest.mark.multiprocess
