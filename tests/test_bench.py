@@ -281,3 +281,33 @@ def test_baseline_llada_sampler_follows_rollout_threshold():
                                                            threshold=threshold))
         out = base._generate_llada(prompt, valid, torch.Generator().manual_seed(1))
         assert len(calls) == forwards and not (out == 7).any(), (threshold, len(calls))
+
+
+def _pp_bench_worker(out_path):
+    from stabledrl_mcore.bench.run import bench_in_process
+    from stabledrl_mcore.config import load_config
+
+    cfg = load_config(CONFIG, SMALL + ["parallel.pipeline_parallel=2", "logging.run_dir=" + os.path.dirname(out_path)])
+    result = bench_in_process(cfg, ["rollout", "likelihood_full", "train"], warmup=0, repeats=1, baseline=False)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out_path, "w") as handle:
+            json.dump(result, handle)
+
+
+@pytest.mark.multiprocess
+def test_bench_at_pp2_counts_a_replica_once_and_measures_the_bubble(tmp_path):
+    from stabledrl_mcore.bench.report import format_table
+    from stabledrl_mcore.parallel.launch import spawn
+
+    out = str(tmp_path / "pp2.json")
+    spawn(_pp_bench_worker, 2, (out,), timeout=300)
+    data = json.loads(open(out).read())
+    w, phases = data["workload"], data["phases"]
+    assert data["layout"]["pp"] == 2 and data["layout"]["dp"] == 1
+    # the two stages of one replica report its tokens once (not once per rank)
+    assert phases["rollout"]["tokens"] == w["sequences"] * w["generated"]
+    assert phases["likelihood_full"]["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
+    for name in ("rollout", "likelihood_full"):  # forward-only phases: stages wait for each other
+        assert 0.0 < phases[name]["pipeline_bubble_fraction"] < 1.0, name
+    assert "pipeline_bubble_fraction" not in phases["train"]  # 1F1B's backward is not timed
+    assert "pipeline bubble" in format_table(data)

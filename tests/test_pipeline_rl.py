@@ -198,3 +198,23 @@ def _load_worker(root, arch, names):
         load_model_weights(model, os.path.join(root, name, "checkpoints", "step_00000002"))
         result[name] = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     torch.save(result, os.path.join(root, "weights.pt"))
+
+
+def test_split_rows_slices_per_row_inputs_and_keeps_shared_ones():
+    from stabledrl_mcore.models.masks import AttentionLayout
+    from stabledrl_mcore.parallel.pipeline import split_rows
+
+    ids = torch.arange(5 * 3).view(5, 3)
+    batch = {"input_ids": ids, "position_ids": torch.arange(3)[None], "segment_ids": ids * 2,
+             "attention_mask": AttentionLayout.bidirectional(pad=[0, 1, 2, 0, 0]), "gather_output": False}
+    parts = split_rows(batch, 2)
+    assert [p["input_ids"].shape[0] for p in parts] == [3, 2]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ids)
+    assert torch.equal(torch.cat([p["segment_ids"] for p in parts]), ids * 2)
+    assert all(p["position_ids"] is batch["position_ids"] and p["gather_output"] is False for p in parts)
+    assert [p["attention_mask"].pad for p in parts] == [(0, 1, 2), ()]  # all-zero pads normalise to none
+    dense = torch.zeros(5, 1, 3, 3, dtype=torch.bool)
+    dense[3] = True
+    parts = split_rows({"input_ids": ids, "attention_mask": dense}, 5)
+    assert len(parts) == 5 and [bool(p["attention_mask"].all()) for p in parts] == [False] * 3 + [True, False]
+    assert split_rows(batch, 1) == [batch]

@@ -69,6 +69,11 @@ def format_table(result: Dict[str, Any]) -> str:
                  + (f", {speed['step']:.2f}x the baseline (wall clock)"
                     + (f", {speed_cpu['step']:.2f}x in CPU time" if speed_cpu.get("step") else "")
                     if speed.get("step") else ""))
+    bubbles = [f"{name} {_pct(ph['pipeline_bubble_fraction'])}" for name, ph in result["phases"].items()
+               if ph.get("pipeline_bubble_fraction") is not None]
+    if bubbles:
+        lines.append("pipeline bubble (share of a stage's forward-only pipeline time not in its own forwards): "
+                     + ", ".join(bubbles))
     load = result.get("load_average") or {}
     if load.get("before"):
         lines.append(f"load average (1, 5, 15 min) before {load['before']}, after {load.get('after')} "
