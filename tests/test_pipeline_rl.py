@@ -1,10 +1,12 @@
-"""The RL loop under pipeline parallelism: PP=2, TP=2 x PP=2 and DP=2 x PP=2 equal one process.
+"""The RL loop under pipeline parallelism: PP=2, TP=2 x PP=2 and DP=2 x PP=2 equal one process,
+and a run resumes at another pipeline size.
 
-Two StableDRL steps (rollouts, old-policy likelihood, two inner iterations of the update) of a
-tiny LLaDA (ELBO) and a tiny SDAR (staircase likelihood, prefix-shared rollouts with the KV
-cache) start from the same upstream-format checkpoint. Each layout's final checkpoint is loaded
-into one single-process model (``load_model_weights`` reshards any TP/PP) and compared with the
-single-process run's weights; the logged metrics must match too.
+Two StableDRL steps (rollouts, old-policy likelihood, two inner iterations of the update, a
+held-out evaluation) of a tiny LLaDA (ELBO) and a tiny SDAR (staircase likelihood, prefix-shared
+rollouts with the KV cache) start from the same upstream-format checkpoint. Each run's final
+checkpoint is loaded into one TP=PP=1 model (``load_model_weights`` reshards any TP/PP) and
+compared with the single-process run's weights; the logged metrics must match too. All runs
+share four launches (one per world size in turn), made once for the module.
 """
 
 import json
@@ -47,8 +49,19 @@ def _overrides(run_dir, checkpoint, arch, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def _runs_worker(root, runs):
-    """Train every ``(name, arch, layout)`` of ``runs`` in turn in these processes."""
+RESUME_OPTIM = {"optim.name": "adam", "optim.distributed": True, "optim.lr": 1e-3, "checkpoint.save_every": 1}
+LAYOUTS = {
+    "single": {},
+    "pp2": {"parallel.pipeline_parallel": 2},
+    "tp2pp2": {"parallel.pipeline_parallel": 2, "parallel.tensor_parallel": 2},
+    "dp2pp2": {"parallel.pipeline_parallel": 2},  # on 4 ranks
+}
+ARCHS = ("llada", "sdar")
+
+
+def _runs_worker(root, runs, final_weights=None):
+    """Train every ``(name, arch, overrides, stop_after, resume)`` of ``runs`` in turn in these
+    processes; then, with ``final_weights``, save those runs' final weights (:func:`_save_final_weights`)."""
     from megatron.core import parallel_state
 
     from stabledrl_mcore.config import load_config
@@ -57,12 +70,16 @@ def _runs_worker(root, runs):
 
     if "test_token_digits" not in available_tasks():
         register_task("test_token_digits")(TokenDigitsTask)
-    for name, arch, layout in runs:
+    for name, arch, extra, stop_after, resume in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         cfg = load_config(CONFIG, _overrides(os.path.join(root, name), os.path.join(root, f"hf_{arch}"), arch,
-                                             **layout))
-        _assert_replicas_equal(train(cfg).model)
+                                             **extra))
+        _assert_replicas_equal(train(cfg, stop_after=stop_after, resume=resume).model)
+    if final_weights:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        _save_final_weights(root, final_weights)
 
 
 def _assert_replicas_equal(model):
@@ -78,114 +95,8 @@ def _assert_replicas_equal(model):
         assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs across tensor-parallel ranks"
 
 
-def _reference_and_compare_worker(root, archs, names):
-    """The single-process runs, then each run's final checkpoint loaded at TP=PP=1 (resharded)."""
-    from megatron.core import parallel_state
-
-    from stabledrl_mcore.checkpoint.loader import read_config
-    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
-    from stabledrl_mcore.models import build_model
-
-    _runs_worker(root, [(f"{a}_single", a, {}) for a in archs])
-    assert parallel_state.get_pipeline_model_parallel_world_size() == 1
-    result = {}
-    for name, arch in names:
-        model = build_model(read_config(os.path.join(root, f"hf_{arch}")))
-        load_model_weights(model, os.path.join(root, name, "checkpoints", "step_00000002"))
-        result[name] = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save(result, os.path.join(root, "weights.pt"))
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-LAYOUTS = {
-    "pp2": {"parallel.pipeline_parallel": 2},
-    "tp2pp2": {"parallel.pipeline_parallel": 2, "parallel.tensor_parallel": 2},
-    "dp2pp2": {"parallel.pipeline_parallel": 2},
-}
-
-
-@pytest.mark.multiprocess
-def test_pipelined_rl_steps_equal_one_process(tmp_path):
-    root, archs = str(tmp_path), ("llada", "sdar")
-    for arch in archs:
-        write_hf_checkpoint(os.path.join(root, f"hf_{arch}"), arch, seed=5)
-    spawn(_runs_worker, 2, (root, [(f"{a}_pp2", a, LAYOUTS["pp2"]) for a in archs]), timeout=300)
-    spawn(_runs_worker, 4, (root, [(f"{a}_{n}", a, LAYOUTS[n]) for a in archs for n in ("tp2pp2", "dp2pp2")]),
-          timeout=600)
-    names = [(f"{a}_{n}", a) for a in archs for n in ("single", "pp2", "tp2pp2", "dp2pp2")]
-    spawn(_reference_and_compare_worker, 1, (root, archs, names), timeout=300)
-    weights = torch.load(os.path.join(root, "weights.pt"))
-    for arch in archs:
-        ref, ref_metrics = weights[f"{arch}_single"], _metrics(os.path.join(root, f"{arch}_single"))
-        trained = [m for m in ref_metrics if "reward_mean" in m]
-        assert [m["step"] for m in trained] == [1, 2]
-        assert all(m["grad_norm"] > 1e-3 and m["skipped_updates"] == 0 for m in trained), "no update happened"
-        assert [m["step"] for m in ref_metrics if "test_reward" in m] == [0, 2], "held-out evaluation missing"
-        for layout in ("pp2", "tp2pp2", "dp2pp2"):
-            got = weights[f"{arch}_{layout}"]
-            assert got.keys() == ref.keys()
-            diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
-            assert diff < 1e-5, f"{arch} at {layout} differs from one process by {diff}"
-            # a data-parallel rank's own spread (log_ratio_var) is averaged over ranks, not pooled
-            keys = COMPARED if layout != "dp2pp2" else [k for k in COMPARED if k != "log_ratio_var_first"]
-            rows = _metrics(os.path.join(root, f"{arch}_{layout}"))
-            assert [m["step"] for m in rows] == [m["step"] for m in ref_metrics]
-            for row, want in zip(rows, ref_metrics):
-                for key in [k for k in list(keys) + ["test_reward"] if k in want]:
-                    assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (arch, layout, key)
-
-
-def _resume_worker(root, arch, jobs):
-    """``(run name, layout, stop_after, resume)`` in turn; each final model's weights gathered to
-    TP=PP=1 names are saved by the comparison worker."""
-    from megatron.core import parallel_state
-
-    from stabledrl_mcore.config import load_config
-    from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks
-
-    if "test_token_digits" not in available_tasks():
-        register_task("test_token_digits")(TokenDigitsTask)
-    for name, layout, stop_after, resume in jobs:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        extra = dict(RESUME_OPTIM, **layout, **{"checkpoint.save_every": 1})
-        cfg = load_config(CONFIG, _overrides(os.path.join(root, name), os.path.join(root, f"hf_{arch}"), arch,
-                                             **extra))
-        train(cfg, stop_after=stop_after, resume=resume)
-
-
-RESUME_OPTIM = {"optim.name": "adam", "optim.distributed": True, "optim.lr": 1e-3}
-
-
-@pytest.mark.multiprocess
-def test_resume_at_another_pipeline_size_continues_the_run(tmp_path):
-    """PP=2 -> PP=1 and PP=1 -> PP=2: a run cut after step 1 and resumed at the other size gives the
-    straight run's step 2 (weights to 1e-5, metrics), Adam state and all (distributed optimizer)."""
-    root, arch = str(tmp_path), "llada"
-    write_hf_checkpoint(os.path.join(root, f"hf_{arch}"), arch, seed=5)
-    pp2 = LAYOUTS["pp2"]
-    spawn(_resume_worker, 2, (root, arch, [("from_pp2", pp2, 1, None)]), timeout=300)
-    spawn(_resume_worker, 1, (root, arch, [("straight", {}, None, None), ("from_pp2", {}, None, "auto"),
-                                           ("from_pp1", {}, 1, None)]), timeout=300)
-    spawn(_resume_worker, 2, (root, arch, [("from_pp1", pp2, None, "auto")]), timeout=300)
-    spawn(_load_worker, 1, (root, arch, ["straight", "from_pp2", "from_pp1"]), timeout=300)
-    weights = torch.load(os.path.join(root, "weights.pt"))
-    want = _metrics(os.path.join(root, "straight"))[-1]
-    assert want["step"] == 2 and want["grad_norm"] > 0
-    for name in ("from_pp2", "from_pp1"):
-        diff = max((weights[name][k] - weights["straight"][k]).abs().max().item() for k in weights["straight"])
-        assert diff < 1e-5, f"{name}: resumed at the other pipeline size, the weights differ by {diff}"
-        got = _metrics(os.path.join(root, name))
-        assert [m["step"] for m in got if "reward_mean" in m] == [1, 2]
-        for key in COMPARED:
-            assert got[-1][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (name, key)
-
-
-def _load_worker(root, arch, names):
+def _save_final_weights(root, names):
+    """``weights.pt`` (rank 0): each ``(run, arch)``'s step-2 checkpoint loaded at TP=PP=1."""
     from stabledrl_mcore.checkpoint.loader import read_config
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
     from stabledrl_mcore.models import build_model
@@ -193,11 +104,76 @@ def _load_worker(root, arch, names):
 
     bootstrap.initialize(1, 1)
     result = {}
-    for name in names:
+    for name, arch in names:
         model = build_model(read_config(os.path.join(root, f"hf_{arch}")))
         load_model_weights(model, os.path.join(root, name, "checkpoints", "step_00000002"))
         result[name] = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save(result, os.path.join(root, "weights.pt"))
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, os.path.join(root, "weights.pt"))
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module: ``(root, weights)``. Resume runs (llada, Adam on the distributed
+    optimizer): ``straight`` (2 steps at PP=1); ``from_pp2`` cut after step 1 at PP=2 and resumed at
+    PP=1; ``from_pp1`` cut after step 1 at PP=1 and resumed at PP=2."""
+    root = str(tmp_path_factory.mktemp("pipeline_rl"))
+    for arch in ARCHS:
+        write_hf_checkpoint(os.path.join(root, f"hf_{arch}"), arch, seed=5)
+    pp2 = LAYOUTS["pp2"]
+    spawn(_runs_worker, 2, (root, [(f"{a}_pp2", a, pp2, None, None) for a in ARCHS]
+                            + [("from_pp2", "llada", dict(RESUME_OPTIM, **pp2), 1, None)]), timeout=300)
+    spawn(_runs_worker, 4, (root, [(f"{a}_{n}", a, LAYOUTS[n], None, None) for a in ARCHS
+                                   for n in ("tp2pp2", "dp2pp2")]), timeout=600)
+    spawn(_runs_worker, 1, (root, [(f"{a}_single", a, {}, None, None) for a in ARCHS]
+                            + [("straight", "llada", RESUME_OPTIM, None, None),
+                               ("from_pp2", "llada", RESUME_OPTIM, None, "auto"),
+                               ("from_pp1", "llada", RESUME_OPTIM, 1, None)]), timeout=300)
+    names = [(f"{a}_{n}", a) for a in ARCHS for n in LAYOUTS] + [(n, "llada") for n in ("straight", "from_pp2",
+                                                                                         "from_pp1")]
+    spawn(_runs_worker, 2, (root, [("from_pp1", "llada", dict(RESUME_OPTIM, **pp2), None, "auto")], names),
+          timeout=300)
+    return root, torch.load(os.path.join(root, "weights.pt"))
+
+
+def _assert_same_run(root, weights, name, reference, keys):
+    diff = max((weights[name][k] - weights[reference][k]).abs().max().item() for k in weights[reference])
+    assert diff < 1e-5, f"{name} differs from {reference} by {diff}"
+    rows, want = _metrics(os.path.join(root, name)), _metrics(os.path.join(root, reference))
+    assert [m["step"] for m in rows] == [m["step"] for m in want]
+    for row, ref in zip(rows, want):
+        for key in [k for k in list(keys) + ["test_reward"] if k in ref]:
+            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, row["step"], key)
+
+
+@pytest.mark.multiprocess
+def test_pipelined_rl_steps_equal_one_process(runs):
+    root, weights = runs
+    for arch in ARCHS:
+        ref_metrics = _metrics(os.path.join(root, f"{arch}_single"))
+        trained = [m for m in ref_metrics if "reward_mean" in m]
+        assert [m["step"] for m in trained] == [1, 2]
+        assert all(m["grad_norm"] > 1e-3 and m["skipped_updates"] == 0 for m in trained), "no update happened"
+        assert [m["step"] for m in ref_metrics if "test_reward" in m] == [0, 2], "held-out evaluation missing"
+        for layout in ("pp2", "tp2pp2", "dp2pp2"):
+            # a data-parallel rank's own spread (log_ratio_var) is averaged over ranks, not pooled
+            keys = COMPARED if layout != "dp2pp2" else [k for k in COMPARED if k != "log_ratio_var_first"]
+            _assert_same_run(root, weights, f"{arch}_{layout}", f"{arch}_single", keys)
+
+
+@pytest.mark.multiprocess
+def test_resume_at_another_pipeline_size_continues_the_run(runs):
+    """PP=2 -> PP=1 and PP=1 -> PP=2 (Adam on the distributed optimizer, resharded through its
+    bucket map): the resumed run's step 2 is the straight run's (weights to 1e-5, metrics)."""
+    root, weights = runs
+    straight = _metrics(os.path.join(root, "straight"))
+    assert straight[-1]["step"] == 2 and straight[-1]["grad_norm"] > 0
+    for name in ("from_pp2", "from_pp1"):
+        _assert_same_run(root, weights, name, "straight", COMPARED)
 
 
 def test_split_rows_slices_per_row_inputs_and_keeps_shared_ones():
