@@ -20,26 +20,42 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   counted with saved-tensor hooks and is checked against measured peaks by ``tests/test_plan.py``.
   Full recompute keeps ``b_a * H`` per token and layer, plus the larger of the LM head's tensors
   and one recomputed layer's activations (they are not alive at the same time); selective
-  recompute drops the core-attention tensors. With 1F1B pipelining the first stage holds
-  ``min(pp, m)`` micro-batches (``m`` = micro-batches per update); **head**: the LM head's
+  recompute drops the core-attention tensors (pipelining: see below); **head**: the LM head's
   logits ``b_a * T * V * (1 + 1/tp)`` (gathered over TP), ``12 * V * f * T`` for the float32
   log-softmax of the scored rows and its gradient (``f`` = scored fraction of tokens) and
   ``3 * b_a * H * T`` (final norm, head input);
 - **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block for SDAR, the whole
   sequence for LLaDA) and ``28 * V`` bytes per decoded position of a block (float64 Gumbel/softmax work);
+  under PP the transient is on *every* stage: the last stage's logits are broadcast to the others
+  (full vocabulary, the samplers' ``gather_output``) and every stage runs the same sampler on them;
 - **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``;
-- total = weights (+ reference) + gradients + optimizer + max(training peak, rollout KV cache + transient) +
-  ``overhead`` (CUDA context, communication buffers, fragmentation); training peak = activations
-  + head (recompute: see above). Not modelled: the optimizer step's own temporaries (they do not
-  coincide with activations) and allocator fragmentation beyond ``overhead``.
+- total = weights (+ reference) + gradients + optimizer + max(training peak, rollout KV cache + transient,
+  likelihood broadcast) + ``overhead`` (CUDA context, communication buffers, fragmentation); training
+  peak = activations + head (recompute: see above). Not modelled: the optimizer step's own temporaries
+  (they do not coincide with activations) and allocator fragmentation beyond ``overhead``.
+
+Pipeline parallelism (``pp > 1``; :mod:`stabledrl_mcore.parallel.pipeline`). Every stage holds ``L/pp``
+layers; the first adds the embedding, the last the LM head and the final norm (middle stages hold
+neither and fewer micro-batches, so the first or the last is the most loaded). The likelihood and the
+update pass every ``(draw, micro-batch)`` chunk as one pipeline micro-batch, ``m = num_mc * ceil(N/mb)``
+of them per pass (``N`` = sequences per DP rank). Under 1F1B stage ``s`` holds the activations of
+``min(pp - s, m)`` micro-batches (the first ``min(pp, m)``, the last one), and every stage but the last
+also keeps the output it sent, ``b_a * H * T`` per micro-batch in flight, until that micro-batch's backward
+(Megatron's ``deallocate_pipeline_outputs`` is off); the LM head's tensors exist on the last stage only.
+The old-policy pass broadcasts each chunk's token log-probs from the last stage: ``8 * M * N * S`` bytes
+(float32; the per-chunk results or the received copies, plus the assembled ``[M, N, S]`` tensor).
 
 Throughput: with ``R = gpus * peak * mfu`` model FLOP/s (FLOPs per token from
-:mod:`stabledrl_mcore.bench.flops`) and the 1F1B bubble ``m / (m + pp - 1)``, training
-(forward+backward) tokens/s = ``R * bubble / (3 F_fwd)``; rollouts at ``rollout_mfu``
-cost ``steps/gen * S * F_fwd(S)`` per generated token for LLaDA (the whole sequence each
-step) and ``(steps_per_block + 1) * F_fwd(S/2)`` for SDAR (KV cache); the step adds
-``num_mc`` likelihood passes and ``inner`` updates (the second and later also re-score).
+:mod:`stabledrl_mcore.bench.flops`), training (forward+backward) tokens/s = ``R * e_train / (3 F_fwd)``;
+rollouts at ``rollout_mfu`` (rate ``R_roll * e_roll``) cost ``steps/gen * S * F_fwd(S)`` per generated
+token for LLaDA (the whole sequence each step) and ``(steps_per_block + 1) * F_fwd(S/2)`` for SDAR (KV
+cache); the step adds ``num_mc`` likelihood passes and ``inner`` updates (the second and later also
+re-score). ``e = m / (m + pp - 1)`` is the share of a stage's time not lost to the pipeline bubble
+``(pp - 1) / (m + pp - 1)`` of a pass of ``m`` micro-batches: ``m`` as above for the likelihood and the
+update; for rollouts ``m = min(2 pp, B_roll)`` (LLaDA: the sampler's rows split into up to ``2 pp``
+micro-batches) or ``1`` (SDAR: one micro-batch with the KV cache, so ``e_roll = 1/pp``).
+``pipeline_idle`` = 1 - (the step's time without bubbles) / (its time with them).
 """
 
 from __future__ import annotations
@@ -146,6 +162,17 @@ def _scored_fraction(spec: PlanSpec) -> float:
     return 0.5 * spec.gen_length / spec.seq_len  # half the completion is masked on average
 
 
+def pipeline_micro_batches(spec: PlanSpec, dp: int) -> int:
+    """``m`` of a likelihood or update pass: its ``(draw, micro-batch)`` chunks on one DP rank."""
+    per_rank_seqs = max(spec.global_batch // dp, 1)
+    return spec.num_mc * -(-per_rank_seqs // spec.micro_batch)
+
+
+def rollout_micro_batches(spec: PlanSpec, pp: int) -> int:
+    """Pipeline micro-batches of one sampler call: SDAR's KV cache keeps one; LLaDA's rows split in up to 2 pp."""
+    return 1 if spec.model.arch == "sdar" else min(2 * pp, spec.micro_batch)
+
+
 def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
              recompute: Optional[str] = None) -> Dict[str, Any]:
     """Per-GPU memory (bytes, worst pipeline stage) and job throughput of one layout."""
@@ -163,15 +190,16 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     emb = vpad * m.hidden_size / tp
     per_stage_layers = m.num_layers // pp
     body = per_stage_layers * layer_params(m, tp)
-    stages = {"first": body + emb + (emb + m.hidden_size if pp == 1 else 0)}
+    # (name, parameters, is the last stage); middle stages never exceed the first (see the module doc)
+    stages = [("first", body + emb + (emb + m.hidden_size if pp == 1 else 0), pp == 1)]
     if pp > 1:
-        stages["last"] = body + emb + m.hidden_size
+        stages.append(("last", body + emb + m.hidden_size, True))
     opt_bytes = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 4, ("sgd", "fp32"): 0}[
         (spec.optimizer, spec.dtype)]
     shard = dp if spec.distributed_optimizer else 1
     tokens = spec.micro_batch * spec.seq_len * (2 if spec.likelihood == "staircase" else 1)
     per_rank_seqs = max(spec.global_batch // dp, 1)
-    micro_batches = max(per_rank_seqs // spec.micro_batch, 1)
+    micro_batches = pipeline_micro_batches(spec, dp)
     full = activation_bytes_per_token_layer(spec, tp, recompute)
     if recompute == "full":
         per_layer_kept, extra_layer = bw * m.hidden_size, full * tokens
@@ -188,38 +216,47 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     else:
         q = spec.seq_len
     rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * min(block, spec.gen_length))
-    worst = None
-    for name, params in stages.items():
+    logprob_broadcast = 8.0 * spec.num_mc * per_rank_seqs * spec.seq_len if pp > 1 else 0.0
+    worst, stage_totals = None, {}
+    for name, params, last in stages:
         in_flight = min(pp, micro_batches) if name == "first" else 1
         act = in_flight * per_stage_layers * per_layer_kept * tokens
-        stage_head = head if (name == "last" or pp == 1) else 0.0
+        sent = in_flight * bw * m.hidden_size * tokens if not last else 0.0  # outputs kept for the backward
+        stage_head = head if last else 0.0
         row = {"stage": name, "params": params, "weights": params * bw,
                "reference_weights": params * bw if spec.reference_model else 0.0, "gradients": params * 4.0,
-               "optimizer": params * opt_bytes / shard, "activations": act + extra_layer, "head": stage_head,
-               "rollout_kv_cache": kv, "rollout_transient": rollout_tmp if (name == "last" or pp == 1) else 0.0,
+               "optimizer": params * opt_bytes / shard, "activations": act + sent + extra_layer,
+               "head": stage_head, "in_flight": in_flight, "pipeline_outputs": sent,
+               "rollout_kv_cache": kv, "rollout_transient": rollout_tmp, "likelihood_peak": logprob_broadcast,
                "overhead": spec.overhead_gib * GIB, "recomputed_layer": extra_layer}
         # the recomputed layer lives only while its backward runs, after the head's tensors are gone
-        row["training_peak"] = act + max(stage_head, extra_layer) if extra_layer else act + stage_head
+        kept = act + sent
+        row["training_peak"] = kept + max(stage_head, extra_layer) if extra_layer else kept + stage_head
         row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
         row["total"] = (row["weights"] + row["reference_weights"] + row["gradients"] + row["optimizer"]
-                        + max(row["training_peak"], row["rollout_peak"]) + row["overhead"])
+                        + max(row["training_peak"], row["rollout_peak"], row["likelihood_peak"]) + row["overhead"])
+        stage_totals[name] = row["total"]
         if worst is None or row["total"] > worst["total"]:
             worst = row
     out = dict(worst, tp=tp, pp=pp, dp=dp, recompute=recompute, micro_batches=micro_batches,
+               rollout_micro_batches=rollout_micro_batches(spec, pp), stage_totals=stage_totals,
                fits=worst["total"] <= spec.gpu_memory_gib * GIB)
-    out.update(_throughput(spec, pp, micro_batches))
+    out.update(_throughput(spec, pp, micro_batches, out["rollout_micro_batches"]))
     return out
 
 
-def _throughput(spec: PlanSpec, pp: int, micro_batches: int) -> Dict[str, float]:
+def _throughput(spec: PlanSpec, pp: int, micro_batches: int, rollout_micro_batches: int) -> Dict[str, float]:
     from .bench.flops import forward_flops_per_token
 
     m, s = spec.model, spec.seq_len
     t_train = s * (2 if spec.likelihood == "staircase" else 1)
     f_train = forward_flops_per_token(m, t_train) * t_train  # one pass over one sequence
     bubble = micro_batches / (micro_batches + pp - 1)
-    rate = spec.gpus * spec.peak_tflops * 1e12 * spec.mfu * bubble
-    rollout_rate = spec.gpus * spec.peak_tflops * 1e12 * spec.rollout_mfu
+    rollout_bubble = rollout_micro_batches / (rollout_micro_batches + pp - 1)
+    ideal = spec.gpus * spec.peak_tflops * 1e12 * spec.mfu
+    rate = ideal * bubble
+    ideal_rollout = spec.gpus * spec.peak_tflops * 1e12 * spec.rollout_mfu
+    rollout_rate = ideal_rollout * rollout_bubble
     if m.arch == "llada":
         steps = spec.rollout_steps or max(spec.gen_length // 2, 1)
         per_gen = steps / spec.gen_length * s * forward_flops_per_token(m, s)
@@ -229,8 +266,10 @@ def _throughput(spec: PlanSpec, pp: int, micro_batches: int) -> Dict[str, float]
     inner, mc = spec.inner_iterations, spec.num_mc
     update = mc * f_train * (1 + 3 * inner + (inner - 1))  # old-policy pass, fwd+bwd, re-scoring
     seconds_per_seq = spec.gen_length * per_gen / rollout_rate + update / rate
+    without_bubbles = spec.gen_length * per_gen / ideal_rollout + update / ideal
     return {"train_tokens_per_s": rate / (3 * f_train) * s, "rollout_tokens_per_s": rollout_rate / per_gen,
-            "step_tokens_per_s": s / seconds_per_seq, "bubble_efficiency": bubble}
+            "step_tokens_per_s": s / seconds_per_seq, "bubble_efficiency": bubble,
+            "rollout_bubble_efficiency": rollout_bubble, "pipeline_idle": 1 - without_bubbles / seconds_per_seq}
 
 
 def all_layouts(spec: PlanSpec) -> List[Dict[str, Any]]:
@@ -269,18 +308,34 @@ def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any
              f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
              f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "
              f"{chosen['rollout_tokens_per_s']:.0f} generated, whole step {chosen['step_tokens_per_s']:.0f}",
+             *_pipeline_lines(chosen, g),
              "", f"{'TP':>3}{'PP':>4}{'DP':>5}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
-             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}"]
+             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}{'stage':>7}{'idle':>6}"]
     for r in rows:
         alt = r["alternative"]
         mark = " <" if (r["tp"], r["pp"]) == (chosen["tp"], chosen["pp"]) else ""
+        piped = r["pp"] > 1
+        idle = f"{100 * r['pipeline_idle']:.0f}%" if piped else "-"
         lines.append(f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}{g(r['weights']):>9}{g(r['gradients']):>8}"
                      f"{g(r['optimizer']):>8}{g(r['training_peak']):>8}{g(r['total']):>8}"
                      f"{'yes' if r['fits'] else 'no':>6}{g(alt['total']) + ('*' if alt['fits'] else ''):>11}"
-                     f"{r['step_tokens_per_s']:>12.0f}{mark}")
+                     f"{r['step_tokens_per_s']:>12.0f}{r['stage'] if piped else '-':>7}{idle:>6}{mark}")
     alt = rows[0]["alternative"]["recompute"] if rows else "full"
-    lines.append(f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout)")
+    lines.append(f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout; PP > 1: "
+                 f"pipelined, totals of the most loaded 'stage', 'idle' = the step's pipeline-bubble share)")
     return "\n".join(lines)
+
+
+def _pipeline_lines(est: Dict[str, Any], g) -> List[str]:
+    """The pipeline's share of one layout's estimate (nothing at PP = 1)."""
+    if est["pp"] == 1:
+        return []
+    stages = ", ".join(f"{name} {g(total)}" for name, total in est["stage_totals"].items())
+    held = min(est["pp"], est["micro_batches"])
+    return [f"  pipeline PP {est['pp']}: GiB per stage {stages}; 1F1B holds {held} of {est['micro_batches']} "
+            f"micro-batches on the first stage; {est['rollout_micro_batches']} micro-batch(es) per sampler call; "
+            f"bubble efficiency training {est['bubble_efficiency']:.2f}, rollout "
+            f"{est['rollout_bubble_efficiency']:.2f}; stages idle {100 * est['pipeline_idle']:.0f}% of the step"]
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,9 +18,10 @@ def memory_components(row: Dict[str, Any]) -> List[Tuple[str, float]]:
     """``(component, bytes)`` of one :func:`~.plan.estimate` row, in :data:`COMPONENTS` order,
     summing to its ``total``: the fixed parts, the training peak (activations kept over the layers,
     then the larger of the LM head's tensors and one recomputed layer: they never coexist), the
-    rollout's excess over the training peak (the two phases never coincide) and the overhead."""
+    rollout's (or, pipelined, the old-policy log-prob broadcast's) excess over the training peak (the
+    phases never coincide) and the overhead."""
     kept = row["activations"] - row["recomputed_layer"]
-    peak = max(row["training_peak"], row["rollout_peak"])
+    peak = max(row["training_peak"], row["rollout_peak"], row.get("likelihood_peak", 0.0))
     return [("weights", row["weights"]), ("reference weights", row["reference_weights"]),
             ("gradients", row["gradients"]), ("optimizer", row["optimizer"]),
             ("activations kept for the backward", kept),

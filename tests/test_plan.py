@@ -129,3 +129,92 @@ def test_estimate_matches_measured_cpu_peak(tmp_path, preset, shape, extra, like
     # weights + gradient buffers are all that exists after the build
     assert abs(measured["after_build_bytes"] / (est["weights"] + est["gradients"]) - 1) < 0.05
     assert abs(est["total"] / measured["peak_bytes"] - 1) < 0.15, (est["total"], measured)
+
+
+def test_pipeline_stages_by_hand():
+    """PP = 2 of llada-tiny (2 layers a stage): embedding on the first stage, LM head + final norm on the
+    last; 1F1B keeps min(pp, m) micro-batches (m = num_mc x micro-batches: 2 x 2) and their sent
+    outputs on the first stage; the sampler's broadcast logits and the log-prob broadcast on both."""
+    est = estimate(tiny_spec(pp=2, gpus_per_node=2, global_batch=4))
+    body = 2 * (LAYER_MATMUL + 2 * 64)
+    first, last = body + 256 * 64, body + 256 * 64 + 64
+    assert est["dp"] == 1 and est["micro_batches"] == 2 * 2 and est["in_flight"] == 2
+    tokens, per_token_layer = 2 * 32, 6336
+    first_act = 2 * 2 * per_token_layer * tokens + 2 * 4 * 64 * tokens    # 2 in flight x 2 layers + 2 sent outputs
+    last_act = 1 * 2 * per_token_layer * tokens
+    head = 163840                                                          # as at PP = 1 (same micro-batch)
+    rollout = 2 * (32 * 256 * 4 + 28 * 256 * 16)                           # broadcast logits + sampler work
+    assert est["rollout_transient"] == rollout and est["likelihood_peak"] == 8 * 2 * 4 * 32
+    assert est["stage_totals"] == {"first": 16 * first + max(first_act, rollout),
+                                   "last": 16 * last + max(last_act + head, rollout)}
+    assert est["stage"] == "first" and est["params"] == first and est["activations"] == first_act
+    assert est["pipeline_outputs"] == 2 * 4 * 64 * tokens and est["head"] == 0
+    # one micro-batch of rows, but the update's pipeline passes num_mc = 2 chunks: both in flight
+    two = estimate(tiny_spec(pp=2, gpus_per_node=2, global_batch=2))
+    assert two["micro_batches"] == 2 and two["in_flight"] == 2 and two["activations"] == first_act
+    one = estimate(tiny_spec(pp=2, gpus_per_node=2, global_batch=2, num_mc=1))
+    assert one["in_flight"] == 1 and one["stage_totals"]["first"] == 16 * first + max(first_act / 2, rollout)
+
+
+@pytest.mark.parametrize("preset, likelihood, rollout_m", [("llada-tiny", "elbo", 2), ("sdar-tiny", "staircase", 1)])
+def test_pipeline_bubble_by_hand(preset, likelihood, rollout_m):
+    """Each phase loses (pp - 1) / (m + pp - 1) of a stage's time: the likelihood and the update pass
+    m = num_mc x micro-batches = 2 x 2; LLaDA's sampler splits its 2 rows into min(2 pp, 2) = 2
+    micro-batches, SDAR decodes one with its KV cache. Same GPUs, so the bubble-free rates equal PP = 1's."""
+    kw = dict(model=get_preset(preset), likelihood=likelihood, gpus_per_node=4, global_batch=8)
+    flat, piped = estimate(tiny_spec(**kw)), estimate(tiny_spec(pp=2, **kw))
+    assert flat["pipeline_idle"] == 0 and flat["bubble_efficiency"] == flat["rollout_bubble_efficiency"] == 1
+    assert piped["micro_batches"] == 4 and piped["rollout_micro_batches"] == rollout_m
+    e_train, e_roll = 4 / (4 + 1), rollout_m / (rollout_m + 1)
+    assert piped["bubble_efficiency"] == pytest.approx(e_train)
+    assert piped["rollout_bubble_efficiency"] == pytest.approx(e_roll)
+    t_roll = 16 / flat["rollout_tokens_per_s"]                            # seconds per sequence (gen 16)
+    t_update = 32 / flat["step_tokens_per_s"] - t_roll
+    with_bubbles = t_roll / e_roll + t_update / e_train
+    assert piped["step_tokens_per_s"] == pytest.approx(32 / with_bubbles)
+    assert piped["pipeline_idle"] == pytest.approx(1 - (t_roll + t_update) / with_bubbles)
+    assert piped["train_tokens_per_s"] == pytest.approx(flat["train_tokens_per_s"] * e_train)
+
+
+def test_plan_table_marks_pipelined_layouts(capsys):
+    assert main(["plan", "--model", "llada-8b", "--nodes", "2", "--tp", "4", "--pp", "2",
+                 "--global-batch", "512"]) == 0
+    text = capsys.readouterr().out
+    chosen = estimate(PlanSpec(model=get_preset("llada-8b"), nodes=2, tp=4, pp=2, global_batch=512).validate())
+    first, last = (f"{chosen['stage_totals'][k] / GIB:.1f}" for k in ("first", "last"))
+    assert f"pipeline PP 2: GiB per stage first {first}, last {last}" in text
+    assert f"stages idle {100 * chosen['pipeline_idle']:.0f}% of the step" in text
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("TP"))
+    assert header.split()[-2:] == ["stage", "idle"]
+    rows = [line.split() for line in text.splitlines() if line[:3].strip().isdigit()]
+    assert rows and {r[1] for r in rows} >= {"1", "2", "4"}
+    for r in rows:
+        stage, idle = r[11:13]
+        assert (stage, idle) == ("-", "-") if r[1] == "1" else (stage in ("first", "last") and idle.endswith("%"))
+
+
+def test_pipeline_estimate_matches_measured_cpu_peaks(tmp_path):
+    """PP = 2 on two local ranks: each rank's measured peak RSS growth (build + 2 updates through 1F1B)
+    vs the planner's estimate of its stage, and the worst stage vs the planner's total (15%). One
+    micro-batch of rows x num_mc = 2 draws: 2 pipeline micro-batches, both in flight on the first stage."""
+    from stabledrl_mcore.bench.memory import measure_in_subprocess
+
+    shape = dict(SHAPE, num_layers=4, num_query_groups=6)
+    overrides = [f"logging.run_dir={tmp_path}", "model.preset=llada-100m", "rollout.prompts_per_step=1",
+                 "rollout.group_size=4", "parallel.micro_batch_size=4", "algo.num_mc=2",
+                 "parallel.pipeline_parallel=2"] + [f"model.overrides.{k}={v}" for k, v in shape.items()]
+    ranks = measure_in_subprocess(CONFIG, overrides, seq_len=96, prompt_len=32, timeout=300)["ranks"]
+    assert [r["pipeline_rank"] for r in ranks] == [0, 1] and all(r["peak_reset"] for r in ranks)
+    spec = PlanSpec(model=get_preset("llada-100m", mask_token_id=3, **shape), gpus_per_node=2, pp=2,
+                    micro_batch=4, seq_len=96, gen_length=64, global_batch=4, dtype="fp32",
+                    distributed_optimizer=False, impl="local", scored_fraction=ranks[0]["scored_fraction"],
+                    overhead_gib=0).validate()
+    est = estimate(spec)
+    assert est["in_flight"] == 2 and est["stage"] == "first"
+    first_params = ranks[0]["stage_params"]
+    assert first_params == est["params"] and ranks[1]["stage_params"] == first_params + 384  # + final norm
+    for rank, stage in zip(ranks, ("first", "last")):
+        weights_and_grads = 8 * rank["stage_params"]                      # fp32 weights + fp32 main grads
+        assert abs(rank["after_build_bytes"] / weights_and_grads - 1) < 0.05, (stage, rank)
+        assert abs(est["stage_totals"][stage] / rank["peak_bytes"] - 1) < 0.15, (stage, est["stage_totals"], rank)
+    assert abs(est["total"] / max(r["peak_bytes"] for r in ranks) - 1) < 0.15

@@ -17,6 +17,11 @@ starts one) because it reads the process's resident memory:
    allocated, as every step of a real run after the first does;
 4. reported: ``peak_bytes`` = VmHWM - baseline, plus RSS after the build
    (weights + gradient buffer) for a finer check.
+
+With ``parallel.pipeline_parallel`` (or ``tensor_parallel``) > 1 the command starts one local
+rank per model-parallel rank (gloo); each measures its own process as above (the update runs
+through Megatron's 1F1B schedule, as the RL loop's does) and the JSON line holds ``ranks``, one
+such record per rank with its ``pipeline_rank`` and the parameters of its own stage.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
+    from ..parallel.pipeline import pipelined
     from ..rl.update import accumulate_gradients, sync_gradients
 
     peaks = []
@@ -75,7 +81,7 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
     for _ in range(iterations):
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
-        accumulate_gradients(s.ddp, batch, spec, coef, micro_batch=s.cfg.parallel.micro_batch_size,
+        accumulate_gradients(pipelined(s.ddp), batch, spec, coef, micro_batch=s.cfg.parallel.micro_batch_size,
                              mask_id=s.model.dllm_config.mask_token_id)
         sync_gradients(s.ddp)
         s.optimizer.step()
@@ -102,14 +108,17 @@ def _run(cfg, seq_len: int, prompt_len: int, iterations: int):
 def measure(config: Optional[str], overrides: Sequence[str], *, seq_len: int, prompt_len: int,
             iterations: int = 2) -> Dict[str, float]:
     """Peak RSS growth (bytes) of building + ``iterations`` updates; call in a fresh process."""
+    from megatron.core import parallel_state as ps
+
     from ..config import load_config
     from ..parallel import bootstrap
 
     torch.set_num_threads(1)
     cfg = load_config(config, list(overrides))
-    bootstrap.initialize(1, 1, seed=cfg.parallel.seed)
-    small = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, overrides={**cfg.model.overrides, "num_layers": 1}))
+    pp = cfg.parallel.pipeline_parallel
+    bootstrap.initialize(cfg.parallel.tensor_parallel, pp, seed=cfg.parallel.seed)
+    small = dataclasses.replace(cfg, model=dataclasses.replace(  # one layer per pipeline stage
+        cfg.model, overrides={**cfg.model.overrides, "num_layers": pp}))
     warm = _run(small, seq_len, prompt_len, 2)
     del warm
     gc.collect()
@@ -119,14 +128,49 @@ def measure(config: Optional[str], overrides: Sequence[str], *, seq_len: int, pr
     out = {"baseline_rss": base, "peak_bytes": max(peaks) - base, "after_build_bytes": after_build - base,
            "peaks_per_iteration": [p - base for p in peaks], "peak_reset": reset,
            "scored_fraction": scored, "params": s.model.dllm_config.num_parameters(),
+           "stage_params": sum(p.numel() for p in s.model.parameters()),
+           "pipeline_rank": ps.get_pipeline_model_parallel_rank(),
+           "tensor_rank": ps.get_tensor_model_parallel_rank(),
            "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     bootstrap.destroy()
     return out
 
 
+def _measure_rank(config: Optional[str], overrides: Sequence[str], seq_len: int, prompt_len: int,
+                  iterations: int, out_dir: str) -> None:
+    """One local rank of a model-parallel measurement: its record as ``rank<R>.json`` in ``out_dir``."""
+    out = measure(config, overrides, seq_len=seq_len, prompt_len=prompt_len, iterations=iterations)
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as handle:
+        json.dump(out, handle)
+
+
+def measure_ranks(config: Optional[str], overrides: Sequence[str], *, seq_len: int, prompt_len: int,
+                  iterations: int = 2, timeout: float = 600.0) -> Dict[str, object]:
+    """:func:`measure` on every model-parallel rank of ``config`` (local processes, gloo);
+    ``{"ranks": [record of rank 0, ...]}``, or one record when the layout has a single rank."""
+    import tempfile
+
+    from ..config import load_config
+    from ..parallel.launch import spawn
+
+    cfg = load_config(config, list(overrides))
+    world = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    if world == 1:
+        return measure(config, overrides, seq_len=seq_len, prompt_len=prompt_len, iterations=iterations)
+    with tempfile.TemporaryDirectory(prefix="stabledrl-memory-") as out_dir:
+        spawn(_measure_rank, world, (config, list(overrides), seq_len, prompt_len, iterations, out_dir),
+              timeout=timeout)
+        ranks = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as handle:
+                ranks.append(json.load(handle))
+    return {"ranks": ranks}
+
+
 def measure_in_subprocess(config: Optional[str], overrides: Sequence[str], *, seq_len: int, prompt_len: int,
                           iterations: int = 2, timeout: float = 600.0) -> Dict[str, float]:
-    """Run :func:`measure` in a fresh interpreter with the allocator settings above."""
+    """Run :func:`measure` (:func:`measure_ranks` for a model-parallel layout) in a fresh interpreter
+    with the allocator settings above."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_ARENA_MAX="1",
                OMP_NUM_THREADS="1")
     env.pop("RANK", None)
@@ -149,7 +193,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.config, args.overrides, seq_len=args.seq_len, prompt_len=args.prompt_len,
+    from stabledrl_mcore.bench.memory import measure_ranks as by_rank  # picklable ranks under ``-m``
+
+    print(json.dumps(by_rank(args.config, args.overrides, seq_len=args.seq_len, prompt_len=args.prompt_len,
                              iterations=args.iterations)))
 
 
