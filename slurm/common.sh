@@ -189,10 +189,12 @@ sdrl_setup() {
 # Validate CONFIG + OVERRIDES once, before any rank starts; sets RUN_DIR and LOG_DIR
 # and records the resolved config in LOG_DIR.
 sdrl_resolve_config() {
-    local resolved
+    local resolved world=()
+    # the job's ranks, counted here: in a container the check is one srun task (SLURM_NTASKS=1 there)
+    if [[ -n "${SLURM_NTASKS:-}" ]]; then world=(--nproc "$SLURM_NTASKS"); fi
     # --resume auto as the ranks will run: a requeue's resume plan is checked here too
     resolved=$(sdrl_python -m stabledrl_mcore.cli train --config "$CONFIG" "${OVERRIDES[@]}" \
-        --resume auto --print-config) || sdrl_die "invalid config $CONFIG ${OVERRIDES[*]}"
+        --resume auto --print-config "${world[@]}") || sdrl_die "invalid config $CONFIG ${OVERRIDES[*]}"
     # logging.run_dir from the YAML (here: no Python outside a container); yaml.safe_dump quotes
     # a path with special characters in single quotes, doubling a quote inside
     RUN_DIR=$(awk '/^logging:/ {inside = 1; next} /^[^ ]/ {inside = 0}

@@ -9,6 +9,8 @@
 #   STABLEDRL_RUN_DIR=<config logging.run_dir>  STABLEDRL_PYTHON=python  STABLEDRL_DEVICE=gpu
 #   STABLEDRL_ENV_SETUP  STABLEDRL_CONTAINER  STABLEDRL_MOUNTS   (cluster environment: slurm/README.md)
 #   MASTER_ADDR=<first node>  MASTER_PORT=<20000 + job id % 20000>   (details: slurm/common.sh)
+# Pipeline parallelism: STABLEDRL_CONFIG=examples/configs/llada_8b_stabledrl_tp4pp2.yaml with
+# --nodes=2 runs the recipe at TP=4 x PP=2 (DP=2).
 # Pre-emption: USR1 arrives 30 min before the time limit (a recipe step takes ~11 min on
 # 2 nodes, plus the save); ranks checkpoint, exit 75, the job requeues itself and resumes
 # with --resume auto. The trainer warns when that lead is too short for the measured times.

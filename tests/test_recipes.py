@@ -6,7 +6,8 @@ block decoding), optimizer (``optim.distributed`` stays on: Megatron's
 distributed optimizer) and task are kept; the model comes from a tiny
 checkpoint in the real upstream format converted with ``stabledrl convert``
 (the 8B recipes start from a converted checkpoint), prompts/group/lengths are
-small, and the layout is DP=2 (x TP=2 where the recipe uses tensor parallelism).
+small, and the layout is DP=2 (x TP=2 where the recipe uses tensor parallelism), or, for a
+recipe with pipeline parallelism, PP=2 (x TP=2) at DP=1.
 Each recipe trains two steps with a checkpoint after each, a second run resumes
 from the first checkpoint and must reproduce step 2 bit for bit (metrics and
 weights), and both results go through ``mcore-to-hf``.
@@ -37,9 +38,11 @@ from stabledrl_mcore.parallel.launch import spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
-# A recipe that differs from another only in these (the per-task variants of the release recipe)
-# shares its code path: it gets the two-step run, the fully tested twin also the resume and export.
-VARIANT_KEYS = {"rollout.task", "rollout.data_path", "optim.lr", "logging.run_dir"}
+# A recipe that differs from another only in these (the per-task variants of the release recipe,
+# a layout variant such as TP x PP) gets the two-step run, in its own scaled-down layout; the fully
+# tested twin also the resume and export.
+VARIANT_KEYS = {"rollout.task", "rollout.data_path", "optim.lr", "logging.run_dir",
+                "parallel.tensor_parallel", "parallel.pipeline_parallel", "parallel.micro_batch_size"}
 
 
 def _flat(tree, prefix=""):
@@ -111,7 +114,7 @@ def _arch(recipe: dict) -> str:
 def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
     """``(world size, overrides)``: the recipe at toy shape and length, nothing else changed."""
     arch, rollout = _arch(recipe), recipe["rollout"]
-    tp = min(recipe.get("parallel", {}).get("tensor_parallel", 1), 2)
+    tp, pp, world = scaled_layout(recipe)
     gen = 16
     over = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "logging.progress": False,
             "parallel.tensor_parallel": tp, "parallel.threads": 1, "steps": 2, "checkpoint.save_every": 1,
@@ -127,7 +130,24 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
         over["rollout.group_size"] = rollout["group_size"]
     if rollout["task"] in FILE_TASKS:
         over["rollout.data_path"] = os.path.join(FIXTURES, FILE_TASKS[rollout["task"]])
-    return 2 * tp, [f"{k}={v}" for k, v in over.items()]
+    if pp != recipe.get("parallel", {}).get("pipeline_parallel", 1):
+        over["parallel.pipeline_parallel"] = pp
+    return world, [f"{k}={v}" for k, v in over.items()]
+
+
+def scaled_layout(recipe: dict):
+    """``(TP, PP, world)``: TP and PP capped at 2; DP=2, or DP=1 under PP (4 ranks at most)."""
+    parallel = recipe.get("parallel", {})
+    tp, pp = min(parallel.get("tensor_parallel", 1), 2), min(parallel.get("pipeline_parallel", 1), 2)
+    return tp, pp, tp * pp if pp > 1 else 2 * tp
+
+
+def _assert_ran_in_layout(run_dir: str, recipe: dict):
+    """The checkpoints record the scaled-down layout (a pipelined recipe really ran pipelined)."""
+    tp, pp, world = scaled_layout(recipe)
+    with open(os.path.join(run_dir, "checkpoints", "step_00000002", "train_state.json")) as handle:
+        state = json.load(handle)
+    assert (state["world_size"], state["tensor_parallel"], state["pipeline_parallel"]) == (world, tp, pp), state
 
 
 def _recipe_rank(config: str, overrides):
@@ -158,6 +178,20 @@ def test_every_recipe_is_tested():
     assert all(twin in PRIMARY for twin in VARIANTS.values())
 
 
+def test_a_pipelined_recipe_is_tested_with_its_pipeline():
+    """A recipe with PP > 1 exists and is run at PP=2 (TP capped at 2, DP=1); the others at DP=2 x TP."""
+    layouts = {}
+    for path in RECIPES:
+        with open(path) as handle:
+            recipe = yaml.safe_load(handle)
+        world, overrides = scaled_down(recipe, {"llada": ("", "ckpt"), "sdar": ("", "ckpt")}, "run")
+        tp, pp, _ = scaled_layout(recipe)
+        assert f"parallel.tensor_parallel={tp}" in overrides, (path, overrides)
+        layouts[os.path.basename(path)] = (tp, pp, world)
+    assert layouts["llada_8b_stabledrl_tp4pp2.yaml"] == (2, 2, 4), layouts
+    assert all(world == 2 * tp for tp, pp, world in layouts.values() if pp == 1), layouts
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe_path", list(VARIANTS), ids=[os.path.basename(p)[:-5] for p in VARIANTS])
 def test_recipe_variant_trains_and_checkpoints(recipe_path, tiny_checkpoints, tmp_path):
@@ -167,6 +201,7 @@ def test_recipe_variant_trains_and_checkpoints(recipe_path, tiny_checkpoints, tm
     world, overrides = scaled_down(recipe, tiny_checkpoints, run)
     spawn(_recipe_rank, world, (recipe_path, overrides), timeout=600)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_00000001", "step_00000002"]
+    _assert_ran_in_layout(run, recipe)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2] and all(r["skipped_updates"] == 0 for r in rows), rows
 
@@ -194,6 +229,7 @@ def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, tiny
     spawn(_recipe_rank, world, (recipe_path, overrides), timeout=600)
     ckpts = os.path.join(first, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000002"]
+    _assert_ran_in_layout(first, recipe)
     rows = _metrics(first)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["skipped_updates"] == 0 and r["grad_norm"] > 0 for r in rows), rows

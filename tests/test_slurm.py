@@ -361,3 +361,49 @@ def test_submit_refuses_missing_files_before_anything_is_queued(tmp_path):
     proc = subprocess.run([str(ROOT / "slurm/submit.sh"), "--nodes=2", "no_such_job.sh"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "name a job script" in proc.stderr and "train_llada_8b.sh" in proc.stderr
+
+
+# Stand-ins for SLURM's commands, for a job script run by bash outside any cluster: scontrol knows
+# two nodes; srun runs a one-task step (the config check) with SLURM_NTASKS=1, as a real srun sets
+# it for the step, and only records the ranks' step.
+SCONTROL_STANDIN = """#!/bin/bash
+case "$1 $2" in
+    "show hostnames") printf 'n1\\nn2\\n' ;;
+    "show node") echo "NodeName=$3 NodeAddr=127.0.0.1" ;;
+    *) exit 1 ;;
+esac
+"""
+SRUN_STANDIN = """#!/bin/bash
+one_task=""
+while [[ "$1" == -* ]]; do [[ "$1" == --ntasks=1 ]] && one_task=1; echo -n "$1 " >>"$SRUN_STUB_LOG"; shift; done
+args="$*"; echo "| ${args//$'\\n'/ }" >>"$SRUN_STUB_LOG"
+if [[ -n "$one_task" ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 exec "$@"; fi
+"""
+
+
+def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_path):
+    """slurm/train_llada_8b.sh with the TP=4 x PP=2 recipe on 2 nodes x 8 tasks, in a container: the
+    batch shell's config check (one srun task, where SLURM_NTASKS is 1) is given the job's 16 ranks
+    and passes (DP 2); the ranks' srun gets the recipe. No cluster: SLURM's commands are stand-ins."""
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", SCONTROL_STANDIN), ("srun", SRUN_STANDIN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    recipe = ROOT / "examples/configs/llada_8b_stabledrl_tp4pp2.yaml"
+    env = _eval_script_env(  # no 8B checkpoint here: a random init has the preset's shape
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_STUB_LOG=str(tmp_path / "srun.log"),
+        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2", SLURM_NTASKS="16",
+        SLURM_SUBMIT_DIR=str(ROOT), STABLEDRL_CONFIG=str(recipe), STABLEDRL_OVERRIDES="model.checkpoint=null",
+        STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_CONTAINER="/images/x.sqsh")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", str(ROOT / TRAIN_SCRIPT)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = (run_dir / "logs/4242/restart_0/config.yaml").read_text()
+    assert "  tensor_parallel: 4\n  pipeline_parallel: 2\n" in resolved, resolved
+    assert "; world 16, data-parallel 2;" in resolved.splitlines()[-1], resolved.splitlines()[-1]
+    check, ranks = (tmp_path / "srun.log").read_text().splitlines()
+    assert "--ntasks=1" in check and "--print-config --nproc 16" in check, check
+    assert "--container-image=/images/x.sqsh" in ranks and f"--config {recipe}" in ranks, ranks

@@ -36,7 +36,7 @@ SHARED = {
     "model.recompute": f"{RC} `activation_checkpointing: whole_layer`",
     "parallel.tensor_parallel": f"{OURS}: 8B full-parameter Adam fits TP=2 with the distributed optimizer "
                                 "(`stabledrl plan`)",
-    "parallel.pipeline_parallel": f"{OURS}: the RL loop runs TP x DP",
+    "parallel.pipeline_parallel": f"{OURS}: TP x DP fits; PP=2 in `llada_8b_stabledrl_tp4pp2.yaml`",
     "parallel.micro_batch_size": f"{OURS}: memory per forward (does not change the update)",
     "parallel.seed": f"{RC} `seed: 113`",
     "rollout.task": f"{RC} data loader",
@@ -89,6 +89,16 @@ PER_RECIPE = {
     "llada_8b_stabledrl": {
         "algo.loss": "StableDRL paper (Zhong et al. 2026), Sec. 3: unconditional clip + self-normalisation",
         "algo.eps": "StableDRL paper: clip range [1 - eps, 1 + eps] with eps 0.2",
+    },
+    "llada_8b_stabledrl_tp4pp2": {
+        "algo.loss": "StableDRL paper (Zhong et al. 2026), Sec. 3: unconditional clip + self-normalisation",
+        "algo.eps": "StableDRL paper: clip range [1 - eps, 1 + eps] with eps 0.2",
+        "parallel.tensor_parallel": f"{OURS}: TP=4 x PP=2 on 2 nodes (DP=2) for where TP=2 x DP does not fit "
+                                    "(longer sequences, larger models; `stabledrl plan`)",
+        "parallel.pipeline_parallel": f"{OURS}: 2 stages of 16 layers (Megatron's 1F1B schedule)",
+        "parallel.micro_batch_size": f"{OURS}: 256 sequences per DP rank in 32 micro-batches per pipeline "
+                                     "call (bubble 3%), 8 rows per decode",
+        "logging.run_dir": f"{OURS}: its own run directory",
     },
     "llada_8b_grpo": {
         "algo.loss": "GRPO (Shao et al. 2024) on the estimated sequence ratio: the paper's contrast",
