@@ -23,3 +23,17 @@ def build_tiny_gpt(tp, pp, *, layers=4, vocab=64, seq=12, parallel_output=True):
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      parallel_output=parallel_output)
     return config, model
+
+
+def assert_same_tensors(got, ref, what, tol=0.0):
+    """Nested dicts of tensors equal: bitwise (and same dtype), or to ``tol`` in absolute value."""
+    assert got.keys() == ref.keys(), f"{what}: keys {sorted(got)} != {sorted(ref)}"
+    for key in ref:
+        a, b = got[key], ref[key]
+        if isinstance(a, dict):
+            assert_same_tensors(a, b, f"{what}[{key}]", tol)
+        elif tol:
+            diff = (a.float() - b.float()).abs().max().item()
+            assert diff <= tol, f"{what}[{key}] differs by {diff}"
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{what}[{key}] is not bitwise equal"

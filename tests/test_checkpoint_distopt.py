@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from megatron_helpers import assert_same_tensors
 
 from stabledrl_mcore.parallel.launch import spawn
 
@@ -88,17 +89,6 @@ def _optimizer_dump(model, opt):
     return out, steps.pop()
 
 
-def _assert_same(got, ref, what, tol=0.0):
-    assert got.keys() == ref.keys(), f"{what}: different keys"
-    for key in ref:
-        a, b = got[key], ref[key]
-        if isinstance(a, dict):
-            _assert_same(a, b, f"{what}[{key}]", tol)
-        elif tol:
-            diff = (a.float() - b.float()).abs().max().item()
-            assert diff <= tol, f"{what}[{key}] differs by {diff}"
-        else:
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{what}[{key}] is not bitwise equal"
 
 
 def _rank():
@@ -137,9 +127,9 @@ def _reproduce_and_roundtrip_worker(root):
             fresh.sharded_state_dict(fresh_model.sharded_state_dict(), is_loading=True,
                                      metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
     load_checkpoint(path, fresh_model, optimizer=fresh)
-    _assert_same(_weights(fresh_model), weights, "weights")
+    assert_same_tensors(_weights(fresh_model), weights, "weights")
     got, got_step = _optimizer_dump(fresh_model, fresh)
-    _assert_same(got, moments, "optimizer state")
+    assert_same_tensors(got, moments, "optimizer state")
     assert got_step == step == 1.0
     steps = [s["step"] for s in fresh.chained_optimizers[0].optimizer.state.values() if "step" in s]
     assert len({id(s) for s in steps}) == len(steps), "parameters share one Adam step tensor"
@@ -179,9 +169,9 @@ def _dp1_load_then_save_worker(root, out_dir, dtype):
     state = load_checkpoint(os.path.join(root, "step_00000002"), model, optimizer=opt)
     assert state.step == 2 and state.world_size == 2
     weights, moments, step = torch.load(os.path.join(out_dir, "dp2.pt"))
-    _assert_same(_weights(model), weights, "DP=2 -> DP=1 weights")
+    assert_same_tensors(_weights(model), weights, "DP=2 -> DP=1 weights")
     got, got_step = _optimizer_dump(model, opt)
-    _assert_same(got, moments, "DP=2 -> DP=1 optimizer state")
+    assert_same_tensors(got, moments, "DP=2 -> DP=1 optimizer state")
     assert got_step == step == 2.0
     _train_step(model, ddp, opt, 2)
     _save(root, 3, model, opt)
@@ -194,9 +184,9 @@ def _dp2_load_worker(root, out_dir, dtype):
     model, ddp, opt = _build(True, dtype)
     load_checkpoint(os.path.join(root, "step_00000003"), model, optimizer=opt)
     weights, moments, step = torch.load(os.path.join(out_dir, "dp1.pt"))
-    _assert_same(_weights(model), weights, "DP=1 -> DP=2 weights")
+    assert_same_tensors(_weights(model), weights, "DP=1 -> DP=2 weights")
     got, got_step = _optimizer_dump(model, opt)
-    _assert_same(got, moments, "DP=1 -> DP=2 optimizer state")
+    assert_same_tensors(got, moments, "DP=1 -> DP=2 optimizer state")
     assert got_step == step == 3.0
 
 
@@ -267,10 +257,10 @@ def test_distributed_optimizer_trains_like_the_plain_one(tmp_path):
     spawn(_parity_worker, 2, (str(tmp_path), True), timeout=120)
     spawn(_parity_worker, 2, (str(tmp_path), False), timeout=120)
     (init, dist), (plain_init, plain) = torch.load(tmp_path / "dist.pt"), torch.load(tmp_path / "plain.pt")
-    _assert_same(init, plain_init, "initial weights")
+    assert_same_tensors(init, plain_init, "initial weights")
     moved = max((plain[k] - init[k]).abs().max().item() for k in init)
     assert moved > 1e-3, "training did not move the weights"
-    _assert_same(dist, plain, "distributed vs plain weights", tol=2e-6)
+    assert_same_tensors(dist, plain, "distributed vs plain weights", tol=2e-6)
 
 
 @pytest.mark.multiprocess
@@ -291,8 +281,8 @@ def test_resume_at_dp2_is_bitwise(tmp_path, dtype):
     for rank in (0, 1):
         a = torch.load(os.path.join(out, f"straight.rank{rank}.pt"))
         b = torch.load(os.path.join(out, f"resumed.rank{rank}.pt"))
-        _assert_same(b[0], a[0], f"rank {rank} weights")
-        _assert_same(b[1], a[1], f"rank {rank} optimizer state")
+        assert_same_tensors(b[0], a[0], f"rank {rank} weights")
+        assert_same_tensors(b[1], a[1], f"rank {rank} optimizer state")
         assert a[2] == b[2] == 4.0
 
 

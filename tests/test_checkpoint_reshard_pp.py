@@ -19,6 +19,7 @@ import re
 
 import pytest
 import torch
+from megatron_helpers import assert_same_tensors
 
 from stabledrl_mcore.parallel.launch import spawn
 
@@ -227,27 +228,16 @@ def _merged(out_dir, tag):
         lrs.add(tuple(dump["lr"]))
         for key, tensors in dump["tensors"].items():
             if key in merged:
-                _assert_same(tensors, merged[key], f"{tag}: DP copies of {key}")
+                assert_same_tensors(tensors, merged[key], f"{tag}: DP copies of {key}")
             merged[key] = tensors
     assert len(steps) == 1 and len(lrs) == 1, (steps, lrs)
     return {"tensors": merged, "step": steps.pop(), "lr": lrs.pop()}
 
 
-def _assert_same(got, ref, what, tol=0.0):
-    assert got.keys() == ref.keys(), f"{what}: keys {sorted(got)} != {sorted(ref)}"
-    for key in ref:
-        a, b = got[key], ref[key]
-        if isinstance(a, dict):
-            _assert_same(a, b, f"{what}[{key}]", tol)
-        elif tol:
-            diff = (a.float() - b.float()).abs().max().item()
-            assert diff <= tol, f"{what}[{key}] differs by {diff}"
-        else:
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{what}[{key}] is not bitwise equal"
 
 
 def _assert_dumps(got, ref, what, tol=0.0):
-    _assert_same(got["tensors"], ref["tensors"], what, tol)
+    assert_same_tensors(got["tensors"], ref["tensors"], what, tol)
     assert got["step"] == ref["step"], f"{what}: Adam step {got['step']} != {ref['step']}"
     assert got["lr"] == pytest.approx(ref["lr"], abs=tol), f"{what}: lr {got['lr']} != {ref['lr']}"
 
