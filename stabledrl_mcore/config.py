@@ -47,6 +47,12 @@ class ParallelSection:
     """Tensor-parallel size (heads, query groups and vocab must divide by it)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size (layers must divide by it)."""
+    expert_parallel: int = 1
+    """Expert-parallel size of a mixture-of-experts model: its experts are split over this many ranks
+    of the data-parallel dimension (``num_experts`` and world / PP / expert_tensor_parallel must divide
+    by it); tokens travel to their experts by all-to-all. 1 = every rank holds every expert."""
+    expert_tensor_parallel: Optional[int] = None
+    """Tensor-parallel size inside each expert; None = ``tensor_parallel`` (Megatron's default)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward micro-batch on one rank."""
     backend: str = "auto"

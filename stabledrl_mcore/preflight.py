@@ -52,11 +52,21 @@ class PreflightReport:
 
 
 def check_pipeline_options(cfg: RunConfig) -> None:
-    """Options a pipelined run cannot honour, refused by name (also checked on every rank)."""
-    if cfg.parallel.pipeline_parallel > 1 and cfg.parallel.retain_update_graph:
+    """Options a pipelined or expert-parallel run cannot honour, refused by name (also checked on
+    every rank)."""
+    p = cfg.parallel
+    if p.pipeline_parallel > 1 and p.retain_update_graph:
         raise ConfigError(f"parallel.retain_update_graph=true keeps each micro-batch's autograd graph for "
                           f"the update, which Megatron's pipeline schedules cannot reuse: set it to false "
-                          f"with parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}")
+                          f"with parallel.pipeline_parallel={p.pipeline_parallel}")
+    if p.expert_parallel > 1 and p.pipeline_parallel > 1:
+        raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.pipeline_parallel="
+                          f"{p.pipeline_parallel}: expert parallelism runs with PP=1 (each stage's "
+                          f"experts would need its own all-to-all lockstep); set one of them to 1")
+    if p.expert_parallel > 1 and p.retain_update_graph:
+        raise ConfigError(f"parallel.retain_update_graph=true with parallel.expert_parallel={p.expert_parallel}: "
+                          f"a kept graph's backward all-to-all cannot be matched by the other expert ranks; "
+                          f"set it to false")
 
 
 def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
@@ -76,8 +86,10 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
         data_parallel = _check_layout(cfg, mcfg, world_size)
     except ParallelLayoutError as err:
         p = cfg.parallel
+        experts = (f", parallel.expert_parallel={p.expert_parallel}" if p.expert_parallel > 1
+                   or p.expert_tensor_parallel else "")
         raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
-                                  f"{p.pipeline_parallel} on {description}: {err}") from None
+                                  f"{p.pipeline_parallel}{experts} on {description}: {err}") from None
     if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
         raise ConfigError(f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; "
                           f"{description} has no block_size")
@@ -193,7 +205,8 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
     data_parallel = validate_parallel_layout(
         world_size if known else p.tensor_parallel * p.pipeline_parallel, p.tensor_parallel,
         p.pipeline_parallel, num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
-        num_query_groups=mcfg.num_query_groups)
+        num_query_groups=mcfg.num_query_groups, expert_parallel=p.expert_parallel,
+        expert_tensor_parallel=p.expert_tensor_parallel, num_experts=mcfg.num_experts or 0)
     if not known:
         return None
     r = cfg.rollout

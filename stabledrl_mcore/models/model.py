@@ -250,7 +250,8 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
     config = to_transformer_config(cfg, None, params_dtype, recompute,
                                    **({"perform_initialization": False, "use_cpu_initialization": True}
                                       if meta else {}))
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local)
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local,
+                           num_experts=cfg.num_experts)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)
     return place_model(model, device, params_dtype)

@@ -88,8 +88,33 @@ class DLLMConfig:
     """Rows of the learned segment (token-type) embedding; 0 = none."""
     embedding_init_std: Optional[float] = None
     """Std of the normal init of the token, position and segment embeddings; None = ``init_std``."""
+    num_experts: Optional[int] = None
+    """Mixture of experts: routed experts per layer (every layer's MLP is an MoE layer, as in
+    Qwen3-MoE / SDAR-30B-A3B with ``decoder_sparse_step`` 1); None = dense SwiGLU MLPs."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner width of each expert (``moe_intermediate_size``); required with ``num_experts``."""
+    moe_router_topk: int = 2
+    """Experts per token (``num_experts_per_tok``)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k softmax probabilities to sum to 1 (Qwen3-MoE ``norm_topk_prob``:
+    Megatron's softmax over the top-k logits); False = the top-k of the full softmax."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss (Switch-style, per micro-batch). 0 = off: an RL
+    update should move the policy, not re-balance the routing the model was trained with (slime's
+    and verl's Qwen3-MoE RL recipes run with 0 too); the converter does not import the checkpoint's
+    ``router_aux_loss_coef`` (a pre-training setting)."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE, ``mean(logsumexp(logits)^2)``); 0 = off."""
+    moe_capacity_factor: Optional[float] = None
+    """Expert capacity as a multiple of the even share of tokens; tokens over it are dropped (their
+    expert output is 0, the residual passes). None = dropless (every routed token is computed)."""
 
     # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts backbone."""
+        return self.num_experts is not None
+
     @property
     def kv_channels(self) -> int:
         """Per-head width actually used."""
@@ -106,9 +131,18 @@ class DLLMConfig:
         h, d = self.hidden_size, self.kv_channels
         attn = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
         attn += self.num_attention_heads * d * h + (2 * d if self.qk_layernorm else 0)
-        mlp = 3 * h * self.ffn_hidden_size
+        mlp = 3 * h * self.moe_ffn_hidden_size * self.num_experts + self.num_experts * h if self.is_moe \
+            else 3 * h * self.ffn_hidden_size
         tables = (self.max_position_embeddings if self.position_embedding == "learned" else 0) + self.num_segments
         return self.num_layers * (attn + mlp + 2 * h) + 2 * self.vocab_size * h + h + tables * h
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token runs through: every expert but its ``moe_router_topk`` left out
+        (== :meth:`num_parameters` for a dense model); the MFU counts these."""
+        if not self.is_moe:
+            return self.num_parameters()
+        idle = self.num_experts - self.moe_router_topk
+        return self.num_parameters() - self.num_layers * idle * 3 * self.hidden_size * self.moe_ffn_hidden_size
 
     # --------------------------------------------------------------- validation
     def validate(self) -> "DLLMConfig":
@@ -142,12 +176,32 @@ class DLLMConfig:
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             problems.append("rope_theta, norm_eps and init_std must be > 0")
         problems += self._position_problems()
+        problems += self._moe_problems()
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                             f"got {self.attention_backend!r}")
         if problems:
             raise ModelConfigError("invalid DLLMConfig: " + "; ".join(problems))
         return self
+
+    def _moe_problems(self) -> List[str]:
+        if self.num_experts is None:
+            return [] if self.moe_ffn_hidden_size is None else [
+                "moe_ffn_hidden_size is set but num_experts is None (a dense model); set num_experts"]
+        problems: List[str] = []
+        if not isinstance(self.num_experts, int) or self.num_experts < 2:
+            problems.append(f"num_experts must be an int >= 2 or None, got {self.num_experts!r}")
+        if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size < 1:
+            problems.append(f"num_experts needs a positive moe_ffn_hidden_size, got {self.moe_ffn_hidden_size!r}")
+        if not isinstance(self.moe_router_topk, int) or not 1 <= self.moe_router_topk <= (self.num_experts or 0):
+            problems.append(f"moe_router_topk ({self.moe_router_topk!r}) must be in [1, num_experts]")
+        if self.position_embedding != "rope" or self.num_segments:
+            problems.append("mixture-of-experts presets take RoPE and no segment embedding")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            problems.append("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            problems.append(f"moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor!r}")
+        return problems
 
     def _position_problems(self) -> List[str]:
         problems: List[str] = []
@@ -197,6 +251,14 @@ _PRESETS: Dict[str, Dict[str, Any]] = {
                     rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
                     max_position_embeddings=32768, block_size=4, mask_token_id=151669,
                     eos_token_id=151645, pad_token_id=151643),
+    # JetLM/SDAR-30B-A3B-Chat: the Qwen3-30B-A3B shape (48 layers, 128 experts of width 768, top-8
+    # with renormalised probabilities, every layer an MoE layer) and SDAR's block size and ids.
+    "sdar-30b-a3b": dict(arch="sdar", vocab_size=151936, hidden_size=2048, num_layers=48,
+                         num_attention_heads=32, num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
+                         rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
+                         max_position_embeddings=40960, block_size=4, mask_token_id=151669,
+                         eos_token_id=151645, pad_token_id=151643, num_experts=128,
+                         moe_ffn_hidden_size=768, moe_router_topk=8, moe_norm_topk_prob=True),
     # ~0.23M parameters: unit tests and the CPU demo. Ids: pad 0, bos 1, eos 2, mask = last.
     "llada-tiny": dict(arch="llada", vocab_size=256, hidden_size=64, num_layers=4,
                        num_attention_heads=4, num_query_groups=4, ffn_hidden_size=176,
@@ -207,6 +269,13 @@ _PRESETS: Dict[str, Dict[str, Any]] = {
                       rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
                       max_position_embeddings=512, block_size=4, mask_token_id=255,
                       eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    # sdar-tiny with 4 experts of width 48, top-2: the MoE tests and CPU benchmarks.
+    "sdar-moe-tiny": dict(arch="sdar", vocab_size=256, hidden_size=64, num_layers=2,
+                          num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=176,
+                          rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
+                          max_position_embeddings=512, block_size=4, mask_token_id=255,
+                          eos_token_id=2, pad_token_id=0, bos_token_id=1, num_experts=4,
+                          moe_ffn_hidden_size=48, moe_router_topk=2, moe_norm_topk_prob=True),
     # ~100M parameters: throughput benchmarks and CPU smoke runs of the full stack.
     "llada-100m": dict(arch="llada", vocab_size=32768, hidden_size=768, num_layers=8,
                        num_attention_heads=12, num_query_groups=12, ffn_hidden_size=2048,
@@ -254,12 +323,40 @@ def _parallel_sizes(parallel: Union[None, Dict[str, Any], Any]) -> Dict[str, Any
 
         if ps.model_parallel_is_initialized():
             return dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+                        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
         return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if isinstance(parallel, dict):
         return dict(parallel)
-    return dict(tensor_model_parallel_size=parallel.tensor_parallel,
-                pipeline_model_parallel_size=parallel.pipeline_parallel)
+    sizes = dict(tensor_model_parallel_size=parallel.tensor_parallel,
+                 pipeline_model_parallel_size=parallel.pipeline_parallel)
+    if getattr(parallel, "expert_parallel", 1) > 1 or getattr(parallel, "expert_tensor_parallel", None):
+        sizes.update(expert_model_parallel_size=parallel.expert_parallel,
+                     expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel)
+    return sizes
+
+
+def moe_transformer_config(cfg: DLLMConfig) -> Dict[str, Any]:
+    """Megatron ``TransformerConfig`` fields of an MoE backbone (empty for a dense one).
+
+    Routing as Qwen3-MoE: softmax scores in fp32, top-k, renormalised when ``moe_norm_topk_prob``
+    (Megatron's softmax over the top-k logits, ``moe_router_pre_softmax=False``); the all-to-all
+    token dispatcher; grouped GEMM where Transformer Engine serves it (CUDA), else Megatron's
+    ``SequentialMLP`` (same checkpoint layout). Router losses as configured (default off).
+    """
+    if not cfg.is_moe:
+        return {}
+    balancing = "aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none"
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_router_topk=cfg.moe_router_topk, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob, moe_router_dtype="fp32",
+        moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None, moe_expert_capacity_factor=cfg.moe_capacity_factor,
+        moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=torch.cuda.is_available(),
+        moe_permute_fusion=False)
 
 
 def swiglu_fusion_available() -> bool:
@@ -351,6 +448,7 @@ def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any],
         cuda_graph_scope=[],  # Megatron's default "full" only triggers a deprecation warning
     )
     kwargs.update(_parallel_sizes(parallel))
+    kwargs.update(moe_transformer_config(cfg))
     if recompute is True or recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":

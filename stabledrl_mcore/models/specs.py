@@ -54,7 +54,7 @@ def te_available() -> bool:
 
 
 def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
-                    stock_local: bool = False) -> ModuleSpec:
+                    stock_local: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """The transformer-layer spec for LLaDA (``qk_layernorm=False``) and SDAR (``True``).
 
     Megatron's own GPT layer (local or TE flavour) with ``attn_mask_type=arbitrary``
@@ -66,7 +66,9 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     takes :func:`~.rope.rotary_cos_sin` as ``rotary_pos_emb``), and its MLP's fc1
     returns gate and up as separate tensors to a :class:`~.gated_mlp.SwiGLU` activation
     module (where Megatron's fused SwiGLU is off; :class:`DLLMModel` switches it on);
-    names and checkpoints are unchanged. ``stock_local=True`` keeps Megatron's own local
+    names and checkpoints are unchanged. ``num_experts``: the MLP is Megatron's ``MoELayer``
+    (router + experts: TE's grouped GEMM on the TE spec, Megatron's ``SequentialMLP`` of stock local
+    expert MLPs otherwise; both write one checkpoint layout, see :mod:`.moe`). ``stock_local=True`` keeps Megatron's own local
     linears, ``SelfAttention`` and MLP (only the core attention is ours): the reference that
     ``tools/bench_backbone.py --reference stock-megatron`` times the local spec against.
     """
@@ -77,21 +79,27 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
         raise SpecError(f"use_te=True but the Transformer Engine spec cannot be built: {reason}; "
                         "use the local spec (use_te=None or False)")
     use_te = reason is None if use_te is None else use_te
+    if num_experts is not None:
+        from . import moe  # noqa: F401  (megatron-core 0.16.1 MoE fixes, see .moe)
     if use_te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm,
-                                                        normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                        qk_layernorm=qk_layernorm, normalization="RMSNorm")
     spec = copy.deepcopy(spec)
+    if num_experts is not None:
+        spec.submodules.mlp.module = moe.DLLMMoELayer  # trainable at TP > 1 (see .moe)
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention
     if not use_te and not stock_local:
         attention.module = HeadsMajorRotarySelfAttention  # rotation with shared cos/sin (see .rope)
         # the local linears, with a plain matmul where nothing is fused (see .linear)
-        mlp = spec.submodules.mlp.submodules
         attention.submodules.linear_qkv = AutogradColumnParallelLinear
         attention.submodules.linear_proj = AutogradRowParallelLinear
-        mlp.linear_fc1, mlp.linear_fc2 = GateUpColumnParallelLinear, AutogradRowParallelLinear
-        mlp.activation_func = SwiGLU  # fc1 hands it gate and up apart (see .gated_mlp)
+        if num_experts is None:  # the experts keep Megatron's stock MLPs (per-token probabilities)
+            mlp = spec.submodules.mlp.submodules
+            mlp.linear_fc1, mlp.linear_fc2 = GateUpColumnParallelLinear, AutogradRowParallelLinear
+            mlp.activation_func = SwiGLU  # fc1 hands it gate and up apart (see .gated_mlp)
     return spec

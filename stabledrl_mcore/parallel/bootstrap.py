@@ -106,8 +106,14 @@ def validate_parallel_layout(
     num_attention_heads: Optional[int] = None,
     num_query_groups: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+    num_experts: Optional[int] = None,
 ) -> int:
     """Check a layout before anything is built; return the data-parallel size.
+
+    Experts follow Megatron's expert grid ``world = PP x ETP x EP x expert-DP`` (``ETP`` defaults to
+    TP); ``num_experts``: 0 for a dense model, None when the shape is unknown here.
 
     Every rank runs the same check on the same numbers, so every rank raises
     the same error and none is left waiting in a collective.
@@ -132,9 +138,33 @@ def validate_parallel_layout(
     if vocab_size is not None and tensor_parallel >= 1 and vocab_size % tensor_parallel:
         problems.append(f"vocab_size ({vocab_size}) is not divisible by "
                         f"tensor_parallel ({tensor_parallel}); pad the vocabulary")
+    problems += _expert_layout_problems(world_size, tensor_parallel, pipeline_parallel, expert_parallel,
+                                        expert_tensor_parallel, num_experts)
     if problems:
         raise ParallelLayoutError("invalid parallel layout: " + "; ".join(problems))
     return world_size // (tensor_parallel * pipeline_parallel)
+
+
+def _expert_layout_problems(world_size: int, tensor_parallel: int, pipeline_parallel: int,
+                            expert_parallel: int, expert_tensor_parallel: Optional[int],
+                            num_experts: Optional[int]) -> List[str]:
+    etp = expert_tensor_parallel or tensor_parallel
+    if expert_parallel == 1 and expert_tensor_parallel is None:
+        return []
+    if expert_parallel < 1 or etp < 1:
+        return [f"expert_parallel ({expert_parallel}) and expert_tensor_parallel ({etp}) must be >= 1"]
+    problems = []
+    if num_experts == 0:
+        problems.append(f"expert_parallel={expert_parallel} / expert_tensor_parallel={expert_tensor_parallel} "
+                        f"need a mixture-of-experts model (num_experts); this one is dense: set "
+                        f"parallel.expert_parallel=1 and parallel.expert_tensor_parallel=null")
+    elif num_experts and num_experts % expert_parallel:
+        problems.append(f"num_experts ({num_experts}) is not divisible by expert_parallel ({expert_parallel})")
+    if pipeline_parallel >= 1 and world_size % pipeline_parallel == 0 and \
+            (world_size // pipeline_parallel) % (etp * expert_parallel):
+        problems.append(f"world size {world_size} / pipeline_parallel {pipeline_parallel} is not divisible by "
+                        f"expert_tensor_parallel x expert_parallel = {etp} x {expert_parallel}")
+    return problems
 
 
 def set_seed(seed: int) -> None:
@@ -167,12 +197,15 @@ def initialize(
     timeout_minutes: int = 30,
     model_shape: Optional[dict] = None,
     environ: Optional[dict] = None,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
 ) -> LaunchEnv:
     """Start torch.distributed and Megatron's parallel state; seed every RNG.
 
     ``model_shape`` may carry ``num_layers``, ``num_attention_heads``,
-    ``num_query_groups`` and ``vocab_size`` so that a layout that cannot hold
+    ``num_query_groups``, ``vocab_size`` and ``num_experts`` so that a layout that cannot hold
     the model fails here, identically on every rank, before any collective.
+    ``expert_parallel`` / ``expert_tensor_parallel``: Megatron's expert grid (MoE models).
     Idempotent: a second call with the same layout is a no-op.
     """
     from megatron.core import parallel_state
@@ -181,6 +214,7 @@ def initialize(
 
     launch = detect_launch_env(environ)
     validate_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel,
+                             expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
                              **(model_shape or {}))
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
@@ -197,13 +231,16 @@ def initialize(
         )
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
-                or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel):
+                or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel
+                or parallel_state.get_expert_model_parallel_world_size() != expert_parallel):
             raise ParallelLayoutError("Megatron parallel state is already initialised with a "
                                       "different layout; call destroy() first")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
             distributed_timeout_minutes=timeout_minutes,
             create_gloo_process_groups=True,
         )

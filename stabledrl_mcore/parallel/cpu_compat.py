@@ -15,6 +15,9 @@ Redirected:
 - ``torch.cuda.current_device`` -> ``"cpu"``; ``torch.cuda.synchronize`` -> no-op;
 - the ``device=`` keyword of the tensor factories: ``"cuda"``/``"cuda:N"`` -> CPU;
 - ``Tensor.cuda()`` -> the tensor itself;
+- ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> a stream whose waits are no-ops
+  (Megatron's all-to-all MoE token dispatcher copies split sizes on a side stream), and that
+  dispatcher's split sizes become numpy arrays as its CUDA path makes them;
 - ``Tensor.type()`` (no argument) reports CPU tensors under their CUDA names,
   which is what Megatron's optimizer and grad-clip asserts compare against;
 - the CUDA RNG API used by Megatron's RNG tracker and activation recompute
@@ -25,6 +28,7 @@ Redirected:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Dict, List, Tuple
@@ -107,6 +111,14 @@ def enable(force: bool = False) -> bool:
         _patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed))
         _patch(torch.cuda, "manual_seed_all", lambda seed: None)  # torch.manual_seed calls it
         _patch(torch.cuda, "empty_cache", lambda: None)
+        # Megatron's all-to-all MoE dispatcher copies its split sizes on a side stream
+        _patch(torch.cuda, "Stream", _CPUStream)
+        _patch(torch.cuda, "current_stream", lambda *a, **k: _CPU_STREAM)
+        _patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+        from megatron.core.transformer.moe import token_dispatcher
+
+        _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
+               _host_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
         from megatron.core.tensor_parallel import random as mpu_random
 
         _patch(mpu_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
@@ -114,6 +126,55 @@ def enable(force: bool = False) -> bool:
                lambda state, *a, **k: torch.set_rng_state(state))
         _active = True
         return True
+
+
+class _CPUEvent:
+    """A recorded point on :class:`_CPUStream`: CPU work is already complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CPUStream:
+    """``torch.cuda.Stream`` stand-in: CPU ops run in program order, so every wait is a no-op."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CPUEvent:
+        return event or _CPUEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CPUStream()
+
+
+def _host_split_sizes(original: Callable) -> Callable:
+    """Megatron's ``maybe_move_tensor_to_cpu`` turns a CUDA tensor into the numpy split sizes the
+    all-to-all takes (``as_numpy``) but leaves a CPU tensor as it is, which ``all_to_all_single``
+    refuses: CPU tensors get the numpy conversion too."""
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
 
 
 def _tensor_to(original: Callable) -> Callable:

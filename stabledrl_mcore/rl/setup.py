@@ -178,13 +178,17 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     examples = train_examples if train_examples is not None else load_train_examples(cfg, task)
     bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
                          seed=cfg.parallel.seed, timeout_minutes=cfg.parallel.timeout_minutes,
-                         backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+                         backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
+                         expert_parallel=cfg.parallel.expert_parallel,
+                         expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = _model_config(cfg, tokenizer)
     bootstrap.validate_parallel_layout(
         torch.distributed.get_world_size(), cfg.parallel.tensor_parallel,
         cfg.parallel.pipeline_parallel, num_layers=mcfg.num_layers,
-        num_attention_heads=mcfg.num_attention_heads, num_query_groups=mcfg.num_query_groups)
+        num_attention_heads=mcfg.num_attention_heads, num_query_groups=mcfg.num_query_groups,
+        expert_parallel=cfg.parallel.expert_parallel, expert_tensor_parallel=cfg.parallel.expert_tensor_parallel,
+        num_experts=mcfg.num_experts or 0)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
     if cfg.model.checkpoint:

@@ -84,6 +84,9 @@ class SFTConfig:
         if self.parallel.pipeline_parallel != 1:
             raise ConfigError(f"parallel.pipeline_parallel={self.parallel.pipeline_parallel}: SFT runs on "
                               f"tensor and data parallelism only; set it to 1")
+        if self.parallel.expert_parallel != 1 or self.parallel.expert_tensor_parallel is not None:
+            raise ConfigError("parallel.expert_parallel / expert_tensor_parallel: SFT runs on tensor and data "
+                              "parallelism only (experts replicated); set them to 1 / null")
         if self.sft.max_length is not None and self.sft.max_length < 2:
             raise ConfigError(f"sft.max_length must be >= 2 or null, got {self.sft.max_length}")
         if not 0.0 <= self.sft.eps < 0.5:
