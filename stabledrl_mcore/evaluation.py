@@ -22,6 +22,7 @@ import torch
 
 from .diffusion import generate
 from .models.placement import eval_mode, model_device
+from .parallel.expert import finish_forwards
 from .rl.rollout import encode_prompts
 from .tasks.at_k import check_ks, default_ks, sample_metrics, summarize
 from .tasks.base import Example
@@ -71,6 +72,7 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     else:
         records = _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks,
                                    sampling)
+    finish_forwards(model)  # expert parallelism: peers may still run forwards (see parallel.expert)
     if world > 1:
         gathered: List[Any] = [None] * world
         torch.distributed.all_gather_object(gathered, records, group=group)

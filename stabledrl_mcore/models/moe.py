@@ -19,6 +19,10 @@ but binds it only when Transformer Engine imports, so without TE every router fo
 
 from __future__ import annotations
 
+import contextlib
+from typing import Dict, List
+
+import torch
 from megatron.core.transformer.moe import moe_utils
 
 if not hasattr(moe_utils, "te_general_gemm"):
@@ -28,25 +32,193 @@ if not hasattr(moe_utils, "te_general_gemm"):
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 
 
-class DLLMMoELayer(MoELayer):
-    """Megatron's ``MoELayer``, also trainable at TP > 1 without sequence parallelism.
+class _TokenShard(torch.autograd.Function):
+    """This tensor-parallel rank's share of replicated tokens ``[T, 1, H]`` (forward), the
+    shares of every rank gathered back into ``[T, 1, H]`` (:class:`_GatherTokens`)."""
 
-    Megatron refuses that combination in training ("performance may degrade"): every
-    tensor-parallel rank then routes the same tokens, so the experts see each token once per TP
-    rank. The result is the same (each copy returns to its own rank; the parity tests check
-    EP=2 x TP=2 against one process), only the expert work is repeated. The dLLM's forwards
-    (prompt prefixes, 4-token blocks against a KV cache, staircase rows) have lengths that need not
-    divide by TP, which sequence parallelism requires, so this model runs without it; MoE recipes
-    use TP=1 (the attention of SDAR-30B-A3B is small) and spread the experts instead.
-    Only the layer's own ``training`` flag is lowered around the call: the router below keeps
-    its own (the auxiliary and z-losses are computed in training as configured).
+    @staticmethod
+    def forward(ctx, tokens, sizes, rank):
+        ctx.sizes, ctx.rank = sizes, rank
+        return tokens.split(sizes)[rank].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the tokens were replicated on every TP rank; each rank's share gets its own gradient,
+        # gathered (summed, the others being zero) by the all-gather's backward below
+        full = grad.new_zeros((sum(ctx.sizes),) + tuple(grad.shape[1:]))
+        offset = sum(ctx.sizes[:ctx.rank])
+        full[offset:offset + grad.shape[0]] = grad
+        return full, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather of every TP rank's share (uneven sizes padded); backward: the gradient of the
+    replicated output is the same on every rank, so each rank keeps its own share's rows and
+    the shares' gradients are summed back into the replicated input by an all-reduce."""
+
+    @staticmethod
+    def forward(ctx, share, sizes, rank, group):
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
+        longest = max(sizes)
+        padded = share.new_zeros((longest,) + tuple(share.shape[1:]))
+        padded[:share.shape[0]] = share
+        out = share.new_empty((longest * len(sizes),) + tuple(share.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[i * longest:i * longest + n] for i, n in enumerate(sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        offset = sum(ctx.sizes[:ctx.rank])
+        return grad[offset:offset + ctx.sizes[ctx.rank]].contiguous(), None, None, None
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """Identity forward; backward: sum of the gradient over ``group`` (the input is replicated
+    on every rank, each rank's gradient covers its own share of the tokens)."""
+
+    @staticmethod
+    def forward(ctx, tokens, group):
+        ctx.group = group
+        return tokens
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class DLLMMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` at TP > 1 without sequence parallelism: each tensor-parallel rank
+    routes its own share of the (replicated) tokens, and the outputs are gathered back.
+
+    Megatron refuses MoE with TP > 1 unless sequence parallelism splits the tokens over the TP
+    ranks; otherwise every TP rank would send the same tokens to the experts (TP times the expert
+    work, and TP times each expert's weight gradient). The dLLM's forwards (prompt prefixes,
+    4-token blocks against a KV cache, staircase rows) have lengths that need not divide by TP,
+    which sequence parallelism requires, so this model splits the tokens for the MoE layer only:
+    the ``S x B`` tokens in near-equal shares (``tensor_split`` sizes), the layer run on the share
+    (the layer's own guard sees a split input, as under sequence parallelism), the shares
+    all-gathered; in backward each rank's share gets its rows of the (replicated) output gradient
+    and an all-reduce returns the replicated input its full gradient. EP=2 x TP=2 equals one
+    process (``tests/test_moe_rl.py``). The router, replicated on every TP rank, then sees only
+    its rank's share: its gradient is scaled by TP and marked for Megatron's TP-average in
+    ``finalize_model_grads`` (``average_gradients_across_tp_domain``), which makes it the sum over
+    the shares, identical on every TP rank.
     """
 
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        world = self.attn_tp_group.size()
+        if world > 1 and not config.sequence_parallel:
+            for param in self.router.parameters():
+                param.average_gradients_across_tp_domain = True
+                param.register_hook(lambda grad, world=world: grad * world)
+
     def forward(self, hidden_states, *args, **kwargs):
-        if not (self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel):
+        group = self.attn_tp_group
+        if group.size() == 1 or self.config.sequence_parallel:
             return super().forward(hidden_states, *args, **kwargs)
-        self.training = False
+        if kwargs.get("padding_mask") is not None or args:
+            raise NotImplementedError("DLLMMoELayer at TP > 1 takes hidden states only")
+        seq, batch, hidden = hidden_states.shape
+        world, rank = group.size(), group.rank()
+        tokens = hidden_states.reshape(seq * batch, 1, hidden)
+        if tokens.shape[0] < world and not torch.is_grad_enabled():  # too few to share: all route all
+            self.training, training = False, self.training
+            try:
+                return super().forward(hidden_states)
+            finally:
+                self.training = training
+        if tokens.shape[0] < world:
+            raise ValueError(f"an MoE forward at tensor_parallel={world} needs at least {world} tokens, "
+                             f"got {tokens.shape[0]}")
+        sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(world)]
+        share = _TokenShard.apply(_AllReduceBackward.apply(tokens, group), sizes, rank)
+        self.training, training = False, self.training  # the guard: the share is split as under SP
         try:
-            return super().forward(hidden_states, *args, **kwargs)
+            output, bias = super().forward(share)
         finally:
-            self.training = True
+            self.training = training
+        output = _GatherTokens.apply(output, sizes, rank, group)
+        return output.reshape(seq, batch, hidden), bias
+
+
+_PAUSED = {"depth": 0}
+
+
+@contextlib.contextmanager
+def routing_recorders_paused():
+    """Forwards inside this block are not seen by any :class:`RoutingRecorder` (the lockstep's
+    dummy forwards, see :mod:`stabledrl_mcore.parallel.expert`)."""
+    _PAUSED["depth"] += 1
+    try:
+        yield
+    finally:
+        _PAUSED["depth"] -= 1
+
+
+class RoutingRecorder:
+    """``with RoutingRecorder(model) as rec:`` counts, per MoE layer of ``model``, the tokens each
+    expert received and the routed slots dropped by the capacity factor (``tokens x topk`` minus
+    the slots kept), for every forward inside the block. ``keep_maps`` also keeps each router
+    call's ``[tokens, experts]`` routing map (tokens in Megatron's ``[S, B]`` order, s-major).
+
+    The router is replicated, so the counts cover this rank's tokens for all experts;
+    :meth:`summary` sums them over a process group (the data-parallel ranks) before reducing.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, keep_maps: bool = False):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        experts = self.routers[0].config.num_moe_experts if self.routers else 0
+        self.counts = torch.zeros(len(self.routers), experts, dtype=torch.float64)
+        self.slots = torch.zeros(len(self.routers), dtype=torch.float64)  # tokens x topk routed
+        self.maps: List[List[torch.Tensor]] = [[] for _ in self.routers]
+        self.keep_maps = keep_maps
+        self._handles: list = []
+
+    def __enter__(self) -> "RoutingRecorder":
+        for layer, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output):
+            if _PAUSED["depth"]:
+                return
+            routing_map = output[1].detach()
+            self.counts[layer] += routing_map.sum(0).to(self.counts)
+            self.slots[layer] += routing_map.shape[0] * module.topk
+            if self.keep_maps:
+                self.maps[layer].append(routing_map.cpu())
+        return record
+
+    def summary(self, group=None) -> Dict[str, float]:
+        """Router statistics (summed over ``group``'s ranks): ``router_load_max`` / ``_min`` (the
+        busiest / idlest expert's share over the even share, worst layer), ``router_load_cv``
+        (coefficient of variation of the loads, mean over layers), ``router_dropped_frac``
+        (routed slots dropped by the capacity factor)."""
+        if not self.routers:
+            return {}
+        counts, slots = self.counts.clone(), self.slots.clone()
+        if torch.distributed.is_initialized() and (group is None or torch.distributed.get_world_size(group) > 1):
+            from ..parallel.bootstrap import comm_device
+
+            both = torch.cat([counts.flatten(), slots]).to(comm_device())
+            torch.distributed.all_reduce(both, group=group)
+            counts = both[:counts.numel()].view_as(counts).cpu()
+            slots = both[counts.numel():].cpu()
+        kept = counts.sum(-1)
+        if not bool((kept > 0).all()):
+            return {}
+        share = counts / kept[:, None] * counts.shape[1]  # 1 = the even share
+        return {"router_load_max": float(share.max()), "router_load_min": float(share.min()),
+                "router_load_cv": float((share.std(-1, unbiased=False)).mean()),
+                "router_dropped_frac": float(((slots - kept) / slots).mean())}

@@ -90,6 +90,10 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
     spec = copy.deepcopy(spec)
     if num_experts is not None:
         spec.submodules.mlp.module = moe.DLLMMoELayer  # trainable at TP > 1 (see .moe)
+        # Megatron's local spec saves the MLP norm under the dense fused name (mlp.linear_fc1.
+        # layer_norm_weight) even for MoE layers, whose TE spec saves pre_mlp_layernorm: keep the
+        # real name so one checkpoint serves both
+        spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
     attention = spec.submodules.self_attention
     attention.params = dict(attention.params or {}, attn_mask_type=AttnMaskType.arbitrary)
     attention.submodules.core_attention = SDPACoreAttention

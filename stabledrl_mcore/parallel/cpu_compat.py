@@ -18,6 +18,8 @@ Redirected:
 - ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> a stream whose waits are no-ops
   (Megatron's all-to-all MoE token dispatcher copies split sizes on a side stream), and that
   dispatcher's split sizes become numpy arrays as its CUDA path makes them;
+- ``torch.distributed.all_gather`` / ``reduce_scatter`` of uneven sizes (NCCL takes them, gloo does
+  not; Megatron's MoE dispatcher sends them at expert-tensor-parallel > 1) -> padded / all-reduced;
 - ``Tensor.type()`` (no argument) reports CPU tensors under their CUDA names,
   which is what Megatron's optimizer and grad-clip asserts compare against;
 - the CUDA RNG API used by Megatron's RNG tracker and activation recompute
@@ -115,6 +117,8 @@ def enable(force: bool = False) -> bool:
         _patch(torch.cuda, "Stream", _CPUStream)
         _patch(torch.cuda, "current_stream", lambda *a, **k: _CPU_STREAM)
         _patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+        _patch(torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather))
+        _patch(torch.distributed, "reduce_scatter", _uneven_reduce_scatter(torch.distributed.reduce_scatter))
         from megatron.core.transformer.moe import token_dispatcher
 
         _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
@@ -161,6 +165,44 @@ class _CPUStream:
 
 
 _CPU_STREAM = _CPUStream()
+
+
+def _uneven_all_gather(original: Callable) -> Callable:
+    """gloo's all-gather takes equal sizes only (NCCL takes uneven ones, which Megatron's MoE
+    dispatcher sends at expert-tensor-parallel > 1): uneven first dims are padded, gathered, trimmed."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] if t.dim() else 1 for t in tensor_list]
+        if async_op or tensor.dim() == 0 or len(set(sizes)) == 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded, group=group)
+        for out, part, size in zip(tensor_list, gathered, sizes):
+            out.copy_(part[:size])
+        return None
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    """gloo has no uneven reduce-scatter: an all-reduce of the whole input, this rank's part kept."""
+
+    @functools.wraps(original)
+    def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if async_op or len({t.shape for t in input_list}) == 1 and torch.distributed.get_backend(group) != "gloo":
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat([t.flatten() for t in input_list])
+        torch.distributed.all_reduce(whole, op=op, group=group)
+        rank = torch.distributed.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(whole[start:start + output.numel()].view(output.shape))
+        return None
+
+    return reduce_scatter
 
 
 def _host_split_sizes(original: Callable) -> Callable:

@@ -204,13 +204,17 @@ def weight_diagnostics(groups: Groups, weights: Tensor, advantages: Tensor) -> t
 
 def ratio_diagnostics(log_ratio: Tensor, clipped_low: Tensor, clipped_high: Tensor) -> dict[str, Tensor]:
     """Ratio mean/max (of exp(log_ratio), float64), log-ratio variance (population,
-    over the batch) and the fractions clipped low/high. 0-d tensors."""
+    over the batch) and its first two moments (``log_ratio_m1``/``_m2``: averaged over
+    data-parallel ranks they give the whole batch's variance, see ``rl.step_metrics``), and the
+    fractions clipped low/high. 0-d tensors."""
     lr = log_ratio.detach().to(torch.float64)
     ratio = torch.exp(lr)
     return {
         "ratio_mean": ratio.mean(),
         "ratio_max": ratio.max(),
         "log_ratio_var": lr.var(unbiased=False) if lr.numel() > 1 else lr.new_zeros(()),
+        "log_ratio_m1": lr.mean(),
+        "log_ratio_m2": (lr * lr).mean(),
         "clip_frac_low": clipped_low.to(torch.float64).mean(),
         "clip_frac_high": clipped_high.to(torch.float64).mean(),
     }

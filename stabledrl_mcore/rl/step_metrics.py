@@ -27,7 +27,7 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
     """Reward mean/std and accuracy over the global batch; ``groups_varied``, the share of prompt
     groups whose rewards are not all equal (0: every advantage is zero, no learning signal);
     the update's loss diagnostics (averaged over DP ranks, weighted by each rank's share of the
-    kept groups); learning rate; wall seconds and tokens/s per phase; on the steps
+    kept groups; ``log_ratio_var`` from the averaged moments: the whole batch's variance); learning rate; wall seconds and tokens/s per phase; on the steps
     ``rollout.cache_gap_every`` picks, ``rollout_cache_gap`` over the whole job's committed tokens.
 
     ``kept``: the batch the likelihood phases saw (dynamic sampling's, None when it dropped every
@@ -70,6 +70,10 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
         value = total[10 + i]
         out[key] = value if key in ("skipped_updates",) else value / dp
     out["skipped_updates"] = out.get("skipped_updates", 0.0) / dp
+    for suffix in ("", "_first"):  # the whole batch's log-ratio variance, whatever the DP size
+        m1, m2 = out.pop(f"log_ratio_m1{suffix}", None), out.pop(f"log_ratio_m2{suffix}", None)
+        if m1 is not None and m2 is not None and f"log_ratio_var{suffix}" in out:
+            out[f"log_ratio_var{suffix}"] = max(m2 - m1 * m1, 0.0)
     if gap:
         out["rollout_cache_gap"] = total[-2] / max(total[-1], 1.0)
     for phase, secs in seconds.items():

@@ -25,7 +25,7 @@ from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger, logger_options
 from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
-from ..parallel.pipeline import pipelined
+from ..parallel.expert import phase_model, routing_statistics
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .dynamic_sampling import filter_uniform_groups
@@ -100,12 +100,14 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     metrics: Dict[str, Any] = {"skipped_updates": 0.0, "update_skips": []}
     ref, ref_plan = None, None  # the reference's log-probs, scored once per plan until it is synced
     for inner in range(a.inner_iterations):
-        old, plan, current, retained = iteration_inputs(
-            s.ddp if cfg.parallel.retain_update_graph else pipelined(s.model), batch, spec, inner,
-            sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
-            chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
+        with phase_model(None if cfg.parallel.retain_update_graph else s.model) as model:
+            old, plan, current, retained = iteration_inputs(
+                s.ddp if cfg.parallel.retain_update_graph else model, batch, spec, inner,
+                sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
+                chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
         if s.reference is not None and plan is not ref_plan:
-            ref = all_token_logp(pipelined(s.reference), batch, plan, spec, micro_batch=micro, mask_id=mask_id)
+            with phase_model(s.reference) as reference:
+                ref = all_token_logp(reference, batch, plan, spec, micro_batch=micro, mask_id=mask_id)
             ref_plan = plan
         coef, loss_metrics = loss_coefficients(
             current, batch, spec, plan=plan, old=old, loss=a.loss, loss_options=a.loss_options, eps=a.eps,
@@ -114,14 +116,17 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
                                             device=device))
         if inner == 0:
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
+            for moment in ("log_ratio_m1", "log_ratio_m2"):  # the same keys on every rank
+                metrics[moment + "_first"] = loss_metrics.get(moment, float("nan"))
         if coef is not None and batch.gradient_scale != 1.0:  # dynamic sampling: see rl/dynamic_sampling.py
             coef = coef * batch.gradient_scale
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
         finite_loss = agree_ok(coef is not None)  # the same answer on every rank
-        if finite_loss:
-            accumulate_gradients(pipelined(s.ddp), batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
-                                 retained=retained)
+        if finite_loss:  # router statistics of the first update's (training) forwards
+            with phase_model(s.ddp, backward=True) as ddp, routing_statistics(s.model, metrics, enabled=inner == 0):
+                accumulate_gradients(ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
+                                     retained=retained)
         retained = None
         sync_gradients(s.ddp)
         s.scheduler.step(increment=1)
@@ -180,7 +185,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
     with logger:
         if evaluate and start == 0:
-            logger.log(0, evaluate(pipelined(s.model)))
+            with phase_model(s.model) as model:
+                logger.log(0, evaluate(model))
         health = RunHealth(cfg.algo.max_skipped_updates, logger, from_step_zero=start == 0)
         for step in range(start, end):
             timer.seconds.clear()
@@ -198,7 +204,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
                     update = policy_update(s, kept, spec, step)
             metrics = step_metrics(s, batch, update, timer.seconds, kept=kept)
             if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
-                metrics.update(evaluate(pipelined(s.model)))
+                with phase_model(s.model) as model:
+                    metrics.update(evaluate(model))
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
@@ -282,23 +289,25 @@ def no_update(s: TrainingSetup, step: int, logger) -> Dict[str, Any]:
 def rollout_phase(s: TrainingSetup, step: int):
     """Phase 1: this rank's prompts of ``step``, ``group_size`` completions each."""
     r = s.cfg.rollout
-    return generate_rollouts(
-        pipelined(s.model), s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
-        gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
-        threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
-        chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
-        first_chunk=_first_chunk(s), cache=r.cache,
-        measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0)
+    with phase_model(s.model) as model:
+        return generate_rollouts(
+            model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
+            gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
+            threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
+            chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
+            first_chunk=_first_chunk(s), cache=r.cache,
+            measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0)
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
     """Phase 3: masks drawn and the old policy scored (per iteration with ``per_iteration``)."""
     chunks = _chunk_generators(s.cfg, step, model_device(s.model))
-    return old_policy_likelihood(pipelined(s.model), batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
-                                 mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
-                                 first_chunk=_first_chunk(s), sampling=s.cfg.algo.mask_sampling,
-                                 iteration_generators=lambda k: chunks(f"masks/iter{k}"),
-                                 iterations=s.cfg.algo.inner_iterations)
+    with phase_model(s.model) as model:
+        return old_policy_likelihood(model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
+                                     mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
+                                     first_chunk=_first_chunk(s), sampling=s.cfg.algo.mask_sampling,
+                                     iteration_generators=lambda k: chunks(f"masks/iter{k}"),
+                                     iterations=s.cfg.algo.inner_iterations)
 
 
 def _progress(cfg: RunConfig, start: int, end: int):

@@ -1,0 +1,142 @@
+"""Expert parallelism in the RL loop: the ranks of an expert group run their forwards in lockstep.
+
+Megatron's MoE layer sends every token to its experts' ranks and back by all-to-all in each
+layer, so a forward on one rank of an expert-parallel group is one collective call on all of
+them. The ranks of that group belong to different data-parallel replicas, and the RL loop's
+replicas do not always run the same number of forwards in a phase: threshold decoding ends a
+block as soon as it is decoded, the update skips (draw, micro-batch) chunks that carry no
+weight, held-out prompts split unevenly over ranks.
+
+:func:`lockstep` wraps the model for one phase. Every forward is announced first by an
+all-reduce (MAX) of 1 over the expert group; when a rank's phase is done, it leaves the ``with``
+block by announcing 0 until every rank of the group announces 0, and runs a one-token dummy
+forward (and, in an update phase, its backward with a zero loss) for every round in which a peer
+still announced a real forward. Each round is then the same collectives on every rank, in the
+same order; the dummies add nothing (no KV cache, zero gradients) and are left out of the router
+statistics. The extra cost is one 4-byte all-reduce per forward, and a one-token forward for
+each forward a peer runs beyond this rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+
+def expert_group():
+    """The process group of Megatron's all-to-all token exchange (expert-tensor x expert-parallel
+    ranks), or None when nothing is exchanged (no parallel state, or expert_parallel 1)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return ps.get_expert_tensor_and_model_parallel_group()
+
+
+def _announce(real: bool, group) -> bool:
+    """All-reduce MAX of this rank's announcement; True if any rank of ``group`` runs a real forward."""
+    from .bootstrap import comm_device
+
+    flag = torch.tensor([1 if real else 0], dtype=torch.int32, device=comm_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+class LockstepModel(torch.nn.Module):
+    """``module`` whose forwards are announced to the expert group (see the module docstring).
+    Attributes the phases read (``dllm_config``, ``zero_grad_buffer``...) come from ``module``."""
+
+    def __init__(self, module: torch.nn.Module, group, *, backward: bool):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.backward = backward
+        self.forwards = 0
+        self.dummies = 0
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def forward(self, *args, **kwargs):
+        _announce(True, self.group)
+        self.forwards += 1
+        return self.module(*args, **kwargs)
+
+    def drain(self) -> None:
+        """Run dummy rounds until no rank of the group has a real forward left."""
+        while _announce(False, self.group):
+            self.dummies += 1
+            self._dummy_round()
+
+    def _dummy_round(self) -> None:
+        from ..models.moe import routing_recorders_paused
+
+        cfg = self.module.dllm_config
+        device = next(self.module.parameters()).device
+        from megatron.core import parallel_state as ps
+
+        # as many tokens as TP ranks: at TP > 1 each rank routes its own share (see models.moe)
+        ids = torch.full((1, ps.get_tensor_model_parallel_world_size()), cfg.pad_token_id,
+                         dtype=torch.long, device=device)
+        with routing_recorders_paused(), torch.set_grad_enabled(self.backward):
+            logits = self.module(ids)
+            if self.backward:  # the all-to-all's backward too, with zero gradients everywhere
+                (logits[..., :1].float().sum() * 0.0).backward()
+
+
+def finish_forwards(model) -> None:
+    """Call where a phase's forwards end and a collective of its own follows (the evaluation's
+    gather of results): the expert group's ranks first finish each other's forwards. A no-op
+    for any model not in :func:`lockstep`."""
+    if isinstance(model, LockstepModel):
+        model.drain()
+
+
+@contextlib.contextmanager
+def lockstep(model: Optional[torch.nn.Module], *, backward: bool = False) -> Iterator[Optional[torch.nn.Module]]:
+    """``with lockstep(model) as m:`` run one phase's forwards on ``m``; on leaving, wait (with
+    dummy forwards) until every rank of the expert group has run its own. ``backward``: the
+    phase's forwards are each followed by a backward (the policy update). Without expert
+    parallelism ``m`` is ``model`` itself and nothing is added."""
+    group = expert_group() if model is not None else None
+    if group is None:
+        yield model
+        return
+    wrapped = LockstepModel(model, group, backward=backward)
+    yield wrapped
+    wrapped.drain()
+
+
+@contextlib.contextmanager
+def phase_model(model: Optional[torch.nn.Module], *, backward: bool = False):
+    """The model as one phase of the RL loop runs it: split over stages under pipeline parallelism
+    (:func:`~.pipeline.pipelined`), in :func:`lockstep` under expert parallelism (PP and EP are
+    not combined, see ``preflight.check_pipeline_options``)."""
+    from .pipeline import pipelined
+
+    with lockstep(pipelined(model), backward=backward) as phase:
+        yield phase
+
+
+@contextlib.contextmanager
+def routing_statistics(model: torch.nn.Module, into: dict, *, enabled: bool = True):
+    """Count the routing of ``model``'s MoE layers inside the block and add the job-wide
+    :meth:`~..models.moe.RoutingRecorder.summary` to ``into``, summed over the data- and
+    tensor-parallel ranks (each TP rank routes its own share of the tokens, see
+    :class:`~..models.moe.DLLMMoELayer`). Nothing for a dense model or when not ``enabled``."""
+    if not enabled or not getattr(model.dllm_config, "is_moe", False):
+        yield
+        return
+    from megatron.core import parallel_state as ps
+
+    from ..models.moe import RoutingRecorder
+
+    with RoutingRecorder(model) as recorder:
+        yield
+    into.update(recorder.summary(ps.get_tensor_and_data_parallel_group()
+                                 if torch.distributed.is_initialized() else None))
