@@ -186,3 +186,14 @@ def test_ep2_tp2_load_forward_save_and_back(moe):
     assert {k: v for k, v in raw_back.items() if k != "torch_dtype"} == \
         {k: v for k, v in raw_src.items() if k != "torch_dtype"}
     assert {"modeling_sdar_moe.py", "configuration_sdar_moe.py", "tokenizer.json"} <= set(os.listdir(back))
+
+
+def test_docs_tables_are_generated_from_mappings():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "mapping_tables.py")
+    spec = importlib.util.spec_from_file_location("mapping_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert tables.stale_tables(os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")) == []
+    assert "`decoder.layers.{i}.mlp.router.weight` | `model.layers.{i}.mlp.gate.weight`" in tables.all_tables()["sdar-moe"]
