@@ -12,6 +12,7 @@ differ from token to token) converted once with ``--tp 2 --ep 2``. Checks:
   from that layout converts back to the source tensors bit for bit.
 """
 
+import argparse
 import json
 import os
 
@@ -73,7 +74,7 @@ def reference_logits(src, ids):
 
 
 # ------------------------------------------------------------------ config.json
-def test_config_fields_and_refusals(moe):
+def test_config_fields_and_refusals(moe, capsys):
     from stabledrl_mcore.models import get_preset
 
     _, src, ckpt, _ = moe
@@ -105,6 +106,14 @@ def test_config_fields_and_refusals(moe):
         conv.check_layout(cfg, 1, 1, 3)
     with pytest.raises(ConversionError, match="--ep 2 needs a mixture-of-experts model"):
         conv.check_layout(get_preset("sdar-tiny"), 1, 1, 2)
+    with pytest.raises(ConversionError, match=r"--model sdar-moe-tiny: .*moe_ffn_hidden_size 24 \(preset 48\)"):
+        conv.check_preset_shape(cfg, "sdar-moe-tiny")
+    parser = argparse.ArgumentParser()
+    conv.add_convert_arguments(parser)
+    args = parser.parse_args(["hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", src + "_ep3",
+                              "--ep", "3", "--no-progress"])
+    assert conv.run_convert(args) == 2 and not os.path.exists(src + "_ep3")  # refused before writing
+    assert "num_experts (4) is not divisible by --ep 3" in capsys.readouterr().err
 
 
 def test_checkpoint_layout(moe):
@@ -117,6 +126,22 @@ def test_checkpoint_layout(moe):
     assert tuple(meta["decoder.layers.mlp.experts.experts.linear_fc2.weight"].global_shape) == (2, 4, 32, 24)
     assert not [k for k in meta if k.startswith("decoder.layers.mlp.linear_fc") and k.endswith(".weight")
                 and "layer_norm" not in k]  # no dense MLP
+
+
+def test_full_size_key_set():
+    """The sdar-30b-a3b preset expects the released checkpoint's 18867 tensors (Qwen3-30B-A3B layout)."""
+    from stabledrl_mcore.checkpoint.engine import MappingEngine
+    from stabledrl_mcore.checkpoint.mappings import table_for
+    from stabledrl_mcore.models import get_preset
+
+    cfg = get_preset("sdar-30b-a3b")
+    expected = MappingEngine(table_for("sdar", cfg), cfg).expected_hf()
+    assert len(expected) == 18867
+    assert expected["model.layers.0.self_attn.q_proj.weight"] == (4096, 2048)
+    assert expected["model.layers.0.self_attn.k_proj.weight"] == (512, 2048)
+    assert expected["model.layers.47.mlp.gate.weight"] == (128, 2048)
+    assert expected["model.layers.47.mlp.experts.127.up_proj.weight"] == (768, 2048)
+    assert expected["model.layers.47.mlp.experts.127.down_proj.weight"] == (2048, 768)
 
 
 # ------------------------------------------------------------------ logits, one process
@@ -197,3 +222,12 @@ def test_docs_tables_are_generated_from_mappings():
     spec.loader.exec_module(tables)
     assert tables.stale_tables(os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")) == []
     assert "`decoder.layers.{i}.mlp.router.weight` | `model.layers.{i}.mlp.gate.weight`" in tables.all_tables()["sdar-moe"]
+
+
+def test_expert_names():
+    from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name
+
+    local = "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert canonical_megatron_name("decoder.layers.3.mlp.experts.linear_fc2.weight1") == local  # TE grouped GEMM
+    assert global_expert_name(local, 2, 4) == "decoder.layers.3.mlp.experts.local_experts.9.linear_fc2.weight"
+    assert global_expert_name("decoder.layers.3.mlp.router.weight", 2, 4) == "decoder.layers.3.mlp.router.weight"

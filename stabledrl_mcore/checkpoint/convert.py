@@ -139,7 +139,8 @@ def layout_record(cfg: DLLMConfig, tp: int, pp: int, ep: int = 1) -> dict:
 
 # ------------------------------------------------------------------ HF -> Megatron
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels", "ffn_hidden_size", "qk_layernorm")
+                "kv_channels", "ffn_hidden_size", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
+                "moe_router_topk")
 
 
 def resolve_model_choice(model: Optional[str]):
