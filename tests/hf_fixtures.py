@@ -1,8 +1,9 @@
-"""Tiny random checkpoints in the exact upstream formats of LLaDA and SDAR (for the converter tests).
+"""Tiny random checkpoints in the exact upstream formats of LLaDA, SDAR and SDAR-MoE (converter tests).
 
 Written independently of the converter's mapping tables: names and shapes
 follow the upstream modeling files (LLaDA: OLMo names under
-``model.transformer.``; SDAR: Qwen3 names), configs carry every key the
+``model.transformer.``; SDAR: Qwen3 names; SDAR-MoE: Qwen3-MoE names, one tensor per
+expert as the released safetensors hold them), configs carry every key the
 released ``config.json`` files have, and each directory gets a tiny fast
 tokenizer (built offline with ``tokenizers``), ``tokenizer_config.json``,
 ``generation_config.json`` and stubs of the upstream ``*.py`` remote code.
@@ -52,17 +53,33 @@ SDAR_CONFIG = {
     "vocab_size": 128,
 }
 
+# JetLM/SDAR-30B-A3B-Chat: Qwen3-MoE's config keys (Qwen/Qwen3-30B-A3B) under model_type sdar_moe.
+SDAR_MOE_CONFIG = {
+    **{k: v for k, v in SDAR_CONFIG.items() if k not in ("architectures", "auto_map", "model_type")},
+    "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe",
+    "auto_map": {"AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+                 "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+                 "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"},
+    "num_hidden_layers": 2, "intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "output_router_logits": False, "router_aux_loss_coef": 0.001, "max_window_layers": 2,
+}
+
 STUBS = {
     "llada": {"modeling_llada.py": '"""Stand-in for upstream modeling_llada.py (tests check it is copied)."""\n',
               "configuration_llada.py": '"""Stand-in for upstream configuration_llada.py."""\n'},
     "sdar": {"modeling_sdar.py": '"""Stand-in for upstream modeling_sdar.py (tests check it is copied)."""\n',
              "configuration_sdar.py": '"""Stand-in for upstream configuration_sdar.py."""\n'},
+    "sdar_moe": {"modeling_sdar_moe.py": '"""Stand-in for upstream modeling_sdar_moe.py."""\n',
+                 "configuration_sdar_moe.py": '"""Stand-in for upstream configuration_sdar_moe.py."""\n'},
 }
-MASK_TOKEN = {"llada": "<|mdm_mask|>", "sdar": "<|MASK|>"}
+MASK_TOKEN = {"llada": "<|mdm_mask|>", "sdar": "<|MASK|>", "sdar_moe": "<|MASK|>"}
+CONFIGS = {"llada": LLADA_CONFIG, "sdar": SDAR_CONFIG, "sdar_moe": SDAR_MOE_CONFIG}
 
 
 def upstream_config(arch: str, **overrides) -> dict:
-    config = dict(LLADA_CONFIG if arch == "llada" else SDAR_CONFIG)
+    """``arch``: ``llada``, ``sdar`` or ``sdar_moe`` (the fixture kind, not our arch name)."""
+    config = dict(CONFIGS[arch])
     config.update(overrides)
     return {k: v for k, v in config.items() if v is not _DROP}
 
@@ -106,6 +123,15 @@ def upstream_shapes(arch: str, config: dict) -> Dict[str, tuple]:
                     b + "self_attn.q_norm.weight": (d,), b + "self_attn.k_norm.weight": (d,),
                     b + "mlp.gate_proj.weight": (f, h), b + "mlp.up_proj.weight": (f, h),
                     b + "mlp.down_proj.weight": (h, f)})
+        if arch == "sdar_moe":  # Qwen3MoeSparseMoeBlock: router ``gate`` + per-expert SwiGLU MLPs
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del out[f"{b}mlp.{name}.weight"]
+            m = config["moe_intermediate_size"]
+            out[b + "mlp.gate.weight"] = (config["num_experts"], h)
+            for e in range(config["num_experts"]):
+                out.update({f"{b}mlp.experts.{e}.gate_proj.weight": (m, h),
+                            f"{b}mlp.experts.{e}.up_proj.weight": (m, h),
+                            f"{b}mlp.experts.{e}.down_proj.weight": (h, m)})
     return out
 
 
@@ -115,6 +141,8 @@ def random_tensors(shapes: Dict[str, tuple], seed: int = 0, dtype=torch.float32)
     for name, shape in shapes.items():
         if len(shape) == 1:  # RMSNorm weights: around 1, perturbed
             t = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif name.endswith("mlp.gate.weight"):  # MoE router: logits far apart, clear top-k choices
+            t = torch.randn(shape, generator=gen)
         else:
             t = 0.1 * torch.randn(shape, generator=gen)
         out[name] = t.to(dtype)
@@ -165,7 +193,7 @@ def write_hf_checkpoint(path: str, arch: str, *, seed: int = 0, dtype=torch.floa
     os.makedirs(path, exist_ok=True)
     config = upstream_config(arch, **(config_overrides or {}))
     config_for_shapes = dict(config)
-    if arch == "sdar":
+    if arch != "llada":
         config_for_shapes.setdefault("num_key_value_heads", config["num_attention_heads"])
     tensors = random_tensors(upstream_shapes(arch, config_for_shapes), seed, dtype)
     for name in drop:

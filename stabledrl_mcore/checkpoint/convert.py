@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core checkpoint conversion for LLaDA and SDAR, and its command line.
+"""HF <-> Megatron-Core checkpoint conversion for LLaDA and SDAR (dense and MoE), and its command line.
 
 ``hf_to_mcore``: upstream directory (``config.json`` in the model's own field
 names, ``model.safetensors`` or shards + ``model.safetensors.index.json``,
@@ -20,7 +20,7 @@ are refused, naming the tensor, unless ``--allow-nonfinite``.
 
 CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
 
-    hf-to-mcore --model {llada,sdar,<preset>} --hf-dir DIR --out DIR [--tp N] [--pp M]
+    hf-to-mcore --model {llada,sdar,<preset>} --hf-dir DIR --out DIR [--tp N] [--pp M] [--ep E]
                 [--dtype auto|bf16|fp32] [--vocab-multiple K] [--overwrite] [--verify]
                 [--allow-nonfinite]
     mcore-to-hf --ckpt DIR --out DIR [--hf-assets DIR] [--dtype ...]
@@ -107,22 +107,40 @@ def _by_group(items, total: int, desc: str, enabled: bool):
         bar.update(current is not None)
 
 
-def check_layout(cfg: DLLMConfig, tp: int, pp: int) -> None:
-    """The suggested layout must split heads, KV groups, FFN and layers evenly."""
+def check_layout(cfg: DLLMConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """The suggested layout must split heads, KV groups, FFN (each expert's, for MoE: the expert
+    tensor-parallel size is TP), layers and experts (``ep``) evenly."""
     problems = []
+    ffn = ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size) if cfg.is_moe else ("ffn_hidden_size",
+                                                                                cfg.ffn_hidden_size)
     for name, value, parts in (("num_attention_heads", cfg.num_attention_heads, tp),
                                ("num_query_groups", cfg.num_query_groups, tp),
-                               ("ffn_hidden_size", cfg.ffn_hidden_size, tp),
-                               ("num_layers", cfg.num_layers, pp)):
+                               (*ffn, tp), ("num_layers", cfg.num_layers, pp)):
         if parts < 1 or value % parts:
             problems.append(f"{name} ({value}) is not divisible by {parts}")
+    if ep != 1 and not cfg.is_moe:
+        problems.append(f"--ep {ep} needs a mixture-of-experts model; this one is dense (use --ep 1)")
+    elif ep < 1 or (cfg.is_moe and cfg.num_experts % ep):
+        problems.append(f"num_experts ({cfg.num_experts}) is not divisible by --ep {ep}")
+    elif ep > 1 and pp > 1:
+        problems.append("expert parallelism runs with PP=1 only (use --pp 1 with --ep)")
     if problems:
-        raise ConversionError(f"layout TP={tp} PP={pp} does not fit the model: " + "; ".join(problems))
+        shown = f"TP={tp} PP={pp}" + (f" EP={ep}" if ep != 1 else "")
+        raise ConversionError(f"layout {shown} does not fit the model: " + "; ".join(problems))
+
+
+def layout_record(cfg: DLLMConfig, tp: int, pp: int, ep: int = 1) -> dict:
+    """The ``suggested_layout`` of the marker (``expert_parallel`` only for MoE models)."""
+    layout = {"tensor_parallel": tp, "pipeline_parallel": pp}
+    if cfg.is_moe:
+        layout["expert_parallel"] = ep
+    return layout
 
 
 # ------------------------------------------------------------------ HF -> Megatron
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels", "ffn_hidden_size", "qk_layernorm")
+                "kv_channels", "ffn_hidden_size", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
+                "moe_router_topk")
 
 
 def resolve_model_choice(model: Optional[str]):
@@ -156,15 +174,15 @@ def check_preset_shape(cfg, preset: str) -> None:
 
 
 def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int = 1, pp: int = 1,
-                dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
+                ep: int = 1, dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
                 progress: bool = True, allow_nonfinite: bool = False,
                 before_commit: Optional[Callable[[str], None]] = None) -> str:
     """Convert an upstream LLaDA/SDAR directory to a model-only ``torch_dist`` checkpoint.
 
     ``dtype``: ``"bf16"``/``"fp32"``/``"fp16"`` or None (keep the stored dtype).
     ``vocab_multiple``: ``make_vocab_size_divisible_by`` recorded in the config
-    (rows are zero-padded to it). ``tp``/``pp`` are checked and recorded as the
-    suggested layout; the checkpoint loads at any layout. ``before_commit(tmp)``
+    (rows are zero-padded to it). ``tp``/``pp``/``ep`` (expert parallel, MoE) are checked and
+    recorded as the suggested layout; the checkpoint loads at any layout. ``before_commit(tmp)``
     (e.g. a logit check) runs on the finished temporary output; if it raises,
     nothing is written. Returns ``out``.
     """
@@ -178,7 +196,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     cfg = hfc.hf_to_dllm_config(raw, arch, source_dir=hf_dir, make_vocab_size_divisible_by=vocab_multiple)
     if preset is not None:
         check_preset_shape(cfg, preset)
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
     reader = SafetensorsReader(hf_dir)
     tied = hfc.is_tied(raw, arch)
     engine = MappingEngine(table_for(arch, cfg), cfg, tied=tied)
@@ -203,8 +221,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
         dist_checkpointing.save(entries, tmp)
         del entries
         copy_assets(hf_dir, os.path.join(tmp, HF_ASSETS), skip=())
-        write_marker(tmp, cfg, dtype=target, tied=tied, layout={"tensor_parallel": tp,
-                                                                 "pipeline_parallel": pp},
+        write_marker(tmp, cfg, dtype=target, tied=tied, layout=layout_record(cfg, tp, pp, ep),
                      source={"hf_dir": os.path.abspath(hf_dir), "weight_bytes": reader.nbytes(),
                              "seconds": round(time.time() - started, 2)})
         _fault_injection_pause()
@@ -301,6 +318,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--hf-dir", required=True, metavar="DIR")
     a.add_argument("--tp", type=int, default=1, help="suggested tensor parallel size (checked, recorded)")
     a.add_argument("--pp", type=int, default=1, help="suggested pipeline parallel size (checked, recorded)")
+    a.add_argument("--ep", type=int, default=1,
+                   help="suggested expert parallel size of an MoE model (checked, recorded)")
     a.add_argument("--vocab-multiple", type=int, default=1, metavar="K",
                    help="pad vocab rows to a multiple of K x TP (make_vocab_size_divisible_by)")
     b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> Hugging Face safetensors directory")
@@ -336,7 +355,7 @@ def run_convert(args: argparse.Namespace) -> int:
     restore = _exit_on_sigterm()
     try:
         if args.direction == "hf-to-mcore":
-            out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp,
+            out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp, ep=args.ep,
                               vocab_multiple=args.vocab_multiple, **common)
         else:
             out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets,

@@ -4,7 +4,8 @@ It works on *full* tensors in the TP=1 layout, whatever the parallel layout of
 the model that will hold them: Megatron's ``torch_dist`` checkpoints store
 global tensors and reshard on load, and :meth:`MappingEngine.shard_for_rank`
 slices a full tensor for a live tensor-parallel rank when loading an HF
-directory straight into a sharded model.
+directory straight into a sharded model (experts: the caller names the global
+expert, :func:`~.mappings.global_expert_name`, and passes the expert-TP rank).
 
 Tensors are processed in groups (the embedding, then one transformer layer at
 a time, then the final norm and LM head), and upstream tensors are read one by
@@ -44,10 +45,14 @@ class MappingEngine:
 
     # ----------------------------------------------------------------- structure
     def groups(self) -> List[Group]:
-        """``[("embedding", ...), ("layer 0", ...), ..., ("head", ...)]`` with layer names filled in."""
+        """``[("embedding", ...), ("layer 0", ...), ..., ("head", ...)]`` with layer names filled in
+        (an MoE layer's group holds its router and every expert)."""
         out: List[Group] = [("embedding", list(self.table.head))]
+        experts = range(self.cfg.num_experts or 0) if self.table.expert else ()
         for i in range(self.cfg.num_layers):
-            out.append((f"layer {i}", [m.for_layer(i) for m in self.table.layer]))
+            rows = [m.for_layer(i) for m in self.table.layer]
+            rows += [m.for_layer(i, e) for e in experts for m in self.table.expert]
+            out.append((f"layer {i}", rows))
         out.append(("head", list(self.table.tail)))
         return out
 
@@ -141,7 +146,10 @@ class MappingEngine:
     # ------------------------------------------------------------ TP slicing
     def shard_for_rank(self, megatron_name: str, blocks: List[torch.Tensor], param: torch.Tensor,
                        tp_rank: int, tp_size: int) -> torch.Tensor:
-        """This rank's slice of a full tensor, following Megatron's partition attributes."""
+        """This rank's slice of a full tensor, following Megatron's partition attributes.
+
+        Expert weights are sliced like the dense MLP over the *expert* tensor-parallel group
+        (ETP, ``tp_rank``/``tp_size`` of that group); the router is replicated."""
         mapping = self.mapping(megatron_name)
         if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
             return blocks[0] if len(blocks) == 1 else torch.cat(blocks)

@@ -14,6 +14,17 @@ two, which then default with a warning (the mask id is looked up as
 Each model has one field table (:data:`FIELDS`) and one table of architecture
 switches that must hold for the Megatron backbone to compute the same function
 (:data:`REQUIRED_VALUES`); a config that violates one is refused by name.
+
+Mixture of experts (JetLM/SDAR-30B-A3B-*, ``model_type`` ``sdar_moe``, architectures
+``SDARMoeForCausalLM``; Qwen/Qwen3-30B-A3B's ``qwen3_moe`` / ``Qwen3MoeForCausalLM`` is the same
+layout, read as ``sdar`` with SDAR's block-causal attention): :data:`MOE_FIELDS` adds
+``num_experts``, ``num_experts_per_tok`` (``moe_router_topk``), ``moe_intermediate_size``
+(``moe_ffn_hidden_size``) and ``norm_topk_prob`` (``moe_norm_topk_prob``; absent = False, as
+``Qwen3MoeConfig``). Every layer must be an MoE layer without shared experts
+(:data:`MOE_REQUIRED_VALUES`: ``decoder_sparse_step`` 1, ``mlp_only_layers`` empty).
+``router_aux_loss_coef`` is *not* imported: it is a pre-training setting, and RL runs with the
+router losses off (``DLLMConfig.moe_aux_loss_coeff`` stays 0); on export the base config's value
+is kept as it was.
 """
 
 from __future__ import annotations
@@ -43,8 +54,12 @@ class Field:
     """Warn when the default is used (fields that released configs are known to omit)."""
 
 
-MODEL_TYPES = {"llada": "llada", "sdar": "sdar"}  # HF model_type -> our arch
+MODEL_TYPES = {"llada": "llada", "sdar": "sdar", "sdar_moe": "sdar", "qwen3_moe": "sdar"}  # -> our arch
+MOE_MODEL_TYPES = ("sdar_moe", "qwen3_moe")
+"""``model_type`` values whose upstream class is the mixture-of-experts one (SDARMoe / Qwen3Moe)."""
 ARCHITECTURES = {"llada": ["LLaDAModelLM"], "sdar": ["SDARForCausalLM"]}
+MOE_ARCHITECTURES = {"SDARMoeForCausalLM": "sdar_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+"""MoE class name (``architectures``) -> its ``model_type`` (read when ``model_type`` is missing)."""
 TIE_KEY = {"llada": "weight_tying", "sdar": "tie_word_embeddings"}
 SDAR_MASK_TOKEN = "<|MASK|>"
 SDAR_DEFAULT_MASK_ID = 151669
@@ -107,6 +122,37 @@ REQUIRED_VALUES: Dict[str, Dict[str, Tuple[Any, ...]]] = {
 }
 
 
+MOE_FIELDS: List[Field] = [
+    Field("num_experts", "num_experts"),
+    Field("moe_router_topk", "num_experts_per_tok"),
+    Field("moe_ffn_hidden_size", "moe_intermediate_size"),
+    Field("moe_norm_topk_prob", "norm_topk_prob", False, False),
+]
+
+# What the MoE backbone cannot build (it makes every layer a routed-experts layer, nothing shared).
+MOE_REQUIRED_VALUES: Dict[str, Tuple[Any, ...]] = {
+    "decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
+    "shared_expert_intermediate_size": (0, None), "n_shared_experts": (0, None),
+    "num_shared_experts": (0, None), "moe_shared_expert_intermediate_size": (0, None),
+}
+MOE_UNSUPPORTED_HINT = ("stabledrl builds every layer as a routed mixture-of-experts layer without "
+                        "shared experts (decoder_sparse_step 1, mlp_only_layers [])")
+
+
+def is_moe_config(hf_cfg: Dict[str, Any]) -> bool:
+    """Whether ``config.json`` describes the mixture-of-experts class (``sdar_moe``/``qwen3_moe``)."""
+    return _model_type(hf_cfg) in MOE_MODEL_TYPES
+
+
+def _model_type(hf_cfg: Dict[str, Any]) -> Any:
+    model_type = hf_cfg.get("model_type")
+    if model_type is None:
+        for name in hf_cfg.get("architectures") or ():
+            if name in MOE_ARCHITECTURES:
+                return MOE_ARCHITECTURES[name]
+    return model_type
+
+
 def _first(value: Any) -> Any:
     return value[0] if isinstance(value, (list, tuple)) else value
 
@@ -162,11 +208,13 @@ def read_hf_config(hf_dir: str) -> Dict[str, Any]:
 
 
 def detect_arch(hf_cfg: Dict[str, Any], expected: Optional[str] = None) -> str:
-    """``'llada'`` or ``'sdar'`` from ``model_type``; checks it against ``expected`` (``--model``)."""
-    model_type = hf_cfg.get("model_type")
+    """``'llada'`` or ``'sdar'`` from ``model_type`` (or, without one, an MoE ``architectures``
+    entry); checks it against ``expected`` (``--model``)."""
+    model_type = _model_type(hf_cfg)
     if model_type not in MODEL_TYPES:
         raise ConversionError(f"unknown model_type {model_type!r} in config.json; supported: "
-                              f"{sorted(MODEL_TYPES)} (LLaDA: 'llada', SDAR: 'sdar')")
+                              f"{sorted(MODEL_TYPES)} (LLaDA: 'llada', SDAR: 'sdar', SDAR-MoE: "
+                              "'sdar_moe')")
     arch = MODEL_TYPES[model_type]
     if expected is not None and expected != arch:
         raise ConversionError(f"--model {expected} was given but config.json has "
@@ -188,10 +236,15 @@ def hf_to_dllm_config(hf_cfg: Dict[str, Any], arch: Optional[str] = None, *,
         if key in hf_cfg and hf_cfg[key] not in allowed:
             raise ConversionError(f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not "
                                   f"supported (expected {' or '.join(map(repr, allowed))})")
+    moe = is_moe_config(hf_cfg)
+    for key, allowed in (MOE_REQUIRED_VALUES.items() if moe else ()):
+        if key in hf_cfg and hf_cfg[key] not in allowed:
+            raise ConversionError(f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not supported: "
+                                  f"{MOE_UNSUPPORTED_HINT}")
     view = dict(hf_cfg, _source_dir=source_dir)
     values: Dict[str, Any] = {"arch": arch, "qk_layernorm": arch == "sdar",
                               "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
-    for field in FIELDS[arch]:
+    for field in FIELDS[arch] + (MOE_FIELDS if moe else []):
         value = hf_cfg.get(field.theirs)
         if value is None:
             if field.required:
@@ -250,6 +303,9 @@ _TEMPLATES: Dict[str, Dict[str, Any]] = {
              "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
              "rope_scaling": None, "tie_word_embeddings": False},
 }
+_MOE_TEMPLATE: Dict[str, Any] = {"model_type": "sdar_moe", "architectures": ["SDARMoeForCausalLM"],
+                                 "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                 "output_router_logits": False}
 
 
 def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
@@ -260,11 +316,18 @@ def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
     dropout, init settings, ...); the shape, ids and SDAR block fields are then
     written from ``cfg``. Without a base, a template of the upstream keys is used.
     ``dtype``: ``"bfloat16"``/``"float32"`` for ``torch_dtype``; ``tied``: the head-tying flag.
+    An MoE model without a base gets ``model_type`` ``sdar_moe`` / ``SDARMoeForCausalLM``.
     """
     out = dict(base) if base is not None else dict(_TEMPLATES[cfg.arch])
     if base is not None:
         detect_arch(base, cfg.arch)
-    for field in FIELDS[cfg.arch]:
+        if is_moe_config(base) != cfg.is_moe:
+            raise ConversionError(f"the base config.json (model_type {_model_type(base)!r}) is "
+                                  f"{'' if is_moe_config(base) else 'not '}a mixture-of-experts config but "
+                                  f"the model is {'MoE' if cfg.is_moe else 'dense'}; pass matching --hf-assets")
+    elif cfg.is_moe:
+        out.update(_MOE_TEMPLATE)
+    for field in FIELDS[cfg.arch] + (MOE_FIELDS if cfg.is_moe else []):
         value = getattr(cfg, field.ours)
         if field.theirs == "head_dim" or value is not None or field.theirs in out:
             out[field.theirs] = value if field.ours != "head_dim" else cfg.kv_channels

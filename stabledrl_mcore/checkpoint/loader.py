@@ -28,7 +28,7 @@ from ..models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mas
 from . import hf_config as hfc
 from .engine import MappingEngine
 from .errors import ConversionError
-from .mappings import table_for
+from .mappings import canonical_megatron_name, global_expert_name, table_for
 from .mcore_io import (build_shell, ensure_single_process, is_model_checkpoint,
                        load_model_weights, read_checkpoint_info)
 from .safetensors_io import SafetensorsReader
@@ -81,18 +81,27 @@ def is_hf_dir(path: str) -> bool:
 
 
 def _global_names(model):
-    """``(global parameter name, parameter)`` with pipeline-local layer indices made global."""
+    """``(global parameter name, parameter)`` with pipeline-local layer indices and this
+    expert-parallel rank's local expert indices made global."""
+    from megatron.core import parallel_state as ps
+
     layers = getattr(model.decoder, "layers", [])
     offsets = {j: layer.layer_number - 1 for j, layer in enumerate(layers)}
+    cfg = model.dllm_config
+    ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    local_experts = (cfg.num_experts or 0) // ep_size
     for name, param in model.named_parameters():
         match = _LAYER.match(name)
         if match:
             name = f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end():]
+        if cfg.is_moe:
+            name = global_expert_name(canonical_megatron_name(name), ep_rank, local_experts)
         yield name, param
 
 
 def load_hf_weights(model, hf_dir: str) -> None:
-    """Fill this rank's stage/shard of ``model`` from an upstream HF directory."""
+    """Fill this rank's stage/shard of ``model`` from an upstream HF directory (any TP/PP; MoE
+    models also at any EP/ETP: a rank reads only its own experts)."""
     from megatron.core import parallel_state as ps
 
     cfg = model.dllm_config
@@ -103,12 +112,14 @@ def load_hf_weights(model, hf_dir: str) -> None:
                            padded_vocab=model.padded_vocab_size)
     engine.check_source(reader)
     keys = set(reader.keys())
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()) \
+        if cfg.is_moe else tp
     with torch.no_grad():
         for name, param in _global_names(model):
             mapping = engine.mapping(name)
             blocks = engine.to_megatron(mapping, reader.get, param.dtype, keys)
-            shard = engine.shard_for_rank(name, blocks, param, tp_rank, tp_size)
+            shard = engine.shard_for_rank(name, blocks, param, *(etp if ".mlp.experts." in name else tp))
             if tuple(shard.shape) != tuple(param.shape):
                 raise ConversionError(f"{name}: mapped shape {list(shard.shape)} does not fit the "
                                       f"parameter {list(param.shape)}")

@@ -17,9 +17,18 @@ made from one or more upstream tensors, and back:
 
 Shapes are declared with symbols resolved from the config: ``H`` hidden,
 ``F`` SwiGLU width, ``V`` vocabulary rows, ``D`` head dim, ``Q`` = heads x D,
-``K`` = KV groups x D. Names containing ``{i}`` repeat for every layer.
-Upstream layouts: LLaDA's ``modeling_llada.py`` (GSAI-ML/LLaDA-8B-Instruct, OLMo names) and
-SDAR's ``modeling_sdar.py`` (JetLM/SDAR-8B-Chat, Qwen3 names).
+``K`` = KV groups x D, ``E`` experts, ``M`` width of one expert. Names containing
+``{i}`` repeat for every layer, and ``{e}`` (MoE tables) for every expert of a layer.
+Upstream layouts: LLaDA's ``modeling_llada.py`` (GSAI-ML/LLaDA-8B-Instruct, OLMo names),
+SDAR's ``modeling_sdar.py`` (JetLM/SDAR-8B-Chat, Qwen3 names) and, for the mixture of experts,
+``modeling_sdar_moe.py`` (JetLM/SDAR-30B-A3B-Chat, Qwen3-MoE names: the router
+``mlp.gate`` [E, H], per-expert ``mlp.experts.{e}.{gate,up,down}_proj``).
+
+Megatron's expert names are those of a model holding every expert (EP=1, as the converter's
+shell): ``mlp.experts.local_experts.{e}`` with ``e`` the global expert. At expert parallelism EP a
+rank holds experts ``[r E/EP, (r+1) E/EP)`` as ``local_experts.0..`` (:func:`global_expert_name`);
+in the ``torch_dist`` checkpoint they are one tensor per layer with a global expert axis
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [L, E, 2M, H]), so it loads at any EP.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def resolve_shape(shape: Shape, cfg: DLLMConfig) -> Tuple[int, ...]:
     sizes = {"H": cfg.hidden_size, "F": cfg.ffn_hidden_size, "V": cfg.vocab_size,
              "D": cfg.kv_channels, "Q": cfg.num_attention_heads * cfg.kv_channels,
              "K": cfg.num_query_groups * cfg.kv_channels, "P": cfg.max_position_embeddings,
-             "T": cfg.num_segments}
+             "T": cfg.num_segments, "E": cfg.num_experts or 0, "M": cfg.moe_ffn_hidden_size or 0}
     return tuple(sizes[s] for s in shape)
 
 
@@ -65,9 +74,13 @@ class Mapping:
     def to_hf(self, full: torch.Tensor, cfg: DLLMConfig) -> List[Tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def for_layer(self, i: int) -> "Mapping":
-        """A copy with ``{i}`` replaced in every name."""
-        changes = {f.name: getattr(self, f.name).format(i=i) for f in dataclasses.fields(self)
+    def for_layer(self, i: int, e: Optional[int] = None) -> "Mapping":
+        """A copy with ``{i}`` (and ``{e}``, the expert) replaced in every name."""
+        def fill(name: str) -> str:
+            name = name.replace("{i}", str(i))
+            return name if e is None else name.replace("{e}", str(e))
+
+        changes = {f.name: fill(getattr(self, f.name)) for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), str)}
         return dataclasses.replace(self, **changes)
 
@@ -143,12 +156,15 @@ class QKV(Mapping):
 class GatedMLP(Mapping):
     gate: str
     up: str
+    width: str = "F"
+    """Shape symbol of the gate/up rows: ``F`` (dense MLP) or ``M`` (one expert)."""
 
     def hf_names(self):
         return (self.gate, self.up)
 
     def hf_shapes(self, cfg):
-        return {self.gate: resolve_shape(("F", "H"), cfg), self.up: resolve_shape(("F", "H"), cfg)}
+        shape = resolve_shape((self.width, "H"), cfg)
+        return {self.gate: shape, self.up: shape}
 
     def to_megatron(self, hf, cfg, padded_vocab):
         return [hf[self.gate], hf[self.up]]
@@ -171,6 +187,8 @@ class ModelTable:
     """After the layers (final norm, LM head)."""
     ignored: Sequence[str] = ()
     """Regexes of upstream keys that carry no weights (non-persistent buffers some exports keep)."""
+    expert: Sequence[Mapping] = ()
+    """Names with ``{i}`` and ``{e}``: repeated for every expert of every layer (MoE tables)."""
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored)
@@ -221,7 +239,22 @@ SDAR = ModelTable(
     ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
 )
 
+_MOE_MLP = _L + "mlp.experts.local_experts.{e}."
+SDAR_MOE = dataclasses.replace(
+    SDAR,
+    layer=[*[m for m in SDAR.layer if ".mlp." not in m.megatron],
+           Direct(_L + "mlp.router.weight", "model.layers.{i}.mlp.gate.weight", ("E", "H"))],
+    expert=[GatedMLP(_MOE_MLP + "linear_fc1.weight", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                     "model.layers.{i}.mlp.experts.{e}.up_proj.weight", width="M"),
+            Direct(_MOE_MLP + "linear_fc2.weight", "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+                   ("H", "M"))],
+)
+"""SDAR-MoE (SDAR-30B-A3B, the Qwen3-MoE layout): SDAR's rows with the MLP made router + experts."""
+
 TABLES = {"llada": LLADA, "sdar": SDAR}
+MOE_TABLES = {"sdar": SDAR_MOE}
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 # Transformer Engine fuses the pre-norms into the following linear; same checkpoint keys.
 TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -229,11 +262,25 @@ TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.we
 
 
 def canonical_megatron_name(name: str) -> str:
-    """A parameter name of either layer spec (local or TE) -> the name the tables use."""
+    """A parameter name of either layer spec (local or TE) -> the name the tables use
+    (TE's grouped experts ``mlp.experts.linear_fc1.weight{j}`` -> ``...local_experts.{j}.linear_fc1.weight``)."""
     for te_name, local_name in TE_ALIASES.items():
         if name.endswith(te_name):
             return name[: -len(te_name)] + local_name
+    grouped = _GROUPED_EXPERT.search(name)
+    if grouped:
+        return (name[: grouped.start()] + f".mlp.experts.local_experts.{grouped.group(2)}."
+                f"{grouped.group(1)}.weight")
     return name
+
+
+def global_expert_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A rank's ``local_experts.{j}`` -> the global expert ``ep_rank * local_experts + j`` (EP layout)."""
+    match = _LOCAL_EXPERT.search(name)
+    if not match:
+        return name
+    expert = ep_rank * local_experts + int(match.group(1))
+    return name[: match.start()] + f".mlp.experts.local_experts.{expert}." + name[match.end():]
 
 
 # Optional embedding tables (``DLLMConfig.position_embedding="learned"``, ``num_segments``):
@@ -243,10 +290,15 @@ SEGMENT_ROWS = {"llada": "model.transformer.wse.weight", "sdar": "model.embed_se
 
 
 def table_for(arch: str, cfg: Optional[DLLMConfig] = None) -> ModelTable:
-    """The mapping table of ``arch``, with the optional embedding rows ``cfg`` has."""
+    """The mapping table of ``arch`` (its MoE table when ``cfg.is_moe``), with the optional
+    embedding rows ``cfg`` has."""
     if arch not in TABLES:
         raise KeyError(f"no mapping table for {arch!r}; known: {sorted(TABLES)}")
     table = TABLES[arch]
+    if cfg is not None and cfg.is_moe:
+        if arch not in MOE_TABLES:
+            raise KeyError(f"no mixture-of-experts mapping table for {arch!r}; known: {sorted(MOE_TABLES)}")
+        table = MOE_TABLES[arch]
     extra: List[Mapping] = []
     if cfg is not None and cfg.position_embedding == "learned":
         extra.append(Direct("embedding.position_embeddings.weight", POSITION_ROWS[arch], ("P", "H")))

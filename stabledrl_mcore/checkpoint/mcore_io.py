@@ -278,6 +278,8 @@ def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, t
             cfg = model.dllm_config
             layout = {"tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
                       "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size()}
+            if cfg.is_moe:
+                layout["expert_parallel"] = parallel_state.get_expert_model_parallel_world_size()
             write_marker(tmp, cfg, dtype=model.config.params_dtype, tied=tied, layout=layout,
                          source={"saved_from_layout": layout},
                          padded_vocab=model.padded_vocab_size)
@@ -334,13 +336,15 @@ def ensure_single_process() -> bool:
 def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
     """A TP=1/PP=1 model whose parameters are allocated but never initialised or touched
     (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE), on
-    the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`)."""
+    the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`); an MoE
+    model holds all its experts (EP=1: local expert index = global one)."""
     from ..models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 
     config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1), dtype,
                                    perform_initialization=False, use_cpu_initialization=True)
-    model = DLLMModel(cfg, config, dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False))
+    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, num_experts=cfg.num_experts)
+    model = DLLMModel(cfg, config, spec)
     return place_model(model, "cpu", dtype)
 
 

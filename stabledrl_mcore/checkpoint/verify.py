@@ -7,7 +7,9 @@ The reference never touches the mapping tables. By default it is a public
 - LLaDA == ``LlamaForCausalLM`` with an explicit all-zero additive 4-D mask
   (without a mask Llama would be causal; LLaDA is bidirectional);
 - SDAR == ``Qwen3ForCausalLM`` with the additive block-causal inference mask
-  (0 where allowed, dtype-min where blocked).
+  (0 where allowed, dtype-min where blocked);
+- SDAR-MoE == ``Qwen3MoeForCausalLM`` with the same mask, loaded with transformers' own
+  ``from_pretrained`` (which turns the per-expert checkpoint tensors into its in-memory layout).
 
 ``reference="remote"`` runs the upstream modeling code instead
 (``trust_remote_code=True``); it needs a matching transformers (LLaDA's file
@@ -51,7 +53,8 @@ def _rename(name: str) -> str:
 
 
 def public_reference(hf_dir: str) -> torch.nn.Module:
-    """``LlamaForCausalLM`` (LLaDA) / ``Qwen3ForCausalLM`` (SDAR) holding the upstream weights."""
+    """``LlamaForCausalLM`` (LLaDA) / ``Qwen3ForCausalLM`` (SDAR) / ``Qwen3MoeForCausalLM``
+    (SDAR-MoE) holding the upstream weights."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     raw = hfc.read_hf_config(hf_dir)
@@ -63,6 +66,8 @@ def public_reference(hf_dir: str) -> torch.nn.Module:
                   num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
                   rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=tied,
                   max_position_embeddings=cfg.max_position_embeddings, attention_bias=False)
+    if cfg.is_moe:
+        return _moe_reference(hf_dir, cfg, common)
     if cfg.arch == "llada":
         model = LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     else:
@@ -77,6 +82,26 @@ def public_reference(hf_dir: str) -> torch.nn.Module:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model.float().eval()
+
+
+def _moe_reference(hf_dir: str, cfg: DLLMConfig, common: dict) -> torch.nn.Module:
+    """``Qwen3MoeForCausalLM`` (every layer sparse, no router losses) on the upstream tensors."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                            norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1,
+                            mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.0)
+    loaded, info = Qwen3MoeForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32,
+                                                       output_loading_info=True)
+    wrong = {k: sorted(v)[:5] for k, v in info.items()
+             if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if wrong:
+        raise ConversionError(f"{hf_dir}: Qwen3MoeForCausalLM does not fit the tensors: {wrong}")
+    # from_pretrained leaves the non-persistent RoPE buffers unset once torch.distributed runs on
+    # the CPU with parallel.cpu_compat (the converter's process): rebuild that module directly.
+    loaded.model.rotary_emb = type(loaded.model.rotary_emb)(config=config)
+    return loaded.float().eval()
 
 
 def remote_reference(hf_dir: str) -> torch.nn.Module:
