@@ -31,7 +31,9 @@ def format_table(result: Dict[str, Any]) -> str:
     """The human-readable summary printed by ``stabledrl bench``."""
     m, lay, w, peak = result["model"], result["layout"], result["workload"], result["peak"]
     lines = [
-        f"model {m['name']} ({m['params'] / 1e6:.1f}M params, {m['dtype']}) on {peak['device']}, "
+        f"model {m['name']} ({m['params'] / 1e6:.1f}M params"
+        + (f", {m['active_params'] / 1e6:.1f}M active: {m['num_experts']} experts, top-{m['moe_router_topk']}"
+           if m.get("num_experts") else "") + f", {m['dtype']}) on {peak['device']}, "
         f"{lay['threads']} thread(s)/rank, world {lay['world_size']} (TP {lay['tp']}, PP {lay['pp']}, "
         f"DP {lay['dp']})",
         f"peak for MFU ({peak['kind']}): {_rate(result['matmul_peak_flops'])}   measured matmul: bf16 "
