@@ -111,7 +111,7 @@ SHAPE = dict(num_layers=2, hidden_size=384, num_attention_heads=6, ffn_hidden_si
     ("llada-100m", dict(SHAPE, num_query_groups=6), [], "elbo", "none"),
     ("sdar-100m", dict(SHAPE, num_query_groups=2, head_dim=64),
      ["algo.likelihood=staircase", "model.recompute=true"], "staircase", "full"),
-    ("sdar-moe-tiny", dict(SHAPE, num_query_groups=2, head_dim=64, num_experts=8, moe_ffn_hidden_size=256,
+    ("sdar-moe-tiny", dict(SHAPE, num_query_groups=2, head_dim=64, num_experts=4, moe_ffn_hidden_size=512,
                            moe_router_topk=2), ["algo.likelihood=staircase"], "staircase", "none"),
 ])
 def test_estimate_matches_measured_cpu_peak(tmp_path, preset, shape, extra, likelihood, recompute):
