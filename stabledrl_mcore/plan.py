@@ -46,6 +46,21 @@ also keeps the output it sent, ``b_a * H * T`` per micro-batch in flight, until 
 The old-policy pass broadcasts each chunk's token log-probs from the last stage: ``8 * M * N * S`` bytes
 (float32; the per-chunk results or the received copies, plus the assembled ``[M, N, S]`` tensor).
 
+Mixture of experts (``num_experts`` E, top-k ``k``, expert width ``F_e``; ``--ep`` EP, ``--etp`` ETP =
+TP by default; Megatron's expert grid ``world = PP x ETP x EP x EDP``). A layer's dense part (attention,
+norms, the ``E x H`` router, replicated over TP) is split as above; its experts, ``3 H F_e`` each, over
+EP x ETP: ``P_layer = (attention)/tp + 2H (+ 2hd) + E*H + E * 3*H*F_e / (EP * ETP)``. The fp32 gradient
+buffer holds both; the distributed optimizer shards the dense part's states over DP and the experts'
+over the expert-data-parallel size ``EDP = world / (PP * EP * ETP)`` (Megatron's separate expert
+buffers). The MLP's activations become those of the ``k`` rows each token is dispatched to (on
+average ``T k`` rows per GPU whatever EP): ``b_a * k * (H + 3 F_e/ETP)`` (``te``: grouped GEMM input,
+fc1 output, fc2 input; ``local``: ``H + 6 F_e/ETP``, counted with saved-tensor hooks) plus the router's
+``4E`` (fp32 scores) + ``E`` (routing map) + ``24 k`` bytes (top-k probabilities and indices, the
+permutation's) per token. The all-to-all (EP > 1) moves ``2 * T * k * H * b_a`` bytes per layer and
+micro-batch forward (dispatch + combine; ``(EP - 1)/EP`` of it crosses GPUs) and as much in the backward;
+its time is not modelled. Model FLOPs count the active parameters (:mod:`stabledrl_mcore.bench.flops`).
+EP > 1 needs PP = 1 (as the trainer's preflight refuses) and an MoE model.
+
 Throughput: with ``R = gpus * peak * mfu`` model FLOP/s (FLOPs per token from
 :mod:`stabledrl_mcore.bench.flops`), training (forward+backward) tokens/s = ``R * e_train / (3 F_fwd)``;
 rollouts at ``rollout_mfu`` (rate ``R_roll * e_roll``) cost ``steps/gen * S * F_fwd(S)`` per generated
@@ -99,6 +114,8 @@ class PlanSpec:
     num_mc: int = 2
     inner_iterations: int = 2
     reference_model: bool = False   # a frozen copy of the policy for the KL penalty (algo.kl_coef > 0)
+    ep: int = 1                     # expert parallel (MoE models)
+    etp: Optional[int] = None       # expert tensor parallel (None = TP)
 
     @property
     def gpus(self) -> int:
@@ -106,7 +123,7 @@ class PlanSpec:
 
     def validate(self) -> "PlanSpec":
         for name in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "seq_len", "gen_length",
-                     "global_batch", "num_mc", "inner_iterations"):
+                     "global_batch", "num_mc", "inner_iterations", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.gen_length > self.seq_len:
@@ -118,11 +135,13 @@ class PlanSpec:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.gpu_memory_gib <= 0 or self.peak_tflops <= 0 or not 0 < self.mfu <= 1 or not 0 < self.rollout_mfu <= 1:
             raise ConfigError("--gpu-memory and --gpu-tflops must be > 0, --mfu and --rollout-mfu in (0, 1]")
+        if self.etp is not None and self.etp < 1:
+            raise ConfigError(f"--etp must be >= 1, got {self.etp}")
         return self
 
 
-def check_layout(spec: PlanSpec, tp: int, pp: int) -> Optional[str]:
-    """Why ``tp x pp`` cannot hold the model on ``spec.gpus`` GPUs (None if it can)."""
+def check_layout(spec: PlanSpec, tp: int, pp: int, ep: int = 1) -> Optional[str]:
+    """Why ``tp x pp`` (experts: ``ep x etp``) cannot hold the model on ``spec.gpus`` GPUs (None if it can)."""
     m = spec.model
     if spec.gpus % (tp * pp):
         return f"{spec.gpus} GPUs are not divisible by TP x PP = {tp * pp}"
@@ -132,18 +151,42 @@ def check_layout(spec: PlanSpec, tp: int, pp: int) -> Optional[str]:
         return f"heads ({m.num_attention_heads}) / query groups ({m.num_query_groups}) not divisible by TP {tp}"
     if m.num_layers % pp:
         return f"layers ({m.num_layers}) not divisible by PP {pp}"
+    return _expert_layout_problem(spec, tp, pp, ep)
+
+
+def _expert_layout_problem(spec: PlanSpec, tp: int, pp: int, ep: int) -> Optional[str]:
+    """The expert grid's rules (``parallel.bootstrap.validate_parallel_layout``, the trainer's preflight)."""
+    m, etp = spec.model, spec.etp or tp
+    if ep == 1 and spec.etp is None:
+        return None
+    if not m.is_moe:
+        return f"--ep {ep} / --etp {spec.etp} need a mixture-of-experts model; this one is dense: drop them"
+    if ep > 1 and pp > 1:
+        return f"EP {ep} with PP {pp}: expert parallelism runs with PP = 1 (the trainer refuses it); set one to 1"
+    if m.num_experts % ep:
+        return f"num_experts ({m.num_experts}) not divisible by EP {ep}"
+    if spec.gpus % pp == 0 and (spec.gpus // pp) % (etp * ep):
+        return f"{spec.gpus} GPUs / PP {pp} not divisible by ETP x EP = {etp} x {ep}"
     return None
 
 
 def layer_params(m, tp: int) -> float:
-    """Parameters of one transformer layer on one TP rank (matmul weights split, norms replicated)."""
+    """Parameters of one transformer layer's dense part on one TP rank (matmul weights split, norms and
+    an MoE layer's router replicated); an MoE layer's experts: :func:`expert_layer_params`."""
     h, hd = m.hidden_size, m.kv_channels
-    matmul = h * hd * (m.num_attention_heads + 2 * m.num_query_groups) + m.num_attention_heads * hd * h \
-        + 3 * h * m.ffn_hidden_size
-    return matmul / tp + 2 * h + (2 * hd if m.qk_layernorm else 0)
+    matmul = h * hd * (m.num_attention_heads + 2 * m.num_query_groups) + m.num_attention_heads * hd * h
+    router = m.num_experts * h if m.is_moe else 0
+    mlp = 0 if m.is_moe else 3 * h * m.ffn_hidden_size
+    return (matmul + mlp) / tp + 2 * h + (2 * hd if m.qk_layernorm else 0) + router
 
 
-def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optional[str] = None) -> float:
+def expert_layer_params(m, ep: int, etp: int) -> float:
+    """Expert parameters of one MoE layer on one GPU: ``E * 3 H F_e / (EP x ETP)`` (0 for a dense model)."""
+    return m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size / (ep * etp) if m.is_moe else 0.0
+
+
+def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optional[str] = None,
+                                     etp: Optional[int] = None) -> float:
     """Bytes autograd keeps per token and layer (see the module doc), no recompute."""
     m, b = spec.model, (2 if spec.dtype == "bf16" else 4)
     h, hd, nh, ng, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
@@ -153,7 +196,26 @@ def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optiona
         rep, attn, mlp, qk = 6 * h, (3 * nh + 2 * ng) * hd, 5 * f, (2 * nh + 5 * ng) * hd
     if (recompute or spec.recompute) == "selective":
         attn -= (2 * nh + 2 * ng) * hd  # q, k, v, out of the core attention are recomputed
+    if m.is_moe:
+        return b * (rep + (attn + (qk if m.qk_layernorm else 0)) / tp) + moe_activation_bytes_per_token(
+            spec, etp or spec.etp or tp)
     return b * (rep + (attn + mlp + (qk if m.qk_layernorm else 0)) / tp)
+
+
+def moe_activation_bytes_per_token(spec: PlanSpec, etp: int) -> float:
+    """An MoE layer's MLP per token: its ``k`` dispatched rows and the router's tensors (module doc)."""
+    m, b = spec.model, (2 if spec.dtype == "bf16" else 4)
+    k, fe = m.moe_router_topk, m.moe_ffn_hidden_size
+    rows = k * (m.hidden_size + (3 if spec.impl == "te" else 6) * fe / etp)
+    return b * rows + 5 * m.num_experts + 24 * k
+
+
+def all_to_all_bytes(spec: PlanSpec, ep: int) -> float:
+    """All-to-all bytes one GPU sends and receives per layer and micro-batch forward (dispatch + combine)."""
+    if ep == 1:
+        return 0.0
+    tokens = spec.micro_batch * spec.seq_len * (2 if spec.likelihood == "staircase" else 1)
+    return 2.0 * tokens * spec.model.moe_router_topk * spec.model.hidden_size * (2 if spec.dtype == "bf16" else 4)
 
 
 def _scored_fraction(spec: PlanSpec) -> float:
@@ -174,33 +236,37 @@ def rollout_micro_batches(spec: PlanSpec, pp: int) -> int:
 
 
 def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
-             recompute: Optional[str] = None) -> Dict[str, Any]:
+             recompute: Optional[str] = None, ep: Optional[int] = None) -> Dict[str, Any]:
     """Per-GPU memory (bytes, worst pipeline stage) and job throughput of one layout."""
-    tp, pp = tp or spec.tp, pp or spec.pp
+    tp, pp, ep = tp or spec.tp, pp or spec.pp, ep or spec.ep
     recompute = recompute or spec.recompute
-    why = check_layout(spec, tp, pp)
+    why = check_layout(spec, tp, pp, ep)
     if why:
         from .parallel.bootstrap import ParallelLayoutError
 
-        raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}: {why}")
+        raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
+                                  + f": {why}")
     m = spec.model
     dp = spec.gpus // (tp * pp)
+    etp = spec.etp or tp
+    edp = spec.gpus // (pp * ep * etp)
     bw = 2 if spec.dtype == "bf16" else 4
     vpad = m.padded_vocab_size(tp)
     emb = vpad * m.hidden_size / tp
     per_stage_layers = m.num_layers // pp
     body = per_stage_layers * layer_params(m, tp)
+    experts = per_stage_layers * expert_layer_params(m, ep, etp)
     # (name, parameters, is the last stage); middle stages never exceed the first (see the module doc)
     stages = [("first", body + emb + (emb + m.hidden_size if pp == 1 else 0), pp == 1)]
     if pp > 1:
         stages.append(("last", body + emb + m.hidden_size, True))
     opt_bytes = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 4, ("sgd", "fp32"): 0}[
         (spec.optimizer, spec.dtype)]
-    shard = dp if spec.distributed_optimizer else 1
+    shard, expert_shard = (dp, edp) if spec.distributed_optimizer else (1, 1)
     tokens = spec.micro_batch * spec.seq_len * (2 if spec.likelihood == "staircase" else 1)
     per_rank_seqs = max(spec.global_batch // dp, 1)
     micro_batches = pipeline_micro_batches(spec, dp)
-    full = activation_bytes_per_token_layer(spec, tp, recompute)
+    full = activation_bytes_per_token_layer(spec, tp, recompute, etp)
     if recompute == "full":
         per_layer_kept, extra_layer = bw * m.hidden_size, full * tokens
     else:
@@ -218,14 +284,16 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * min(block, spec.gen_length))
     logprob_broadcast = 8.0 * spec.num_mc * per_rank_seqs * spec.seq_len if pp > 1 else 0.0
     worst, stage_totals = None, {}
-    for name, params, last in stages:
+    for name, dense, last in stages:
+        params = dense + experts
         in_flight = min(pp, micro_batches) if name == "first" else 1
         act = in_flight * per_stage_layers * per_layer_kept * tokens
         sent = in_flight * bw * m.hidden_size * tokens if not last else 0.0  # outputs kept for the backward
         stage_head = head if last else 0.0
         row = {"stage": name, "params": params, "weights": params * bw,
                "reference_weights": params * bw if spec.reference_model else 0.0, "gradients": params * 4.0,
-               "optimizer": params * opt_bytes / shard, "activations": act + sent + extra_layer,
+               "expert_params": experts, "optimizer": dense * opt_bytes / shard + experts * opt_bytes / expert_shard,
+               "activations": act + sent + extra_layer,
                "head": stage_head, "in_flight": in_flight, "pipeline_outputs": sent,
                "rollout_kv_cache": kv, "rollout_transient": rollout_tmp, "likelihood_peak": logprob_broadcast,
                "overhead": spec.overhead_gib * GIB, "recomputed_layer": extra_layer}
@@ -238,10 +306,14 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
         stage_totals[name] = row["total"]
         if worst is None or row["total"] > worst["total"]:
             worst = row
-    out = dict(worst, tp=tp, pp=pp, dp=dp, recompute=recompute, micro_batches=micro_batches,
+    a2a = all_to_all_bytes(spec, ep)
+    out = dict(worst, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp, all_to_all_layer_bytes=a2a,
+               recompute=recompute, micro_batches=micro_batches,
                rollout_micro_batches=rollout_micro_batches(spec, pp), stage_totals=stage_totals,
                fits=worst["total"] <= spec.gpu_memory_gib * GIB)
     out.update(_throughput(spec, pp, micro_batches, out["rollout_micro_batches"]))
+    out["all_to_all_step_bytes"] = a2a / spec.micro_batch * per_rank_seqs * out["a2a_passes_per_seq"] \
+        * m.num_layers
     return out
 
 
@@ -260,44 +332,62 @@ def _throughput(spec: PlanSpec, pp: int, micro_batches: int, rollout_micro_batch
     if m.arch == "llada":
         steps = spec.rollout_steps or max(spec.gen_length // 2, 1)
         per_gen = steps / spec.gen_length * s * forward_flops_per_token(m, s)
+        rollout_tokens = steps * s                    # query tokens the sampler runs per sequence
     else:
         steps = spec.rollout_steps or 4
         per_gen = (steps + 1) * forward_flops_per_token(m, s // 2)
+        rollout_tokens = (steps + 1) * spec.gen_length
     inner, mc = spec.inner_iterations, spec.num_mc
+    # all-to-all volume of a sequence's step in training passes (a backward moves as much as its forward)
+    a2a_passes = rollout_tokens / t_train + mc * (1 + 2 * inner + (inner - 1))
     update = mc * f_train * (1 + 3 * inner + (inner - 1))  # old-policy pass, fwd+bwd, re-scoring
     seconds_per_seq = spec.gen_length * per_gen / rollout_rate + update / rate
     without_bubbles = spec.gen_length * per_gen / ideal_rollout + update / ideal
     return {"train_tokens_per_s": rate / (3 * f_train) * s, "rollout_tokens_per_s": rollout_rate / per_gen,
             "step_tokens_per_s": s / seconds_per_seq, "bubble_efficiency": bubble,
-            "rollout_bubble_efficiency": rollout_bubble, "pipeline_idle": 1 - without_bubbles / seconds_per_seq}
+            "rollout_bubble_efficiency": rollout_bubble, "pipeline_idle": 1 - without_bubbles / seconds_per_seq,
+            "a2a_passes_per_seq": a2a_passes}
 
 
 def all_layouts(spec: PlanSpec) -> List[Dict[str, Any]]:
-    """Every valid (TP, PP) on ``spec.gpus`` GPUs, with and without full recompute."""
+    """Every valid (TP, PP) on ``spec.gpus`` GPUs (MoE: x EP), with and without full recompute."""
     rows = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= spec.gpus_per_node]
     pps = [p for p in range(1, spec.model.num_layers + 1) if spec.model.num_layers % p == 0]
+    m = spec.model
+    eps = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0] if m.is_moe else [1]
     for tp in tps:
         for pp in pps:
-            if check_layout(spec, tp, pp):
-                continue
-            est = estimate(spec, tp, pp)
-            alt = "full" if spec.recompute != "full" else "none"
-            other = estimate(spec, tp, pp, alt)
-            rows.append(dict(est, alternative={"recompute": alt, "total": other["total"], "fits": other["fits"]}))
+            for ep in eps:
+                if check_layout(spec, tp, pp, ep):
+                    continue
+                est = estimate(spec, tp, pp, ep=ep)
+                alt = "full" if spec.recompute != "full" else "none"
+                other = estimate(spec, tp, pp, alt, ep=ep)
+                rows.append(dict(est, alternative={"recompute": alt, "total": other["total"], "fits": other["fits"]}))
     return rows
+
+
+def layout_key(row: Dict[str, Any]) -> tuple:
+    """``(TP, PP, EP)`` of an estimate row."""
+    return row["tp"], row["pp"], row.get("ep", 1)
 
 
 def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     m = spec.model
-    lines = [f"{m.arch} {m.num_parameters() / 1e9:.2f}B params, {spec.nodes} node(s) x {spec.gpus_per_node} GPUs "
+    moe = m.is_moe
+    active = (f" ({m.num_active_parameters() / 1e9:.2f}B active: {m.num_experts} experts, top-{m.moe_router_topk})"
+              if moe else "")
+    lines = [f"{m.arch} {m.num_parameters() / 1e9:.2f}B params{active}, {spec.nodes} node(s) x {spec.gpus_per_node} GPUs "
              f"({spec.gpu_memory_gib:g} GiB), {spec.dtype}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens"
              f" ({spec.likelihood}), recompute {spec.recompute}, {spec.impl} kernels, optimizer {spec.optimizer}"
              f"{' (distributed)' if spec.distributed_optimizer else ''}",
-             f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']} -- per GPU ({chosen['stage']} "
-             f"stage), GiB:",
+             f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']}"
+             + (f" x EP {chosen['ep']} (ETP {chosen['etp']}, expert DP {chosen['edp']})" if moe else "")
+             + f" -- per GPU ({chosen['stage']} stage), GiB:",
              f"  weights {g(chosen['weights'])}"
+             + (f" (experts {g(chosen['expert_params'] * chosen['weights'] / chosen['params'])})" if moe else "")
              + (f"  reference {g(chosen['reference_weights'])}" if spec.reference_model else "")
              + f"  gradients {g(chosen['gradients'])}  optimizer "
              f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
@@ -308,22 +398,41 @@ def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any
              f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
              f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "
              f"{chosen['rollout_tokens_per_s']:.0f} generated, whole step {chosen['step_tokens_per_s']:.0f}",
-             *_pipeline_lines(chosen, g),
-             "", f"{'TP':>3}{'PP':>4}{'DP':>5}{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
-             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}{'stage':>7}{'idle':>6}"]
+             *_pipeline_lines(chosen, g), *_expert_lines(spec, chosen, g),
+             "", f"{'TP':>3}{'PP':>4}{'DP':>5}" + (f"{'EP':>4}" if moe else "")
+             + f"{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
+             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}{'stage':>7}{'idle':>6}" + (f"{'a2a MiB':>9}" if moe else "")]
     for r in rows:
         alt = r["alternative"]
-        mark = " <" if (r["tp"], r["pp"]) == (chosen["tp"], chosen["pp"]) else ""
+        mark = " <" if layout_key(r) == layout_key(chosen) else ""
         piped = r["pp"] > 1
         idle = f"{100 * r['pipeline_idle']:.0f}%" if piped else "-"
-        lines.append(f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}{g(r['weights']):>9}{g(r['gradients']):>8}"
+        a2a = f"{r['all_to_all_layer_bytes'] / 2 ** 20:>9.1f}" if moe else ""
+        lines.append(f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}" + (f"{r['ep']:>4}" if moe else "")
+                     + f"{g(r['weights']):>9}{g(r['gradients']):>8}"
                      f"{g(r['optimizer']):>8}{g(r['training_peak']):>8}{g(r['total']):>8}"
                      f"{'yes' if r['fits'] else 'no':>6}{g(alt['total']) + ('*' if alt['fits'] else ''):>11}"
-                     f"{r['step_tokens_per_s']:>12.0f}{r['stage'] if piped else '-':>7}{idle:>6}{mark}")
+                     f"{r['step_tokens_per_s']:>12.0f}{r['stage'] if piped else '-':>7}{idle:>6}{a2a}{mark}")
     alt = rows[0]["alternative"]["recompute"] if rows else "full"
     lines.append(f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout; PP > 1: "
-                 f"pipelined, totals of the most loaded 'stage', 'idle' = the step's pipeline-bubble share)")
+                 f"pipelined, totals of the most loaded 'stage', 'idle' = the step's pipeline-bubble share"
+                 + ("; 'a2a MiB' = all-to-all per layer and micro-batch forward, per GPU, time not modelled)"
+                    if moe else ")"))
     return "\n".join(lines)
+
+
+def _expert_lines(spec: PlanSpec, est: Dict[str, Any], g) -> List[str]:
+    """The expert layout's share of one estimate (nothing for a dense model)."""
+    if not spec.model.is_moe:
+        return []
+    ep = est["ep"]
+    line = (f"  experts: {spec.model.num_experts // ep} of {spec.model.num_experts} per GPU (EP {ep} x ETP "
+            f"{est['etp']}), optimizer states sharded over DP {est['dp']} (dense) and expert DP {est['edp']}")
+    if ep > 1:
+        line += (f"; all-to-all {est['all_to_all_layer_bytes'] / 2 ** 20:.1f} MiB per layer and micro-batch "
+                 f"forward (as much backward), {g(est['all_to_all_step_bytes'])} GiB per GPU per step, "
+                 f"{100 * (ep - 1) / ep:.0f}% of it across GPUs (its time is not modelled)")
+    return [line]
 
 
 def _pipeline_lines(est: Dict[str, Any], g) -> List[str]:
@@ -346,6 +455,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory per GPU (GiB)")
     a("--tp", type=int, default=1)
     a("--pp", type=int, default=1)
+    a("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models; PP must be 1)")
+    a("--etp", type=int, default=None, help="expert tensor parallel (default: --tp)")
     a("--micro-batch", type=int, default=2, help="sequences per forward/backward micro-batch")
     a("--seq-len", type=int, default=512, help="prompt + completion tokens")
     a("--gen-length", type=int, default=None, help="completion tokens (default: half of --seq-len)")
@@ -386,7 +497,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
                     likelihood=args.likelihood or ("staircase" if model.arch == "sdar" else "elbo"),
                     impl=args.impl, overhead_gib=args.overhead, peak_tflops=args.gpu_tflops, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, rollout_steps=args.rollout_steps, num_mc=args.num_mc,
-                    inner_iterations=args.inner, reference_model=args.reference_model).validate()
+                    inner_iterations=args.inner, reference_model=args.reference_model, ep=args.ep,
+                    etp=args.etp).validate()
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -403,11 +515,13 @@ def run_plan(args: argparse.Namespace) -> int:
         from .bench.report import write_json
 
         plain = dataclasses.asdict(dataclasses.replace(spec, model=None))
-        write_json({"spec": dict(plain, model=args.model), "chosen": chosen, "layouts": rows}, args.json)
+        params = {"total": spec.model.num_parameters(), "active": spec.model.num_active_parameters()}
+        write_json({"spec": dict(plain, model=args.model), "model_params": params, "chosen": chosen,
+                    "layouts": rows}, args.json)
     if args.plot:
         from .plan_plot import plot_plan
 
         plot_plan(rows, spec.gpu_memory_gib, args.plot, title=format_plan(spec, chosen, rows).splitlines()[0],
-                  requested=(chosen["tp"], chosen["pp"]))
+                  requested=layout_key(chosen))
         print(f"written: {args.plot}")
     return 0

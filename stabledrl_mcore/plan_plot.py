@@ -41,9 +41,10 @@ def check_plot_path(path: str) -> None:
 
 
 def plot_plan(rows: Sequence[Dict[str, Any]], gpu_memory_gib: float, out_png: str, title: str = "",
-              requested: Tuple[int, int] = (0, 0)) -> None:
+              requested: Tuple[int, ...] = (0, 0)) -> None:
     """One stacked bar per layout (GiB per GPU, worst pipeline stage), the GPU capacity as a line,
-    the total with the alternative recompute setting as a marker; ``requested`` = (TP, PP) marked."""
+    the total with the alternative recompute setting as a marker; ``requested`` = (TP, PP) or
+    (TP, PP, EP) marked; a mixture-of-experts model's bars also name their EP."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,8 +64,11 @@ def plot_plan(rows: Sequence[Dict[str, Any]], gpu_memory_gib: float, out_png: st
         alt = rows[0]["alternative"]["recompute"]
         ax.scatter(x, [r["alternative"]["total"] / GIB for r in rows], marker="_", s=300, color="black", lw=2,
                    zorder=3, label=f"total with recompute {alt}")
-    ax.set_xticks(x, [f"TP{r['tp']} PP{r['pp']}\nDP{r['dp']}" + ("" if r["fits"] else "\nno fit")
-                      + ("\nrequested" if (r["tp"], r["pp"]) == tuple(requested) else "") for r in rows], fontsize=7)
+    experts = any(r.get("ep", 1) > 1 for r in rows)
+    key = (lambda r: (r["tp"], r["pp"], r.get("ep", 1))) if len(requested) == 3 else (lambda r: (r["tp"], r["pp"]))
+    ax.set_xticks(x, [f"TP{r['tp']} PP{r['pp']}\nDP{r['dp']}" + (f" EP{r['ep']}" if experts else "")
+                      + ("" if r["fits"] else "\nno fit")
+                      + ("\nrequested" if key(r) == tuple(requested) else "") for r in rows], fontsize=7)
     ax.set_ylabel("GiB per GPU (most loaded stage)")
     ax.set_ylim(0, max([gpu_memory_gib * 1.15] + [b * 1.05 for b in bottoms]))
     if title:

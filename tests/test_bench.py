@@ -311,3 +311,33 @@ def test_bench_at_pp2_counts_a_replica_once_and_measures_the_bubble(tmp_path):
         assert 0.0 < phases[name]["pipeline_bubble_fraction"] < 1.0, name
     assert "pipeline_bubble_fraction" not in phases["train"]  # 1F1B's backward is not timed
     assert "pipeline bubble" in format_table(data)
+
+
+def test_bench_of_a_mixture_of_experts_counts_active_parameters(tmp_path):
+    """sdar-moe-tiny (4 experts of width 48, top-2): the train phase's model FLOPs are 3 F_fwd(2S) per
+    staircase query (2S per sequence and draw) with N_mm = the router and 2 of the 4 experts per layer (re-derived here), the
+    baseline is transformers' Qwen3-MoE, and the report names total and active parameters."""
+    out = tmp_path / "bench.json"
+    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
+                                   "model.preset=sdar-moe-tiny", "algo.likelihood=staircase", "rollout.block_length=4",
+                                   "--phases", "train", "--no-baseline", "--warmup", "0", "--repeats", "1",
+                                   "--json", str(out))
+    assert code == 0, stderr[-3000:]
+    data = json.loads(out.read_text())
+    h, layers, vocab = 64, 2, 256
+    attention = h * 16 * (4 + 2 * 2) + 4 * 16 * h
+    active_mm = layers * (attention + 4 * h + 2 * 3 * h * 48) + vocab * h
+    total = layers * (attention + 2 * 16 + 4 * h + 4 * 3 * h * 48 + 2 * h) + 2 * vocab * h + h
+    active = total - layers * (4 - 2) * 3 * h * 48
+    m = data["model"]
+    assert (m["params"], m["active_params"], m["matmul_params"]) == (total, active, active_mm) == (131968, 95104, 78336)
+    w, train = data["workload"], data["phases"]["train"]
+    keys = 2 * w["seq_len"]                           # staircase: 2S queries over [x_t | x_0], 2S keys
+    per_token = 2 * active_mm + 4 * layers * keys * 4 * 16
+    assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
+    assert train["model_flops"] == pytest.approx(3 * 2 * train["tokens"] * per_token)
+    from stabledrl_mcore.bench.baseline import hf_model
+
+    baseline = hf_model(get_preset("sdar-moe-tiny"))
+    assert type(baseline).__name__ == "Qwen3MoeForCausalLM" and sum(p.numel() for p in baseline.parameters()) == total
+    assert "0.132M params, 0.095M active: 4 experts, top-2" in stdout

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token, matmul_params
 from stabledrl_mcore.cli import main
@@ -110,6 +111,8 @@ SHAPE = dict(num_layers=2, hidden_size=384, num_attention_heads=6, ffn_hidden_si
     ("llada-100m", dict(SHAPE, num_query_groups=6), [], "elbo", "none"),
     ("sdar-100m", dict(SHAPE, num_query_groups=2, head_dim=64),
      ["algo.likelihood=staircase", "model.recompute=true"], "staircase", "full"),
+    ("sdar-moe-tiny", dict(SHAPE, num_query_groups=2, head_dim=64, num_experts=4, moe_ffn_hidden_size=512,
+                           moe_router_topk=2), ["algo.likelihood=staircase"], "staircase", "none"),
 ])
 def test_estimate_matches_measured_cpu_peak(tmp_path, preset, shape, extra, likelihood, recompute):
     """The planner's total vs the measured peak RSS growth of build + 2 real update iterations (15%)."""
@@ -218,3 +221,130 @@ def test_pipeline_estimate_matches_measured_cpu_peaks(tmp_path):
         assert abs(rank["after_build_bytes"] / weights_and_grads - 1) < 0.05, (stage, rank)
         assert abs(est["stage_totals"][stage] / rank["peak_bytes"] - 1) < 0.15, (stage, est["stage_totals"], rank)
     assert abs(est["total"] / max(r["peak_bytes"] for r in ranks) - 1) < 0.15
+
+
+# sdar-moe-tiny: V 256, H 64, L 2, 4 heads / 2 groups of 16 (qk-norm), 4 experts of width 48, top-2.
+MOE_DENSE_LAYER = 64 * 16 * (4 + 2 * 2) + 4 * 16 * 64 + 2 * 64 + 2 * 16 + 4 * 64   # attention, norms, router: 12704
+MOE_EXPERTS_LAYER = 4 * 3 * 64 * 48                                                 # 36864, split over EP x ETP
+MOE_TABLES = 2 * 256 * 64 + 64                                                       # embedding, head, final norm
+
+
+def moe_spec(**kw):
+    return tiny_spec(**dict(dict(model=get_preset("sdar-moe-tiny"), gpus_per_node=4, dtype="bf16",
+                                 distributed_optimizer=True, likelihood="staircase", global_batch=8), **kw))
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_moe_params_and_optimizer_shards_by_hand(ep):
+    """Dense part over TP (router replicated), experts over EP x ETP; Adam states (bf16: 12 bytes) of the
+    dense part over DP = 4, of the experts over the expert-data-parallel size 4 / EP; fp32 grads of both."""
+    cfg = get_preset("sdar-moe-tiny")
+    assert 2 * (MOE_DENSE_LAYER + MOE_EXPERTS_LAYER) + MOE_TABLES == cfg.num_parameters() == 131968
+    est = estimate(moe_spec(ep=ep))
+    dense, experts = 2 * MOE_DENSE_LAYER + MOE_TABLES, 2 * MOE_EXPERTS_LAYER / ep
+    assert est["params"] == dense + experts and est["expert_params"] == experts
+    assert (est["ep"], est["etp"], est["dp"], est["edp"]) == (ep, 1, 4, 4 // ep)
+    assert est["weights"] == 2 * (dense + experts) and est["gradients"] == 4 * (dense + experts)
+    assert est["optimizer"] == 12 * dense / 4 + 12 * experts / (4 // ep)
+    replicated = estimate(moe_spec(ep=ep, distributed_optimizer=False))
+    assert replicated["optimizer"] == 12 * (dense + experts)
+    # TP = 2 (ETP = TP): attention split, norms and router replicated; EP 2 x ETP 2 = 4 GPUs, expert DP 1
+    if ep == 2:
+        tp2 = estimate(moe_spec(tp=2, ep=2))
+        dense_tp2 = 2 * ((64 * 16 * 8 + 4 * 16 * 64) / 2 + 2 * 64 + 2 * 16 + 4 * 64) + 256 * 64 + 64
+        assert tp2["params"] == dense_tp2 + 2 * MOE_EXPERTS_LAYER / 4 and tp2["edp"] == 1
+        assert tp2["optimizer"] == 12 * dense_tp2 / 2 + 12 * 2 * MOE_EXPERTS_LAYER / 4
+
+
+def test_moe_activations_and_all_to_all_by_hand():
+    """Per token and layer: the dense formula without the SwiGLU term, plus k dispatched rows
+    (local: H + 6 F_e) and the router's 4E + E + 24k bytes; all-to-all 2 T k H b_a a layer (EP > 1)."""
+    spec = moe_spec(dtype="fp32", ep=2)
+    est = estimate(spec)
+    attention = 4 * (6 * 64 + (3 * 4 + 2 * 2) * 16 + (2 * 4 + 5 * 2) * 16)          # local kernels, qk-norm
+    moe = 4 * 2 * (64 + 6 * 48) + 5 * 4 + 24 * 2
+    tokens = 2 * 32 * 2                                                               # staircase: 2 x seq_len
+    assert est["activations"] == 2 * (attention + moe) * tokens
+    assert est["all_to_all_layer_bytes"] == 2 * tokens * 2 * 64 * 4
+    assert estimate(moe_spec(dtype="fp32"))["all_to_all_layer_bytes"] == 0          # EP = 1: no all-to-all
+
+
+@pytest.fixture
+def megatron_state():
+    from stabledrl_mcore.parallel import bootstrap, cpu_compat
+
+    torch.set_num_threads(1)
+    bootstrap.initialize(1, 1, seed=0)
+    yield
+    bootstrap.destroy()
+    cpu_compat.disable()
+
+
+def test_moe_dispatched_row_activations_match_saved_tensors(megatron_state):
+    """The MoE layer's MLP keeps, per token, its input (H) and what the formula counts (local, fp32):
+    every tensor autograd saves during the MLP's forward, counted by storage, parameters left out."""
+    from stabledrl_mcore.models import build_model
+    from stabledrl_mcore.plan import moe_activation_bytes_per_token
+
+    cfg = get_preset("sdar-moe-tiny", num_layers=1, num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=40)
+    model = build_model(cfg, device="cpu")
+    mlp, saved, on = model.decoder.layers[0].mlp, {}, []
+    mlp.register_forward_pre_hook(lambda *a: on.append(1))
+    mlp.register_forward_hook(lambda *a: on.clear())
+
+    def pack(t):
+        if on:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(3, 250, (2, 32)))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    per_token = sum(v for k, v in saved.items() if k not in params) / 64
+    spec = tiny_spec(model=cfg, dtype="fp32", impl="local")
+    assert per_token == 4 * 64 + moe_activation_bytes_per_token(spec, 1) == 4016
+
+
+def test_moe_active_flops_by_hand():
+    """Model FLOPs count the router and the top-k experts a token runs through, not all E experts."""
+    cfg = get_preset("sdar-moe-tiny")
+    active = 2 * (64 * 16 * 8 + 4 * 16 * 64 + 4 * 64 + 2 * 3 * 64 * 48) + 256 * 64
+    assert matmul_params(cfg) == active == 78336
+    assert cfg.num_active_parameters() == active + 2 * (2 * 64 + 2 * 16) + 256 * 64 + 64
+    assert forward_flops_per_token(cfg, 32) == 2 * 78336 + 4 * 2 * 32 * 4 * 16
+    est = estimate(moe_spec(ep=2))
+    rate = 4 * 989e12 * 0.40                                                          # gpus x peak x mfu
+    assert est["train_tokens_per_s"] == pytest.approx(rate / (3 * (2 * 78336 + 4 * 2 * 64 * 4 * 16) * 2))
+
+
+def test_moe_plan_table_has_the_ep_column(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "sdar-30b-a3b", "--tp", "2", "--ep", "4", "--recompute", "full",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "B active: 128 experts, top-8" in text and "x EP 4 (ETP 2, expert DP 1)" in text
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("TP"))
+    assert header.split()[:4] == ["TP", "PP", "DP", "EP"] and header.rstrip().endswith("a2a MiB")
+    rows = [line.split() for line in text.splitlines() if line[:3].strip().isdigit()]
+    assert {r[3] for r in rows} == {"1", "2", "4", "8"}
+    assert all(r[3] == "1" for r in rows if r[1] != "1")                             # EP > 1 only at PP = 1
+    assert [r[:4] for r in rows if r[-1] == "<"] == [["2", "1", "4", "4"]]
+    data = json.loads(out.read_text())
+    cfg = get_preset("sdar-30b-a3b")
+    assert data["model_params"] == {"total": cfg.num_parameters(), "active": cfg.num_active_parameters()}
+    assert data["chosen"]["ep"] == 4 and data["spec"]["ep"] == 4
+    dense = all_layouts(PlanSpec(model=get_preset("sdar-8b")).validate())
+    assert {r["ep"] for r in dense} == {1}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "sdar-8b", "--ep", "2"], "need a mixture-of-experts model"),
+    (["--model", "sdar-8b", "--etp", "1"], "need a mixture-of-experts model"),
+    (["--model", "sdar-30b-a3b", "--ep", "2", "--pp", "2"], "expert parallelism runs with PP = 1"),
+    (["--model", "sdar-30b-a3b", "--ep", "16"], "not divisible by ETP x EP"),
+    (["--model", "sdar-30b-a3b", "--ep", "3", "--gpus-per-node", "3"], "num_experts (128) not divisible by EP 3"),
+])
+def test_plan_refuses_bad_expert_layouts(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

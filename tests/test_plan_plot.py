@@ -12,6 +12,7 @@ from stabledrl_mcore.plan_plot import COMPONENTS, memory_components
     ("llada-8b", dict(recompute="full")),
     ("llada-8b", dict(recompute="none", reference_model=True, distributed_optimizer=False)),
     ("sdar-8b", dict(recompute="selective", likelihood="staircase", seq_len=4096, gen_length=2048)),
+    ("sdar-30b-a3b", dict(recompute="full", likelihood="staircase", ep=2)),
 ])
 def test_components_add_up_to_the_total_of_every_layout(preset, kw):
     rows = all_layouts(PlanSpec(model=get_preset(preset), **kw).validate())
@@ -22,6 +23,8 @@ def test_components_add_up_to_the_total_of_every_layout(preset, kw):
         assert all(value >= 0 for _, value in parts)
         assert sum(value for _, value in parts) == pytest.approx(row["total"], rel=1e-12)
         assert dict(parts)["weights"] == row["weights"] and dict(parts)["optimizer"] == row["optimizer"]
+    if get_preset(preset).is_moe:  # every EP of the expert grid, each bar with its expert shards
+        assert {r["ep"] for r in rows} == {1, 2, 4, 8} and all(r["expert_params"] > 0 for r in rows)
     if kw.get("reference_model"):
         assert all(dict(memory_components(r))["reference weights"] > 0 for r in rows)
 

@@ -5,7 +5,7 @@ work is done, following the public LLaDA/d1 and SDAR code paths:
 
 - the model is ``transformers``' ``LlamaForCausalLM`` (LLaDA shape, bidirectional
   through an all-zero additive 4-D mask) or ``Qwen3ForCausalLM`` (SDAR shape,
-  block-causal additive mask), ``sdpa`` attention;
+  block-causal additive mask; ``Qwen3MoeForCausalLM`` for a mixture of experts), ``sdpa`` attention;
 - LLaDA rollouts (LLaDA ``generate.py`` / d1): every denoising step runs the whole
   sequence, adds Gumbel noise to the full ``[B, S, V]`` logits in float64, takes
   the float64 softmax of all of them, and picks the tokens to commit with a
@@ -49,6 +49,14 @@ def hf_model(cfg, dtype: torch.dtype = torch.float32):
                   attention_bias=False, attn_implementation="sdpa", initializer_range=cfg.init_std)
     if cfg.arch == "llada":
         model = LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
+    elif cfg.is_moe:  # every layer sparse, the router's top-k (renormalised as ours), no aux loss
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[], num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            norm_topk_prob=cfg.moe_norm_topk_prob, output_router_logits=False, router_aux_loss_coef=0.0,
+            **common))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))
     return model.to(dtype)

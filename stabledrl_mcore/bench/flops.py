@@ -6,7 +6,11 @@ key/value groups of width ``hd``, SwiGLU width ``F`` and vocabulary ``V``:
     N_mm = L * (H*hd*(nh + 2*ng) + nh*hd*H + 3*H*F) + V*H     (matmul weights)
 
 (QKV projection, attention output, SwiGLU gate+up and down, LM head; the input
-embedding is a lookup and norms, RoPE and softmax are not counted.) A forward of
+embedding is a lookup and norms, RoPE and softmax are not counted.) A mixture-of-experts
+layer (``E`` experts of width ``F_e``, top-``k``) counts the *active* weights a token runs
+through, the router and its ``k`` experts: ``3*H*F`` becomes ``E*H + k*3*H*F_e``, so ``N_mm``
+is :meth:`~stabledrl_mcore.models.presets.DLLMConfig.num_active_parameters` less the input
+embedding and the norms (dropped tokens of a capacity factor are still counted). A forward of
 one query token that attends to ``K`` keys costs
 
     F_fwd(K) = 2 * N_mm + 4 * L * K * nh * hd
@@ -30,9 +34,13 @@ import torch
 
 
 def matmul_params(cfg) -> int:
-    """``N_mm``: weights that take part in a matrix multiply per token (see module doc)."""
+    """``N_mm``: weights that take part in a matrix multiply per token (see module doc; MoE: the active ones)."""
     h, hd, nh, ng = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
-    per_layer = h * hd * (nh + 2 * ng) + nh * hd * h + 3 * h * cfg.ffn_hidden_size
+    if getattr(cfg, "is_moe", False):
+        mlp = cfg.num_experts * h + cfg.moe_router_topk * 3 * h * cfg.moe_ffn_hidden_size
+    else:
+        mlp = 3 * h * cfg.ffn_hidden_size
+    per_layer = h * hd * (nh + 2 * ng) + nh * hd * h + mlp
     return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 

@@ -14,6 +14,10 @@ def _num(value: Optional[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str
     return fmt.format(value / scale)
 
 
+def _millions(count: float) -> str:
+    return f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e6:.3f}M"
+
+
 def _pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
@@ -31,7 +35,9 @@ def format_table(result: Dict[str, Any]) -> str:
     """The human-readable summary printed by ``stabledrl bench``."""
     m, lay, w, peak = result["model"], result["layout"], result["workload"], result["peak"]
     lines = [
-        f"model {m['name']} ({m['params'] / 1e6:.1f}M params, {m['dtype']}) on {peak['device']}, "
+        f"model {m['name']} ({_millions(m['params'])} params"
+        + (f", {_millions(m['active_params'])} active: {m['num_experts']} experts, top-{m['moe_router_topk']}"
+           if m.get("num_experts") else "") + f", {m['dtype']}) on {peak['device']}, "
         f"{lay['threads']} thread(s)/rank, world {lay['world_size']} (TP {lay['tp']}, PP {lay['pp']}, "
         f"DP {lay['dp']})",
         f"peak for MFU ({peak['kind']}): {_rate(result['matmul_peak_flops'])}   measured matmul: bf16 "

@@ -15,7 +15,8 @@ phase, ours over the baseline's tokens/s, or seconds for ``optimizer``; only
 when the baseline ran; ``speedup_vs_baseline_cpu_time`` is the same from process
 CPU time), ``weak_scaling_efficiency`` (with ``--dp-scaling``),
 ``phases`` / ``baseline.phases`` (median, quartiles, IQR, min/max seconds,
-tokens/s, model FLOP/s, MFU per phase), ``model``, ``layout``, ``workload``,
+tokens/s, model FLOP/s, MFU per phase), ``model`` (``params`` total, ``active_params``: a
+mixture-of-experts model's router + top-k experts per token, what the model FLOPs count), ``layout``, ``workload``,
 ``peak``, ``config``, ``load_average``; with ``--rollout-mode``: ``rollout_modes`` (per mode:
 tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-ups; see
 :mod:`.modes`) and ``rollout_modes_baseline`` (the baseline's rollout, timed alongside).
@@ -229,7 +230,8 @@ def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repea
     out: Dict[str, Any] = {
         "mfu": None, "matmul_peak_flops": peak_flops, "step_tokens_per_s": None, "train_tokens_per_s": None,
         "model": {"name": cfg.model.preset, "arch": dcfg.arch, "params": dcfg.num_parameters(),
-                  "matmul_params": n_mm, "dtype": cfg.model.dtype, "vocab_size": dcfg.vocab_size,
+                  "active_params": dcfg.num_active_parameters(), "num_experts": dcfg.num_experts,
+                  "moe_router_topk": dcfg.moe_router_topk if dcfg.is_moe else None, "matmul_params": n_mm, "dtype": cfg.model.dtype, "vocab_size": dcfg.vocab_size,
                   "recompute": cfg.model.recompute},
         "layout": {"world_size": world, "tp": cfg.parallel.tensor_parallel, "pp": cfg.parallel.pipeline_parallel,
                    "dp": s.dp_size, "threads": torch.get_num_threads(),
@@ -257,8 +259,9 @@ def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repea
         out["train_tokens_per_s"] = phase_out["train"]["tokens_per_s"]
     if with_baseline:
         base = {p: results["baseline/" + p].summary(peak_flops, mp) for p in phases}
-        out["baseline"] = {"implementation": "transformers " + ("LlamaForCausalLM" if dcfg.arch == "llada"
-                                                                 else "Qwen3ForCausalLM") + ", torch AdamW",
+        hf_class = "LlamaForCausalLM" if dcfg.arch == "llada" else (
+            "Qwen3MoeForCausalLM" if dcfg.is_moe else "Qwen3ForCausalLM")
+        out["baseline"] = {"implementation": f"transformers {hf_class}, torch AdamW",
                            "phases": base}
         out["speedup_vs_baseline"] = {p: speedup(phase_out[p], base[p]) for p in phases}
         out["speedup_vs_baseline_cpu_time"] = {p: speedup_cpu(phase_out[p], base[p]) for p in phases}
