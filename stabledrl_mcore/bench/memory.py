@@ -73,7 +73,7 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
-    from ..parallel.pipeline import pipelined
+    from ..parallel.expert import phase_model
     from ..rl.update import accumulate_gradients, sync_gradients
 
     peaks = []
@@ -81,8 +81,9 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
     for _ in range(iterations):
         s.ddp.zero_grad_buffer()
         s.optimizer.zero_grad()
-        accumulate_gradients(pipelined(s.ddp), batch, spec, coef, micro_batch=s.cfg.parallel.micro_batch_size,
-                             mask_id=s.model.dllm_config.mask_token_id)
+        with phase_model(s.ddp, backward=True) as ddp:
+            accumulate_gradients(ddp, batch, spec, coef, micro_batch=s.cfg.parallel.micro_batch_size,
+                                 mask_id=s.model.dllm_config.mask_token_id)
         sync_gradients(s.ddp)
         s.optimizer.step()
         peaks.append(_status("VmHWM"))

@@ -222,24 +222,25 @@ class StableDRLPhases:
 
     def likelihood(self, name: str) -> float:
         from ..models.placement import model_device
-        from ..parallel.pipeline import pipelined
+        from ..parallel.expert import phase_model
         from ..rl.trainer import _chunk_generators, _first_chunk
         from ..rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
-        old_policy_likelihood(pipelined(self.s.model), batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
-                              chunk_generator=_chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
-                              first_chunk=_first_chunk(self.s))
+        with phase_model(self.s.model) as model:
+            old_policy_likelihood(model, batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
+                                  chunk_generator=_chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
+                                  first_chunk=_first_chunk(self.s))
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
-        from ..parallel.pipeline import pipelined
+        from ..parallel.expert import phase_model
         from ..rl.update import accumulate_gradients, sync_gradients
 
         self.s.ddp.zero_grad_buffer()
-        accumulate_gradients(pipelined(self.s.ddp), self.batch, self.spec, self.unit, micro_batch=self.mb,
-                             mask_id=self.mask_id)
+        with phase_model(self.s.ddp, backward=True) as ddp:
+            accumulate_gradients(ddp, self.batch, self.spec, self.unit, micro_batch=self.mb, mask_id=self.mask_id)
         sync_gradients(self.s.ddp)
         return float(self.batch.plan.num_mc * self.seq_tokens)
 
