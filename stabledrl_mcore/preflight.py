@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -69,6 +70,15 @@ def check_pipeline_options(cfg: RunConfig) -> None:
                           f"set it to false")
 
 
+def check_moe_options(cfg: RunConfig, mcfg) -> None:
+    """Mixture-of-experts settings the run cannot honour, refused by name (every rank checks)."""
+    p = cfg.parallel
+    if mcfg.is_moe and p.pipeline_parallel > 1 and (mcfg.moe_aux_loss_coeff or mcfg.moe_z_loss_coeff):
+        raise ConfigError(f"model.overrides moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel="
+                          f"{p.pipeline_parallel}: Megatron's schedules would sum the router losses over "
+                          f"micro-batches where the PP=1 update averages them; set them to 0 or PP to 1")
+
+
 def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
     """Validate ``cfg`` against the files it names and the job's ``world_size`` (None = unknown).
 
@@ -80,6 +90,7 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     if resume not in ("none", "auto") and not os.path.isdir(resume):
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
+    check_moe_options(cfg, mcfg)
     _check_tokenizer(cfg)
     _check_logging(cfg)
     try:
@@ -202,8 +213,11 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
 
     p = cfg.parallel
     known = world_size is not None
+    # an unknown world is checked as the smallest one the layout fits (the expert grid included)
+    smallest = p.pipeline_parallel * math.lcm(max(p.tensor_parallel, 1), max(
+        (p.expert_tensor_parallel or p.tensor_parallel) * p.expert_parallel, 1))
     data_parallel = validate_parallel_layout(
-        world_size if known else p.tensor_parallel * p.pipeline_parallel, p.tensor_parallel,
+        world_size if known else smallest, p.tensor_parallel,
         p.pipeline_parallel, num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
         num_query_groups=mcfg.num_query_groups, expert_parallel=p.expert_parallel,
         expert_tensor_parallel=p.expert_tensor_parallel, num_experts=mcfg.num_experts or 0)

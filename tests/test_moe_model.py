@@ -143,3 +143,46 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
     j, block_state, start = decoding[-1]
     assert not all(torch.equal(sampled.maps[layer][j], shifted.maps[layer][0][start:start + bs])
                    for layer in range(2))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.expert_parallel=2"], "need a mixture-of-experts model (num_experts); this one is dense"),
+    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=3"], "num_experts (4) is not divisible by expert_parallel (3)"),
+    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.pipeline_parallel=2"],
+     "expert parallelism runs with PP=1"),
+    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.retain_update_graph=true"],
+     "parallel.retain_update_graph=true with parallel.expert_parallel=2"),
+    (["model.preset=sdar-moe-tiny", "parallel.pipeline_parallel=2", "model.overrides.moe_aux_loss_coeff=0.01"],
+     "moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel=2"),
+    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=4", "--nproc", "2"],
+     "world size 2 / pipeline_parallel 1 is not divisible by expert_tensor_parallel x expert_parallel = 1 x 4"),
+])
+def test_expert_layouts_the_run_cannot_honour_are_refused_by_name(capsys, overrides, expected):
+    from test_preflight import CONFIG, _refused
+
+    line = _refused(capsys, "train", "--config", CONFIG, "algo.likelihood=staircase", *overrides, "--print-config")
+    assert expected in line, line
+
+
+def test_router_losses_are_averaged_over_the_update_and_absent_from_lockstep_dummies(megatron_tp1):  # noqa: F811
+    """With ``moe_aux_loss_coeff`` the router gets the load-balancing gradient, weighted by
+    :func:`router_loss_scale` (the update sets 1 / forwards); the lockstep's dummy forward and
+    backward add no gradient at all, router loss included."""
+    from stabledrl_mcore.models.moe import router_loss_scale
+    from stabledrl_mcore.parallel.expert import LockstepModel
+
+    model = _moe_model(moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.5).train()
+    ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(3))
+    router = model.decoder.layers[0].mlp.router.weight
+
+    def router_grad(scale):
+        model.zero_grad()
+        with router_loss_scale(scale):
+            (model(ids)[..., 0].sum() * 0.0).backward()  # only the router losses reach the weights
+        return router.grad.clone()
+
+    full, half = router_grad(1.0), router_grad(0.5)
+    assert full.abs().sum() > 0 and torch.allclose(half, full / 2, atol=1e-7)
+    model.zero_grad()
+    LockstepModel(model, group=None, backward=True)._dummy_round()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

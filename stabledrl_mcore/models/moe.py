@@ -144,6 +144,24 @@ class DLLMMoELayer(MoELayer):
         return output.reshape(seq, batch, hidden), bias
 
 
+@contextlib.contextmanager
+def router_loss_scale(scale: float):
+    """Inside the block, Megatron's router losses (auxiliary, z-loss) enter each backward with
+    weight ``scale`` (``MoEAuxLossAutoScaler``'s class-wide scale; the previous one is restored)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    kept = None if previous is None else previous.clone()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
+    try:
+        yield
+    finally:
+        if kept is None:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        else:
+            MoEAuxLossAutoScaler.set_loss_scale(kept)
+
+
 _PAUSED = {"depth": 0}
 
 

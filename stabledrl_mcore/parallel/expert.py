@@ -74,7 +74,7 @@ class LockstepModel(torch.nn.Module):
             self._dummy_round()
 
     def _dummy_round(self) -> None:
-        from ..models.moe import routing_recorders_paused
+        from ..models.moe import router_loss_scale, routing_recorders_paused
 
         cfg = self.module.dllm_config
         device = next(self.module.parameters()).device
@@ -83,7 +83,8 @@ class LockstepModel(torch.nn.Module):
         # as many tokens as TP ranks: at TP > 1 each rank routes its own share (see models.moe)
         ids = torch.full((1, ps.get_tensor_model_parallel_world_size()), cfg.pad_token_id,
                          dtype=torch.long, device=device)
-        with routing_recorders_paused(), torch.set_grad_enabled(self.backward):
+        # no router-loss gradient from the dummy token either
+        with routing_recorders_paused(), router_loss_scale(0.0), torch.set_grad_enabled(self.backward):
             logits = self.module(ids)
             if self.backward:  # the all-to-all's backward too, with zero gradients everywhere
                 (logits[..., :1].float().sum() * 0.0).backward()

@@ -183,6 +183,9 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
                          expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = _model_config(cfg, tokenizer)
+    from ..preflight import check_moe_options
+
+    check_moe_options(cfg, mcfg)
     bootstrap.validate_parallel_layout(
         torch.distributed.get_world_size(), cfg.parallel.tensor_parallel,
         cfg.parallel.pipeline_parallel, num_layers=mcfg.num_layers,

@@ -21,6 +21,7 @@ import torch
 from ..diffusion.masking import MaskPlan
 from ..errors import RunFailed
 from ..parallel.bootstrap import any_rank
+from ..models.moe import router_loss_scale
 from ..parallel.pipeline import is_pipelined, pipeline_forward_backward
 from .estimates import (LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates,
                         sequence_estimates_and_elbo, token_logp, token_logp_inputs)
@@ -130,14 +131,16 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
 
         pipeline_forward_backward(model, inputs, surrogate)
         return
-    for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
-        weights = coef[draw, rows]
-        tok = retained.pop((draw, start)) if retained is not None else None
-        if not live[draw][start // micro_batch]:
-            continue
-        if tok is None:
-            tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-        (weights.to(tok.dtype) * tok).sum().backward()
+    # MoE router losses, if on: averaged over the forwards that run (as Megatron's 1 / micro-batches)
+    with router_loss_scale(1.0 / max(sum(map(sum, live)), 1)):
+        for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
+            weights = coef[draw, rows]
+            tok = retained.pop((draw, start)) if retained is not None else None
+            if not live[draw][start // micro_batch]:
+                continue
+            if tok is None:
+                tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+            (weights.to(tok.dtype) * tok).sum().backward()
 
 
 def sync_gradients(ddp) -> None:
