@@ -247,11 +247,12 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
         post_process = parallel_state.is_pipeline_last_stage()
     device = default_device() if device is None else torch.device(device)
     meta = device.type == "meta"
-    config = to_transformer_config(cfg, None, params_dtype, recompute,
-                                   **({"perform_initialization": False, "use_cpu_initialization": True}
-                                      if meta else {}))
     spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local,
                            num_experts=cfg.num_experts)
+    extra = {"perform_initialization": False, "use_cpu_initialization": True} if meta else {}
+    if cfg.is_moe:  # TE's grouped experts on the TE spec, Megatron's SequentialMLP otherwise
+        extra["moe_grouped_gemm"] = spec.submodules.mlp.submodules.experts.module.__name__ != "SequentialMLP"
+    config = to_transformer_config(cfg, None, params_dtype, recompute, **extra)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)
     return place_model(model, device, params_dtype)

@@ -342,8 +342,8 @@ def moe_transformer_config(cfg: DLLMConfig) -> Dict[str, Any]:
 
     Routing as Qwen3-MoE: softmax scores in fp32, top-k, renormalised when ``moe_norm_topk_prob``
     (Megatron's softmax over the top-k logits, ``moe_router_pre_softmax=False``); the all-to-all
-    token dispatcher; grouped GEMM where Transformer Engine serves it (CUDA), else Megatron's
-    ``SequentialMLP`` (same checkpoint layout). Router losses as configured (default off).
+    token dispatcher; ``SequentialMLP`` experts (``build_model`` turns on grouped GEMM where its
+    spec is Transformer Engine's; one checkpoint layout). Router losses as configured (default off).
     """
     if not cfg.is_moe:
         return {}
@@ -355,7 +355,7 @@ def moe_transformer_config(cfg: DLLMConfig) -> Dict[str, Any]:
         moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff or None, moe_expert_capacity_factor=cfg.moe_capacity_factor,
         moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=torch.cuda.is_available(),
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         moe_permute_fusion=False)
 
 
