@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
+
 from stabledrl_mcore.bench.flops import forward_flops_per_token, matmul_params
 from stabledrl_mcore.cli import main
 from stabledrl_mcore.models import get_preset
@@ -269,18 +271,7 @@ def test_moe_activations_and_all_to_all_by_hand():
     assert estimate(moe_spec(dtype="fp32"))["all_to_all_layer_bytes"] == 0          # EP = 1: no all-to-all
 
 
-@pytest.fixture
-def megatron_state():
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
-
-    torch.set_num_threads(1)
-    bootstrap.initialize(1, 1, seed=0)
-    yield
-    bootstrap.destroy()
-    cpu_compat.disable()
-
-
-def test_moe_dispatched_row_activations_match_saved_tensors(megatron_state):
+def test_moe_dispatched_row_activations_match_saved_tensors(megatron_tp1):  # noqa: F811
     """The MoE layer's MLP keeps, per token, its input (H) and what the formula counts (local, fp32):
     every tensor autograd saves during the MLP's forward, counted by storage, parameters left out."""
     from stabledrl_mcore.models import build_model
