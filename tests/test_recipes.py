@@ -7,10 +7,17 @@ distributed optimizer) and task are kept; the model comes from a tiny
 checkpoint in the real upstream format converted with ``stabledrl convert``
 (the 8B recipes start from a converted checkpoint), prompts/group/lengths are
 small, and the layout is DP=2 (x TP=2 where the recipe uses tensor parallelism), or, for a
-recipe with pipeline parallelism, PP=2 (x TP=2) at DP=1.
+recipe with pipeline parallelism, PP=2 (x TP=2) at DP=1; a mixture-of-experts recipe runs
+``sdar-moe-tiny`` from a random initialisation (no MoE checkpoint converter yet) at EP=2 x DP=2.
 Each recipe trains two steps with a checkpoint after each, a second run resumes
 from the first checkpoint and must reproduce step 2 bit for bit (metrics and
-weights), and both results go through ``mcore-to-hf``.
+weights), and both results go through ``mcore-to-hf`` (a mixture-of-experts run's are loaded
+whole and compared instead: ``stabledrl convert`` has no expert mapping yet).
+
+Cost: the recipes of one scaled-down world size share one :func:`spawn` (every run in turn in
+the same rank processes, as tests/test_pipeline_rl.py does; the expert-parallel recipes in their
+own), which also prints each resolved config and exports the checkpoints on rank 0: a handful of
+process starts for the module instead of five per recipe.
 
 The tiny random model earns the same (zero) task reward for every completion,
 which would make every advantage zero and skip the backward; inside the rank
@@ -21,6 +28,7 @@ really runs. Everything else is the recipe.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -72,6 +80,9 @@ PRIMARY, VARIANTS = _split_variants(RECIPES)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 FILE_TASKS = {"math500": "math500_test.jsonl", "gsm8k": "gsm8k_test.jsonl"}
 TIME_KEYS = ("time", "step_s")
+SCALED_EXPERT_PARALLEL = 2  # a mixture-of-experts recipe's experts over 2 ranks (EP=2 x DP=2)
+TINY_MOE = "sdar-moe-tiny"
+RUN_TIMEOUT_S = 120  # per training run of a shared spawn (measured ~17 s each on 2 cores)
 
 
 def _cli(*args, timeout=300):
@@ -111,6 +122,12 @@ def _arch(recipe: dict) -> str:
     return get_preset(recipe["model"]["preset"]).arch
 
 
+def _is_moe(recipe: dict) -> bool:
+    from stabledrl_mcore.models import get_preset
+
+    return get_preset(recipe["model"]["preset"]).is_moe
+
+
 def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
     """``(world size, overrides)``: the recipe at toy shape and length, nothing else changed."""
     arch, rollout = _arch(recipe), recipe["rollout"]
@@ -120,7 +137,9 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
             "parallel.tensor_parallel": tp, "parallel.threads": 1, "steps": 2, "checkpoint.save_every": 1,
             "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.gen_length": gen,
             "parallel.micro_batch_size": min(recipe.get("parallel", {}).get("micro_batch_size", 4), 4)}
-    if recipe["model"].get("checkpoint"):
+    if _is_moe(recipe):  # the tiny MoE preset at random init: there is no MoE checkpoint converter yet
+        over["model.preset"], over["model.checkpoint"] = TINY_MOE, "null"
+    elif recipe["model"].get("checkpoint"):
         over["model.checkpoint"] = checkpoints[arch][1]
     if arch == "llada":  # same steps per token as the recipe, blocks no longer than the answer
         block = min(rollout["block_length"], gen // 2)
@@ -132,6 +151,8 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
         over["rollout.data_path"] = os.path.join(FIXTURES, FILE_TASKS[rollout["task"]])
     if pp != recipe.get("parallel", {}).get("pipeline_parallel", 1):
         over["parallel.pipeline_parallel"] = pp
+    if scaled_expert_parallel(recipe) != recipe.get("parallel", {}).get("expert_parallel", 1):
+        over["parallel.expert_parallel"] = scaled_expert_parallel(recipe)
     return world, [f"{k}={v}" for k, v in over.items()]
 
 
@@ -142,6 +163,11 @@ def scaled_layout(recipe: dict):
     return tp, pp, tp * pp if pp > 1 else 2 * tp
 
 
+def scaled_expert_parallel(recipe: dict) -> int:
+    """EP of the scaled-down run: the recipe's, capped at :data:`SCALED_EXPERT_PARALLEL` (DP=2 holds it)."""
+    return min(recipe.get("parallel", {}).get("expert_parallel", 1), SCALED_EXPERT_PARALLEL)
+
+
 def _assert_ran_in_layout(run_dir: str, recipe: dict):
     """The checkpoints record the scaled-down layout (a pipelined recipe really ran pipelined)."""
     tp, pp, world = scaled_layout(recipe)
@@ -150,14 +176,130 @@ def _assert_ran_in_layout(run_dir: str, recipe: dict):
     assert (state["world_size"], state["tensor_parallel"], state["pipeline_parallel"]) == (world, tp, pp), state
 
 
-def _recipe_rank(config: str, overrides):
-    """One rank: the recipe through the CLI's own entry (``train_rank``), dense reward."""
+def _group_worker(primaries, variants):
+    """One rank of a spawn shared by several recipes, everything in turn in these processes: rank 0
+    prints each primary's resolved config (``stabledrl train --print-config``), every recipe trains
+    through the CLI's own entry (``train_rank``) with a dense reward, each primary resumes from its
+    step-1 checkpoint, and rank 0 exports both step-2 checkpoints with ``stabledrl convert mcore-to-hf``."""
+    from megatron.core import parallel_state
+
     from stabledrl_mcore.bench.device_check import probe_reward
+    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.rl.trainer import train_rank
     from stabledrl_mcore.tasks.base import Task
 
     Task.reward = probe_reward  # deterministic, varies with the text
-    assert train_rank(config, overrides) == 0
+    rank0 = os.environ["RANK"] == "0"
+    if rank0:
+        for job in primaries:
+            with open(job["config_out"], "w") as handle, contextlib.redirect_stdout(handle):
+                assert main(["train", "--config", job["recipe"], *job["overrides"], "--print-config"]) == 0, job
+
+    def run(recipe, overrides, what):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()  # the next recipe may have another layout
+        try:
+            status = train_rank(recipe, overrides)
+        except Exception as err:
+            raise RuntimeError(f"{what}: {type(err).__name__}: {err}") from err
+        assert status == 0, f"{what}: exit status {status}"
+
+    for job in primaries:
+        run(job["recipe"], job["overrides"], os.path.basename(job["recipe"]))
+    if rank0:  # resume from step 1 in a fresh run directory
+        for job in primaries:
+            os.makedirs(os.path.join(job["resumed"], "checkpoints"))
+            shutil.copytree(os.path.join(job["first"], "checkpoints", "step_00000001"),
+                            os.path.join(job["resumed"], "checkpoints", "step_00000001"))
+    if primaries:
+        import torch.distributed as dist
+
+        dist.barrier()
+    for job in primaries:
+        run(job["recipe"], job["resume_overrides"], os.path.basename(job["recipe"]) + " (resumed)")
+    for job in variants:
+        run(job["recipe"], job["overrides"], os.path.basename(job["recipe"]))
+    bootstrap.destroy()
+    if rank0:  # a single-process conversion, as `stabledrl convert` runs it
+        for job in primaries:
+            for name in ("first", "resumed"):
+                ckpt = os.path.join(job[name], "checkpoints", "step_00000002")
+                if job["moe"]:
+                    _save_full_weights(ckpt, job[f"hf_{name}"] + ".pt")
+                    continue
+                status = main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", job[f"hf_{name}"],
+                               "--no-progress"])
+                assert status == 0, f"{os.path.basename(job['recipe'])}: mcore-to-hf of {name} exited {status}"
+
+
+def _save_full_weights(ckpt: str, out: str) -> None:
+    """A training checkpoint loaded whole (TP=PP=EP=1) into its own model, saved as ``{name: tensor}``:
+    the export of a mixture-of-experts run while ``stabledrl convert`` has no expert mapping
+    (``mcore-to-hf`` refuses such a checkpoint: it lacks the dense ``mlp.linear_fc1/fc2``)."""
+    from stabledrl_mcore.checkpoint.mcore_io import ensure_single_process, load_model_weights, read_checkpoint_info
+    from stabledrl_mcore.models import build_model
+
+    ensure_single_process()
+    info = read_checkpoint_info(ckpt)
+    model = build_model(info.config, params_dtype=info.dtype)
+    load_model_weights(model, ckpt)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, out)
+
+
+def _group_of(recipe_path: str):
+    """Recipes that share a spawn: the same scaled-down world size; expert-parallel ones apart."""
+    with open(recipe_path) as handle:
+        recipe = yaml.safe_load(handle)
+    return scaled_layout(recipe)[2], scaled_expert_parallel(recipe) > 1
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tiny_checkpoints, tmp_path_factory):
+    """``runs(recipe_path)`` -> that recipe's directories; the first request of a group runs the
+    whole group (:func:`_group_worker`) in one spawn; a failed group fails each of its tests."""
+    root, done = tmp_path_factory.mktemp("recipe_runs"), {}
+
+    def dirs(path):
+        name = os.path.basename(path)[:-5]
+        base = root / name
+        return {"recipe": path, "first": str(base / "first"), "resumed": str(base / "resumed"),
+                "run": str(base / "run"), "config_out": str(base / "config.yaml"),
+                "hf_first": str(base / "hf_first"), "hf_resumed": str(base / "hf_resumed")}
+
+    def run_group(group):
+        primaries, variants = [], []
+        for path in RECIPES:
+            if _group_of(path) != group:
+                continue
+            with open(path) as handle:
+                recipe = yaml.safe_load(handle)
+            job = dict(dirs(path), moe=_is_moe(recipe))
+            os.makedirs(os.path.dirname(job["first"]))
+            if path in VARIANTS:
+                world, job["overrides"] = scaled_down(recipe, tiny_checkpoints, job["run"])
+                variants.append(job)
+            else:
+                world, job["overrides"] = scaled_down(recipe, tiny_checkpoints, job["first"])
+                resume = scaled_down(recipe, tiny_checkpoints, job["resumed"])[1]
+                job["resume_overrides"] = resume + ["checkpoint.resume=auto"]
+                primaries.append(job)
+        runs = 2 * len(primaries) + len(variants)
+        spawn(_group_worker, world, (primaries, variants), timeout=RUN_TIMEOUT_S * runs + 120)
+
+    def runs(path):
+        group = _group_of(path)
+        if group not in done:
+            try:
+                run_group(group)
+                done[group] = None
+            except Exception as err:  # noqa: BLE001 - reported by every test of the group
+                done[group] = err
+        if done[group] is not None:
+            pytest.fail(f"the spawn of recipe group {group} (world size, expert-parallel) failed: {done[group]}")
+        return dirs(path)
+
+    return runs
 
 
 def _metrics(run_dir):
@@ -192,14 +334,27 @@ def test_a_pipelined_recipe_is_tested_with_its_pipeline():
     assert all(world == 2 * tp for tp, pp, world in layouts.values() if pp == 1), layouts
 
 
+def test_the_moe_recipe_runs_the_tiny_moe_with_expert_parallelism():
+    """The SDAR-30B-A3B recipe scales to ``sdar-moe-tiny`` (random init) at EP=2 on 2 ranks (DP=2),
+    its dtype, recompute, optimizer and algorithm untouched; it is the only one in its spawn group."""
+    path = os.path.join(ROOT, "examples", "configs", "sdar_30b_a3b_stabledrl.yaml")
+    with open(path) as handle:
+        recipe = yaml.safe_load(handle)
+    assert _is_moe(recipe) and recipe["parallel"]["expert_parallel"] == 8 and path in PRIMARY
+    world, overrides = scaled_down(recipe, {"sdar": ("", "ckpt")}, "run")
+    keys = {o.split("=", 1)[0] for o in overrides}
+    assert world == 2 and f"model.preset={TINY_MOE}" in overrides and "model.checkpoint=null" in overrides
+    assert f"parallel.expert_parallel={SCALED_EXPERT_PARALLEL}" in overrides and SCALED_EXPERT_PARALLEL == 2
+    assert not keys & {"model.dtype", "model.recompute", "optim.distributed", "optim.name", "algo.likelihood"}
+    assert [p for p in RECIPES if _group_of(p) == _group_of(path)] == [path]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe_path", list(VARIANTS), ids=[os.path.basename(p)[:-5] for p in VARIANTS])
-def test_recipe_variant_trains_and_checkpoints(recipe_path, tiny_checkpoints, tmp_path):
+def test_recipe_variant_trains_and_checkpoints(recipe_path, recipe_runs):
     with open(recipe_path) as handle:
         recipe = yaml.safe_load(handle)
-    run = str(tmp_path / "run")
-    world, overrides = scaled_down(recipe, tiny_checkpoints, run)
-    spawn(_recipe_rank, world, (recipe_path, overrides), timeout=600)
+    run = recipe_runs(recipe_path)["run"]
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_00000001", "step_00000002"]
     _assert_ran_in_layout(run, recipe)
     rows = _metrics(run)
@@ -208,14 +363,15 @@ def test_recipe_variant_trains_and_checkpoints(recipe_path, tiny_checkpoints, tm
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe_path", PRIMARY, ids=[os.path.basename(p)[:-5] for p in PRIMARY])
-def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, tiny_checkpoints, tmp_path):
+def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, recipe_runs, tiny_checkpoints):
     with open(recipe_path) as handle:
         recipe = yaml.safe_load(handle)
     arch = _arch(recipe)
-    first, resumed = str(tmp_path / "first"), str(tmp_path / "resumed")
-    world, overrides = scaled_down(recipe, tiny_checkpoints, first)
-    cfg = _cli("train", "--config", recipe_path, *overrides, "--print-config")
-    resolved = yaml.safe_load(cfg)
+    job = recipe_runs(recipe_path)
+    first, resumed = job["first"], job["resumed"]
+    _, overrides = scaled_down(recipe, tiny_checkpoints, first)
+    with open(job["config_out"]) as handle:  # `stabledrl train --print-config`, printed on rank 0
+        resolved = yaml.safe_load(handle)
     overridden = {o.split("=", 1)[0] for o in overrides}
     for section, values in recipe.items():  # only shape and length were overridden
         if not isinstance(values, dict):
@@ -225,8 +381,8 @@ def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, tiny
                 want = list(value) if isinstance(value, tuple) else value
                 assert resolved[section][key] == want, (section, key)
     assert resolved["optim"]["distributed"] is True
+    assert resolved["parallel"]["expert_parallel"] == scaled_expert_parallel(recipe)
 
-    spawn(_recipe_rank, world, (recipe_path, overrides), timeout=600)
     ckpts = os.path.join(first, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000002"]
     _assert_ran_in_layout(first, recipe)
@@ -234,23 +390,24 @@ def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, tiny
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["skipped_updates"] == 0 and r["grad_norm"] > 0 for r in rows), rows
 
-    # resume from step 1 in a fresh run directory: step 2 must come out bit for bit
-    os.makedirs(os.path.join(resumed, "checkpoints"))
-    shutil.copytree(os.path.join(ckpts, "step_00000001"), os.path.join(resumed, "checkpoints", "step_00000001"))
-    _, resume_overrides = scaled_down(recipe, tiny_checkpoints, resumed)
-    spawn(_recipe_rank, world, (recipe_path, resume_overrides + ["checkpoint.resume=auto"]), timeout=600)
+    # resumed from step 1 in a fresh run directory: step 2 must come out bit for bit
     again = _metrics(resumed)
     assert [r["step"] for r in again] == [2] and again[0] == rows[1], (again, rows[1])
 
-    exported = {}
-    for name, run in (("first", first), ("resumed", resumed)):
-        out = str(tmp_path / f"hf_{name}")
-        _cli("convert", "mcore-to-hf", "--ckpt", os.path.join(run, "checkpoints", "step_00000002"),
-             "--out", out, "--no-progress")
-        exported[name] = _hf_tensors(out)
-    a, b = exported["first"], exported["resumed"]
+    if _is_moe(recipe):  # the whole model as loaded from each checkpoint (no MoE export yet)
+        a, b = (torch.load(job[f"hf_{n}"] + ".pt") for n in ("first", "resumed"))
+    else:
+        a, b = _hf_tensors(job["hf_first"]), _hf_tensors(job["hf_resumed"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
-    if recipe["model"].get("checkpoint"):  # back in the layout the run started from
+    if _is_moe(recipe):  # every layer holds all of the tiny preset's experts and its router
+        from stabledrl_mcore.models import get_preset
+
+        tiny = get_preset(TINY_MOE)
+        assert resolved["model"]["preset"] == TINY_MOE
+        assert sum(k.endswith(".linear_fc1.weight") and ".local_experts." in k for k in a) == \
+            tiny.num_layers * tiny.num_experts, sorted(a)[:20]
+        assert sum(k.endswith("mlp.router.weight") for k in a) == tiny.num_layers, sorted(a)[:20]
+    elif recipe["model"].get("checkpoint"):  # back in the layout the run started from
         shapes = upstream_shapes(arch, upstream_config(arch))
         assert {k: tuple(v.shape) for k, v in a.items()} == shapes, "mcore-to-hf lost the upstream layout"
     want = torch.bfloat16 if recipe["model"].get("dtype") == "bf16" else torch.float32

@@ -381,25 +381,31 @@ if [[ -n "$one_task" ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 exec "$@"; fi
 """
 
 
-def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_path):
-    """slurm/train_llada_8b.sh with the TP=4 x PP=2 recipe on 2 nodes x 8 tasks, in a container: the
-    batch shell's config check (one srun task, where SLURM_NTASKS is 1) is given the job's 16 ranks
-    and passes (DP 2); the ranks' srun gets the recipe. No cluster: SLURM's commands are stand-ins."""
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+def _run_with_standins(tmp_path, script: str, **env_extra):
+    """bash ``script`` outside any cluster with the stand-in srun/scontrol; returns the process."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("scontrol", SCONTROL_STANDIN), ("srun", SRUN_STANDIN)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    recipe = ROOT / "examples/configs/llada_8b_stabledrl_tp4pp2.yaml"
-    env = _eval_script_env(  # no 8B checkpoint here: a random init has the preset's shape
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_STUB_LOG=str(tmp_path / "srun.log"),
-        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2", SLURM_NTASKS="16",
-        SLURM_SUBMIT_DIR=str(ROOT), STABLEDRL_CONFIG=str(recipe), STABLEDRL_OVERRIDES="model.checkpoint=null",
-        STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_CONTAINER="/images/x.sqsh")
+    env = _eval_script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_STUB_LOG=str(tmp_path / "srun.log"),
+                           SLURM_SUBMIT_DIR=str(ROOT), STABLEDRL_PYTHON=sys.executable, **env_extra)
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH"):
         env.pop(name, None)
-    proc = subprocess.run(["bash", str(ROOT / TRAIN_SCRIPT)], cwd=tmp_path, env=env, capture_output=True,
+    return subprocess.run(["bash", str(ROOT / script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_path):
+    """slurm/train_llada_8b.sh with the TP=4 x PP=2 recipe on 2 nodes x 8 tasks, in a container: the
+    batch shell's config check (one srun task, where SLURM_NTASKS is 1) is given the job's 16 ranks
+    and passes (DP 2); the ranks' srun gets the recipe. No cluster: SLURM's commands are stand-ins."""
+    run_dir = tmp_path / "run"
+    recipe = ROOT / "examples/configs/llada_8b_stabledrl_tp4pp2.yaml"
+    proc = _run_with_standins(  # no 8B checkpoint here: a random init has the preset's shape
+        tmp_path, TRAIN_SCRIPT, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2",
+        SLURM_NTASKS="16", STABLEDRL_CONFIG=str(recipe), STABLEDRL_OVERRIDES="model.checkpoint=null",
+        STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_CONTAINER="/images/x.sqsh")
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = (run_dir / "logs/4242/restart_0/config.yaml").read_text()
     assert "  tensor_parallel: 4\n  pipeline_parallel: 2\n" in resolved, resolved
@@ -407,3 +413,26 @@ def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_pa
     check, ranks = (tmp_path / "srun.log").read_text().splitlines()
     assert "--ntasks=1" in check and "--print-config --nproc 16" in check, check
     assert "--container-image=/images/x.sqsh" in ranks and f"--config {recipe}" in ranks, ranks
+
+
+def test_moe_recipe_job_fits_its_default_node(tmp_path):
+    """slurm/train_sdar_30b_a3b.sh as its #SBATCH header asks (1 node x 8 tasks): the batch shell
+    checks its own recipe (SDAR-30B-A3B, EP=8, TP=1) for the job's 8 ranks (DP 8) and the ranks'
+    srun gets that recipe. No cluster: SLURM's commands are stand-ins."""
+    script = "slurm/train_sdar_30b_a3b.sh"
+    header = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", (ROOT / script).read_text(), re.M))
+    assert (header["nodes"], header["ntasks-per-node"], header["gpus-per-node"]) == ("1", "8", "8"), header
+    run_dir, recipe = tmp_path / "run", ROOT / "examples/configs/sdar_30b_a3b_stabledrl.yaml"
+    data = ROOT / "tests/fixtures/math500_test.jsonl"  # no 30B checkpoint here: a random init has its shape
+    proc = _run_with_standins(tmp_path, script, SLURM_JOB_ID="4343", SLURM_JOB_NODELIST="n1", SLURM_NNODES="1",
+                              SLURM_NTASKS="8", STABLEDRL_RUN_DIR=str(run_dir),
+                              STABLEDRL_OVERRIDES=f"model.checkpoint=null rollout.data_path={data}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = (run_dir / "logs/4343/restart_0/config.yaml").read_text()
+    for line in ("  preset: sdar-30b-a3b\n", "  tensor_parallel: 1\n  pipeline_parallel: 1\n  expert_parallel: 8\n",
+                 "  likelihood: staircase\n", "  dtype: bf16\n", "  recompute: true\n", "  distributed: true\n",
+                 "preemption_lead_s: 1800"):
+        assert line in resolved, (line, resolved)
+    assert "; world 8, data-parallel 8;" in resolved.splitlines()[-1], resolved.splitlines()[-1]
+    (ranks,) = (tmp_path / "srun.log").read_text().splitlines()  # the check ran in the batch shell (no container)
+    assert f"--config {recipe}" in ranks and "--resume auto" in ranks and "--print-config" not in ranks, ranks

@@ -202,6 +202,17 @@ PER_RECIPE = {
         "optim.clip_grad": "as the release: 0.2", "optim.lr": "as the release's math recipes: 2e-6",
         "checkpoint.save_every": "as the release: 25 ticks", "steps": f"{OURS}: 2000 rollout batches",
     },
+    "sdar_30b_a3b_stabledrl": {
+        "model.preset": f"{OURS}: JetLM/SDAR-30B-A3B-Chat (Qwen3-30B-A3B's 128 experts, top-8); router losses "
+                        "off (`moe_aux_loss_coeff` 0: RL should not re-balance the released routing)",
+        "model.checkpoint": f"{OURS}: where the converted SDAR-30B-A3B-Chat goes (no MoE converter yet)",
+        "parallel.tensor_parallel": f"{OURS}: TP=1; the experts are split by expert parallelism instead",
+        "parallel.pipeline_parallel": f"{OURS}: PP=1 (expert parallelism with PP > 1 is refused)",
+        "parallel.expert_parallel": f"{OURS}: 16 of 128 experts per GPU on one 8-GPU node (expert-data-parallel 1)",
+        "rollout.block_length": "SDAR-30B-A3B-Chat `block_size: 4`",
+        "optim.distributed": f"{OURS}: Megatron's ZeRO-1 shards the dense layers' Adam state over DP=8",
+        "logging.run_dir": f"{OURS}: its own run directory",
+    },
     "tiny_cpu": {
         "model.preset": f"{OURS}: the laptop-CPU smoke run",
         "model.dtype": f"{OURS}: fp32 on CPU",
@@ -220,8 +231,12 @@ PER_RECIPE = {
 
 
 def source_of(recipe: str, key: str):
-    """The recipe's own entry, then its release twin's (per-task variants), then the shared table."""
-    for name in (recipe, "llada_8b_stabledrl_release" if recipe.startswith("llada_8b_stabledrl_release") else None):
+    """The recipe's own entry, then its twin's (the release's per-task variants, the SDAR MoE recipe's
+    8B twin), then the shared table."""
+    twin = {"sdar_30b_a3b_stabledrl": "sdar_8b_stabledrl"}.get(recipe)  # the 8B recipe's lines
+    if recipe.startswith("llada_8b_stabledrl_release"):
+        twin = "llada_8b_stabledrl_release"
+    for name in (recipe, twin):
         if name and key in PER_RECIPE.get(name, {}):
             return PER_RECIPE[name][key]
     return SHARED.get(key)
