@@ -21,6 +21,19 @@ from test_pipeline_rl import CONFIG, TokenDigitsTask, _assert_replicas_equal, _m
 
 from stabledrl_mcore.tasks.base import register_task
 
+
+class UnevenDigitsTask(TokenDigitsTask):
+    """TokenDigitsTask, but every completion of some prompts earns the same reward: those groups'
+    advantages are 0, their update chunks carry no weight and are skipped, so data-parallel ranks
+    run different numbers of update forwards (the lockstep's dummy forward + backward rounds)."""
+
+    name = "test_uneven_digits"
+
+    def _reward(self, completion, reference):
+        if sum(map(ord, str(reference))) % 3 == 0:
+            return 0.5
+        return super()._reward(completion, reference)
+
 COMPARED = ("reward_mean", "loss", "grad_norm", "clip_frac_high", "log_ratio_var_first", "skipped_updates",
             "router_load_max", "router_load_min", "router_load_cv", "router_dropped_frac")
 LAYOUTS = {
@@ -35,9 +48,9 @@ RESUME = {"optim.name": "adam", "optim.distributed": True, "optim.lr": 1e-3, "ch
 def _overrides(root, name, **extra):
     base = {"logging.run_dir": os.path.join(root, name), "logging.wandb_mode": "disabled",
             "model.preset": "sdar-moe-tiny", "model.checkpoint": os.path.join(root, "start"),
-            "model.tokenizer": os.path.join(root, "tokenizer"), "rollout.task": "test_token_digits",
+            "model.tokenizer": os.path.join(root, "tokenizer"), "rollout.task": "test_uneven_digits",
             "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.gen_length": 8,
-            "rollout.steps": 4, "rollout.block_length": 4, "parallel.micro_batch_size": 4,
+            "rollout.steps": 4, "rollout.block_length": 4, "parallel.micro_batch_size": 2,
             "checkpoint.save_every": 2, "steps": 2, "optim.name": "sgd", "optim.distributed": False,
             "optim.weight_decay": 0.0, "optim.lr": 0.05, "optim.clip_grad": 0.0, "algo.inner_iterations": 2,
             "algo.num_mc": 2, "algo.mask_sampling": "fresh", "algo.likelihood": "staircase",
@@ -71,8 +84,8 @@ def _runs_worker(root, runs, final=None):
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks import available_tasks
 
-    if "test_token_digits" not in available_tasks():
-        register_task("test_token_digits")(TokenDigitsTask)
+    if "test_uneven_digits" not in available_tasks():
+        register_task("test_uneven_digits")(UnevenDigitsTask)
     for name, extra, stop_after, resume in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -137,6 +150,16 @@ def test_expert_parallel_run_equals_single_process(runs, layout):
     root, weights = runs
     _assert_same_weights(weights[layout], weights["single"], layout)
     _assert_same_metrics(root, layout, "single")
+
+
+def test_expert_ranks_ran_uneven_phases_in_lockstep(runs):
+    """The runs above exercised the lockstep: some steps needed dummy rounds (uneven evaluation
+    shards, update chunks without weight) and still matched the single process."""
+    root, _ = runs
+    for layout in ("ep2", "ep2tp2", "ep2dp2"):
+        rows = _metrics(os.path.join(root, layout))
+        assert sum(r.get("expert_lockstep_dummies", 0) for r in rows) > 0, layout
+    assert all("expert_lockstep_dummies" not in r for r in _metrics(os.path.join(root, "single")))
 
 
 def test_router_statistics_are_logged(runs):

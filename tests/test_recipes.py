@@ -7,12 +7,11 @@ distributed optimizer) and task are kept; the model comes from a tiny
 checkpoint in the real upstream format converted with ``stabledrl convert``
 (the 8B recipes start from a converted checkpoint), prompts/group/lengths are
 small, and the layout is DP=2 (x TP=2 where the recipe uses tensor parallelism), or, for a
-recipe with pipeline parallelism, PP=2 (x TP=2) at DP=1; a mixture-of-experts recipe runs
-``sdar-moe-tiny`` from a random initialisation (no MoE checkpoint converter yet) at EP=2 x DP=2.
+recipe with pipeline parallelism, PP=2 (x TP=2) at DP=1; a mixture-of-experts recipe runs a
+tiny SDAR-MoE checkpoint (converted from the upstream per-expert layout) at EP=2 on 2 ranks.
 Each recipe trains two steps with a checkpoint after each, a second run resumes
 from the first checkpoint and must reproduce step 2 bit for bit (metrics and
-weights), and both results go through ``mcore-to-hf`` (a mixture-of-experts run's are loaded
-whole and compared instead: ``stabledrl convert`` has no expert mapping yet).
+weights), and both results go through ``mcore-to-hf`` back to the upstream layout.
 
 Cost: the recipes of one scaled-down world size share one :func:`spawn` (every run in turn in
 the same rank processes, as tests/test_pipeline_rl.py does; the expert-parallel recipes in their
@@ -81,7 +80,6 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 FILE_TASKS = {"math500": "math500_test.jsonl", "gsm8k": "gsm8k_test.jsonl"}
 TIME_KEYS = ("time", "step_s")
 SCALED_EXPERT_PARALLEL = 2  # a mixture-of-experts recipe's experts over 2 ranks (EP=2 x DP=2)
-TINY_MOE = "sdar-moe-tiny"
 RUN_TIMEOUT_S = 120  # per training run of a shared spawn (measured ~17 s each on 2 cores)
 
 
@@ -108,12 +106,17 @@ def tiny_checkpoints(tmp_path_factory):
     """Tiny LLaDA and SDAR checkpoints in the upstream HF format, converted as a user would."""
     root = tmp_path_factory.mktemp("tiny_ckpts")
     out = {}
-    for arch in ("llada", "sdar"):
-        hf = write_hf_checkpoint(str(root / f"hf_{arch}"), arch)
-        _cli("convert", "hf-to-mcore", "--model", arch, "--hf-dir", hf, "--out", str(root / f"mcore_{arch}"),
-             "--no-progress")
-        out[arch] = (hf, str(root / f"mcore_{arch}"))
+    for kind in ("llada", "sdar", "sdar_moe"):  # sdar_moe: the SDAR-30B-A3B (Qwen3-MoE) layout
+        hf = write_hf_checkpoint(str(root / f"hf_{kind}"), kind)
+        _cli("convert", "hf-to-mcore", "--model", kind.split("_")[0], "--hf-dir", hf,
+             "--out", str(root / f"mcore_{kind}"), "--no-progress")
+        out[kind] = (hf, str(root / f"mcore_{kind}"))
     return out
+
+
+def _kind(recipe: dict) -> str:
+    """The upstream checkpoint kind of a recipe's model: ``llada``, ``sdar`` or ``sdar_moe``."""
+    return _arch(recipe) + ("_moe" if _is_moe(recipe) else "")
 
 
 def _arch(recipe: dict) -> str:
@@ -137,10 +140,8 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
             "parallel.tensor_parallel": tp, "parallel.threads": 1, "steps": 2, "checkpoint.save_every": 1,
             "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.gen_length": gen,
             "parallel.micro_batch_size": min(recipe.get("parallel", {}).get("micro_batch_size", 4), 4)}
-    if _is_moe(recipe):  # the tiny MoE preset at random init: there is no MoE checkpoint converter yet
-        over["model.preset"], over["model.checkpoint"] = TINY_MOE, "null"
-    elif recipe["model"].get("checkpoint"):
-        over["model.checkpoint"] = checkpoints[arch][1]
+    if recipe["model"].get("checkpoint"):
+        over["model.checkpoint"] = checkpoints[_kind(recipe)][1]
     if arch == "llada":  # same steps per token as the recipe, blocks no longer than the answer
         block = min(rollout["block_length"], gen // 2)
         over["rollout.block_length"] = block
@@ -225,26 +226,9 @@ def _group_worker(primaries, variants):
         for job in primaries:
             for name in ("first", "resumed"):
                 ckpt = os.path.join(job[name], "checkpoints", "step_00000002")
-                if job["moe"]:
-                    _save_full_weights(ckpt, job[f"hf_{name}"] + ".pt")
-                    continue
                 status = main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", job[f"hf_{name}"],
                                "--no-progress"])
                 assert status == 0, f"{os.path.basename(job['recipe'])}: mcore-to-hf of {name} exited {status}"
-
-
-def _save_full_weights(ckpt: str, out: str) -> None:
-    """A training checkpoint loaded whole (TP=PP=EP=1) into its own model, saved as ``{name: tensor}``:
-    the export of a mixture-of-experts run while ``stabledrl convert`` has no expert mapping
-    (``mcore-to-hf`` refuses such a checkpoint: it lacks the dense ``mlp.linear_fc1/fc2``)."""
-    from stabledrl_mcore.checkpoint.mcore_io import ensure_single_process, load_model_weights, read_checkpoint_info
-    from stabledrl_mcore.models import build_model
-
-    ensure_single_process()
-    info = read_checkpoint_info(ckpt)
-    model = build_model(info.config, params_dtype=info.dtype)
-    load_model_weights(model, ckpt)
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, out)
 
 
 def _group_of(recipe_path: str):
@@ -274,7 +258,7 @@ def recipe_runs(tiny_checkpoints, tmp_path_factory):
                 continue
             with open(path) as handle:
                 recipe = yaml.safe_load(handle)
-            job = dict(dirs(path), moe=_is_moe(recipe))
+            job = dirs(path)
             os.makedirs(os.path.dirname(job["first"]))
             if path in VARIANTS:
                 world, job["overrides"] = scaled_down(recipe, tiny_checkpoints, job["run"])
@@ -326,7 +310,7 @@ def test_a_pipelined_recipe_is_tested_with_its_pipeline():
     for path in RECIPES:
         with open(path) as handle:
             recipe = yaml.safe_load(handle)
-        world, overrides = scaled_down(recipe, {"llada": ("", "ckpt"), "sdar": ("", "ckpt")}, "run")
+        world, overrides = scaled_down(recipe, {k: ("", "ckpt") for k in ("llada", "sdar", "sdar_moe")}, "run")
         tp, pp, _ = scaled_layout(recipe)
         assert f"parallel.tensor_parallel={tp}" in overrides, (path, overrides)
         layouts[os.path.basename(path)] = (tp, pp, world)
@@ -335,15 +319,15 @@ def test_a_pipelined_recipe_is_tested_with_its_pipeline():
 
 
 def test_the_moe_recipe_runs_the_tiny_moe_with_expert_parallelism():
-    """The SDAR-30B-A3B recipe scales to ``sdar-moe-tiny`` (random init) at EP=2 on 2 ranks (DP=2),
+    """The SDAR-30B-A3B recipe scales to a tiny converted SDAR-MoE checkpoint at EP=2 on 2 ranks (DP=2),
     its dtype, recompute, optimizer and algorithm untouched; it is the only one in its spawn group."""
     path = os.path.join(ROOT, "examples", "configs", "sdar_30b_a3b_stabledrl.yaml")
     with open(path) as handle:
         recipe = yaml.safe_load(handle)
     assert _is_moe(recipe) and recipe["parallel"]["expert_parallel"] == 8 and path in PRIMARY
-    world, overrides = scaled_down(recipe, {"sdar": ("", "ckpt")}, "run")
+    world, overrides = scaled_down(recipe, {"sdar_moe": ("", "moe_ckpt")}, "run")
     keys = {o.split("=", 1)[0] for o in overrides}
-    assert world == 2 and f"model.preset={TINY_MOE}" in overrides and "model.checkpoint=null" in overrides
+    assert world == 2 and "model.checkpoint=moe_ckpt" in overrides
     assert f"parallel.expert_parallel={SCALED_EXPERT_PARALLEL}" in overrides and SCALED_EXPERT_PARALLEL == 2
     assert not keys & {"model.dtype", "model.recompute", "optim.distributed", "optim.name", "algo.likelihood"}
     assert [p for p in RECIPES if _group_of(p) == _group_of(path)] == [path]
@@ -366,7 +350,6 @@ def test_recipe_variant_trains_and_checkpoints(recipe_path, recipe_runs):
 def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, recipe_runs, tiny_checkpoints):
     with open(recipe_path) as handle:
         recipe = yaml.safe_load(handle)
-    arch = _arch(recipe)
     job = recipe_runs(recipe_path)
     first, resumed = job["first"], job["resumed"]
     _, overrides = scaled_down(recipe, tiny_checkpoints, first)
@@ -394,21 +377,11 @@ def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, reci
     again = _metrics(resumed)
     assert [r["step"] for r in again] == [2] and again[0] == rows[1], (again, rows[1])
 
-    if _is_moe(recipe):  # the whole model as loaded from each checkpoint (no MoE export yet)
-        a, b = (torch.load(job[f"hf_{n}"] + ".pt") for n in ("first", "resumed"))
-    else:
-        a, b = _hf_tensors(job["hf_first"]), _hf_tensors(job["hf_resumed"])
+    a, b = _hf_tensors(job["hf_first"]), _hf_tensors(job["hf_resumed"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
-    if _is_moe(recipe):  # every layer holds all of the tiny preset's experts and its router
-        from stabledrl_mcore.models import get_preset
-
-        tiny = get_preset(TINY_MOE)
-        assert resolved["model"]["preset"] == TINY_MOE
-        assert sum(k.endswith(".linear_fc1.weight") and ".local_experts." in k for k in a) == \
-            tiny.num_layers * tiny.num_experts, sorted(a)[:20]
-        assert sum(k.endswith("mlp.router.weight") for k in a) == tiny.num_layers, sorted(a)[:20]
-    elif recipe["model"].get("checkpoint"):  # back in the layout the run started from
-        shapes = upstream_shapes(arch, upstream_config(arch))
+    if recipe["model"].get("checkpoint"):  # back in the layout the run started from (MoE: every expert)
+        kind = _kind(recipe)
+        shapes = upstream_shapes(kind, upstream_config(kind))
         assert {k: tuple(v.shape) for k, v in a.items()} == shapes, "mcore-to-hf lost the upstream layout"
     want = torch.bfloat16 if recipe["model"].get("dtype") == "bf16" else torch.float32
     assert {v.dtype for v in a.values()} == {want}

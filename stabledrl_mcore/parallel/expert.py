@@ -25,6 +25,24 @@ from typing import Iterator, Optional
 import torch
 
 
+_DUMMIES = {"rounds": 0}
+
+
+def lockstep_dummy_rounds() -> int:
+    """Dummy rounds this process has run so far (a step's difference, summed over the ranks, is
+    logged as ``expert_lockstep_dummies``: the forwards an imbalance between expert ranks cost)."""
+    return _DUMMIES["rounds"]
+
+
+def summed_over_ranks(value: float) -> float:
+    """``value`` summed over every rank of the job (one all-reduce)."""
+    from .bootstrap import comm_device
+
+    total = torch.tensor([float(value)], dtype=torch.float64, device=comm_device())
+    torch.distributed.all_reduce(total)
+    return float(total.item())
+
+
 def expert_group():
     """The process group of Megatron's all-to-all token exchange (expert-tensor x expert-parallel
     ranks), or None when nothing is exchanged (no parallel state, or expert_parallel 1)."""
@@ -71,12 +89,16 @@ class LockstepModel(torch.nn.Module):
         """Run dummy rounds until no rank of the group has a real forward left."""
         while _announce(False, self.group):
             self.dummies += 1
+            _DUMMIES["rounds"] += 1
             self._dummy_round()
 
     def _dummy_round(self) -> None:
         from ..models.moe import router_loss_scale, routing_recorders_paused
 
-        cfg = self.module.dllm_config
+        inner = self.module
+        while not hasattr(inner, "dllm_config") and hasattr(inner, "module"):  # Megatron DDP wraps it
+            inner = inner.module
+        cfg = inner.dllm_config
         device = next(self.module.parameters()).device
         from megatron.core import parallel_state as ps
 

@@ -25,7 +25,8 @@ from ..config import RunConfig, save_config, to_dict
 from ..metrics import create_logger, logger_options
 from ..models.placement import model_device
 from ..parallel.bootstrap import any_rank
-from ..parallel.expert import phase_model, routing_statistics
+from ..parallel.expert import (expert_group, lockstep_dummy_rounds, phase_model, routing_statistics,
+                               summed_over_ranks)
 from .heldout import is_eval_step, make_heldout_evaluator
 from .noise import RatioNoise
 from .dynamic_sampling import filter_uniform_groups
@@ -124,7 +125,8 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         s.optimizer.zero_grad()
         finite_loss = agree_ok(coef is not None)  # the same answer on every rank
         if finite_loss:  # router statistics of the first update's (training) forwards
-            with phase_model(s.ddp, backward=True) as ddp, routing_statistics(s.model, metrics, enabled=inner == 0):
+            # the statistics' all-reduce after the expert group's lockstep has drained
+            with routing_statistics(s.model, metrics, enabled=inner == 0), phase_model(s.ddp, backward=True) as ddp:
                 accumulate_gradients(ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
                                      retained=retained)
         retained = None
@@ -190,6 +192,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
         health = RunHealth(cfg.algo.max_skipped_updates, logger, from_step_zero=start == 0)
         for step in range(start, end):
             timer.seconds.clear()
+            dummies = lockstep_dummy_rounds()
             with timer("rollout"):
                 batch = rollout_phase(s, step)
             with timer("score"):
@@ -206,6 +209,8 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
             if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
                 with phase_model(s.model) as model:
                     metrics.update(evaluate(model))
+            if expert_group() is not None:  # forwards all ranks spent keeping the expert groups in lockstep
+                metrics["expert_lockstep_dummies"] = summed_over_ranks(lockstep_dummy_rounds() - dummies)
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
