@@ -10,8 +10,8 @@
 #   STABLEDRL_RUN_DIR=<config logging.run_dir>  STABLEDRL_PYTHON=python  STABLEDRL_DEVICE=gpu
 #   STABLEDRL_ENV_SETUP  STABLEDRL_CONTAINER  STABLEDRL_MOUNTS   (cluster environment: slurm/README.md)
 #   MASTER_ADDR=<first node>  MASTER_PORT=<20000 + job id % 20000>   (details: slurm/common.sh)
-# Memory: the recipe needs ~77 GB per GPU before activations at expert-data-parallel 1 (its header);
-# on 80 GB GPUs submit with --nodes=2 (expert-data-parallel 2, ~54 GB).
+# Memory (`stabledrl plan`, the recipe's header): 78.7 GiB of 80 per GPU on one node at
+# expert-data-parallel 1; --nodes=2 (expert-data-parallel 2) models 57.4 GiB.
 # Pre-emption: USR1 arrives 30 min before the time limit (no step time is measured for this model
 # yet); ranks checkpoint, exit 75, the job requeues itself and resumes with --resume auto. The
 # trainer warns when that lead is too short for the measured times.

@@ -133,7 +133,8 @@ class DLLMMoELayer(MoELayer):
         if tokens.shape[0] < world:
             raise ValueError(f"an MoE forward at tensor_parallel={world} needs at least {world} tokens, "
                              f"got {tokens.shape[0]}")
-        sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(world)]
+        count = tokens.shape[0]  # near-equal shares, the first count % world one longer (tensor_split)
+        sizes = [count // world + (1 if r < count % world else 0) for r in range(world)]
         share = _TokenShard.apply(_AllReduceBackward.apply(tokens, group), sizes, rank)
         self.training, training = False, self.training  # the guard: the share is split as under SP
         try:
@@ -152,7 +153,9 @@ def router_loss_scale(scale: float):
 
     previous = MoEAuxLossAutoScaler.main_loss_backward_scale
     kept = None if previous is None else previous.clone()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
+    from ..parallel.bootstrap import comm_device
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=comm_device()))
     try:
         yield
     finally:
@@ -191,8 +194,10 @@ class RoutingRecorder:
 
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         experts = self.routers[0].config.num_moe_experts if self.routers else 0
-        self.counts = torch.zeros(len(self.routers), experts, dtype=torch.float64)
-        self.slots = torch.zeros(len(self.routers), dtype=torch.float64)  # tokens x topk routed
+        device = self.routers[0].weight.device if self.routers else torch.device("cpu")
+        # kept on the model's device: no host sync per router call
+        self.counts = torch.zeros(len(self.routers), experts, dtype=torch.float64, device=device)
+        self.slots = torch.zeros(len(self.routers), dtype=torch.float64, device=device)  # tokens x topk
         self.maps: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self.keep_maps = keep_maps
         self._handles: list = []
@@ -213,7 +218,7 @@ class RoutingRecorder:
                 return
             routing_map = output[1].detach()
             self.counts[layer] += routing_map.sum(0).to(self.counts)
-            self.slots[layer] += routing_map.shape[0] * module.topk
+            self.slots[layer] += float(routing_map.shape[0] * module.topk)
             if self.keep_maps:
                 self.maps[layer].append(routing_map.cpu())
         return record
@@ -231,8 +236,8 @@ class RoutingRecorder:
 
             both = torch.cat([counts.flatten(), slots]).to(comm_device())
             torch.distributed.all_reduce(both, group=group)
-            counts = both[:counts.numel()].view_as(counts).cpu()
-            slots = both[counts.numel():].cpu()
+            counts, slots = both[:counts.numel()].view_as(counts), both[counts.numel():]
+        counts, slots = counts.cpu(), slots.cpu()  # the one host copy
         kept = counts.sum(-1)
         if not bool((kept > 0).all()):
             return {}
