@@ -101,7 +101,7 @@ class DLLMConfig:
     moe_aux_loss_coeff: float = 0.0
     """Weight of the router's load-balancing loss (Switch-style, per micro-batch). 0 = off: an RL
     update should move the policy, not re-balance the routing the model was trained with (slime's
-    and verl's Qwen3-MoE RL recipes run with 0 too); the converter does not import the checkpoint's
+    Qwen3-MoE RL scripts set ``--moe-aux-loss-coeff 0`` too); the converter does not import the checkpoint's
     ``router_aux_loss_coef`` (a pre-training setting)."""
     moe_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE, ``mean(logsumexp(logits)^2)``); 0 = off."""
