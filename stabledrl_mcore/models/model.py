@@ -251,7 +251,9 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
                            num_experts=cfg.num_experts)
     extra = {"perform_initialization": False, "use_cpu_initialization": True} if meta else {}
     if cfg.is_moe:  # TE's grouped experts on the TE spec, Megatron's SequentialMLP otherwise
-        extra["moe_grouped_gemm"] = spec.submodules.mlp.submodules.experts.module.__name__ != "SequentialMLP"
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        extra["moe_grouped_gemm"] = spec.submodules.mlp.submodules.experts.module is not SequentialMLP
     config = to_transformer_config(cfg, None, params_dtype, recompute, **extra)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = DLLMModel(cfg, config, spec, pre_process=pre_process, post_process=post_process)

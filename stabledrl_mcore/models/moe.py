@@ -24,31 +24,29 @@ from typing import Dict, List
 
 import torch
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
 
 
-from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
-
-
 class _TokenShard(torch.autograd.Function):
-    """This tensor-parallel rank's share of replicated tokens ``[T, 1, H]`` (forward), the
-    shares of every rank gathered back into ``[T, 1, H]`` (:class:`_GatherTokens`)."""
+    """This tensor-parallel rank's share of the tokens ``[T, 1, H]`` every TP rank holds alike;
+    backward: each rank's share's gradient in its rows, summed over ``group`` into the gradient
+    of the replicated input (the same on every rank). :class:`_GatherTokens` undoes the split."""
 
     @staticmethod
-    def forward(ctx, tokens, sizes, rank):
-        ctx.sizes, ctx.rank = sizes, rank
+    def forward(ctx, tokens, sizes, rank, group):
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
         return tokens.split(sizes)[rank].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        # the tokens were replicated on every TP rank; each rank's share gets its own gradient,
-        # gathered (summed, the others being zero) by the all-gather's backward below
         full = grad.new_zeros((sum(ctx.sizes),) + tuple(grad.shape[1:]))
         offset = sum(ctx.sizes[:ctx.rank])
         full[offset:offset + grad.shape[0]] = grad
-        return full, None, None
+        torch.distributed.all_reduce(full, group=ctx.group)
+        return full, None, None, None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -70,22 +68,6 @@ class _GatherTokens(torch.autograd.Function):
     def backward(ctx, grad):
         offset = sum(ctx.sizes[:ctx.rank])
         return grad[offset:offset + ctx.sizes[ctx.rank]].contiguous(), None, None, None
-
-
-class _AllReduceBackward(torch.autograd.Function):
-    """Identity forward; backward: sum of the gradient over ``group`` (the input is replicated
-    on every rank, each rank's gradient covers its own share of the tokens)."""
-
-    @staticmethod
-    def forward(ctx, tokens, group):
-        ctx.group = group
-        return tokens
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class DLLMMoELayer(MoELayer):
@@ -123,38 +105,37 @@ class DLLMMoELayer(MoELayer):
             raise NotImplementedError("DLLMMoELayer at TP > 1 takes hidden states only")
         seq, batch, hidden = hidden_states.shape
         world, rank = group.size(), group.rank()
-        tokens = hidden_states.reshape(seq * batch, 1, hidden)
-        if tokens.shape[0] < world and not torch.is_grad_enabled():  # too few to share: all route all
-            self.training, training = False, self.training
-            try:
-                return super().forward(hidden_states)
-            finally:
-                self.training = training
-        if tokens.shape[0] < world:
+        count = seq * batch
+        if count < world and not torch.is_grad_enabled():  # too few to share: every rank routes all
+            return self._unguarded_forward(hidden_states)
+        if count < world:
             raise ValueError(f"an MoE forward at tensor_parallel={world} needs at least {world} tokens, "
-                             f"got {tokens.shape[0]}")
-        count = tokens.shape[0]  # near-equal shares, the first count % world one longer (tensor_split)
-        sizes = [count // world + (1 if r < count % world else 0) for r in range(world)]
-        share = _TokenShard.apply(_AllReduceBackward.apply(tokens, group), sizes, rank)
-        self.training, training = False, self.training  # the guard: the share is split as under SP
-        try:
-            output, bias = super().forward(share)
-        finally:
-            self.training = training
+                             f"got {count}")
+        sizes = [count // world + (1 if r < count % world else 0) for r in range(world)]  # tensor_split's
+        share = _TokenShard.apply(hidden_states.reshape(count, 1, hidden), sizes, rank, group)
+        output, bias = self._unguarded_forward(share)
         output = _GatherTokens.apply(output, sizes, rank, group)
         return output.reshape(seq, batch, hidden), bias
+
+    def _unguarded_forward(self, hidden_states):
+        """Megatron's forward past its TP-without-SP guard (only this layer's ``training`` flag is
+        lowered; the router's stays, so router losses are computed in training as configured)."""
+        self.training, training = False, self.training
+        try:
+            return super().forward(hidden_states)
+        finally:
+            self.training = training
 
 
 @contextlib.contextmanager
 def router_loss_scale(scale: float):
     """Inside the block, Megatron's router losses (auxiliary, z-loss) enter each backward with
     weight ``scale`` (``MoEAuxLossAutoScaler``'s class-wide scale; the previous one is restored)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
-    kept = None if previous is None else previous.clone()
     from ..parallel.bootstrap import comm_device
 
+    MoEAuxLossAutoScaler = moe_utils.MoEAuxLossAutoScaler
+    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    kept = None if previous is None else previous.clone()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale), device=comm_device()))
     try:
         yield

@@ -193,7 +193,7 @@ def _uneven_reduce_scatter(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def reduce_scatter(output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
-        if async_op or len({t.shape for t in input_list}) == 1 and torch.distributed.get_backend(group) != "gloo":
+        if async_op or len({t.shape for t in input_list}) == 1:  # gloo reduce-scatters equal sizes
             return original(output, input_list, op=op, group=group, async_op=async_op)
         whole = torch.cat([t.flatten() for t in input_list])
         torch.distributed.all_reduce(whole, op=op, group=group)

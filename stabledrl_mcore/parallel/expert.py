@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .pipeline import ModelWrapper, pipelined
 
 _DUMMIES = {"rounds": 0}
 
@@ -62,46 +63,33 @@ def _announce(real: bool, group) -> bool:
     return bool(flag.item())
 
 
-class LockstepModel(torch.nn.Module):
+class LockstepModel(ModelWrapper):
     """``module`` whose forwards are announced to the expert group (see the module docstring).
     Attributes the phases read (``dllm_config``, ``zero_grad_buffer``...) come from ``module``."""
 
     def __init__(self, module: torch.nn.Module, group, *, backward: bool):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.group = group
         self.backward = backward
-        self.forwards = 0
-        self.dummies = 0
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
 
     def forward(self, *args, **kwargs):
         _announce(True, self.group)
-        self.forwards += 1
         return self.module(*args, **kwargs)
 
     def drain(self) -> None:
         """Run dummy rounds until no rank of the group has a real forward left."""
         while _announce(False, self.group):
-            self.dummies += 1
             _DUMMIES["rounds"] += 1
             self._dummy_round()
 
     def _dummy_round(self) -> None:
-        from ..models.moe import router_loss_scale, routing_recorders_paused
-
-        inner = self.module
-        while not hasattr(inner, "dllm_config") and hasattr(inner, "module"):  # Megatron DDP wraps it
-            inner = inner.module
-        cfg = inner.dllm_config
-        device = next(self.module.parameters()).device
         from megatron.core import parallel_state as ps
 
+        from ..diffusion.likelihood import dllm_config
+        from ..models.moe import router_loss_scale, routing_recorders_paused
+
+        cfg = dllm_config(self.module)  # through Megatron DDP in the update
+        device = next(self.module.parameters()).device
         # as many tokens as TP ranks: at TP > 1 each rank routes its own share (see models.moe)
         ids = torch.full((1, ps.get_tensor_model_parallel_world_size()), cfg.pad_token_id,
                          dtype=torch.long, device=device)
@@ -140,8 +128,6 @@ def phase_model(model: Optional[torch.nn.Module], *, backward: bool = False):
     """The model as one phase of the RL loop runs it: split over stages under pipeline parallelism
     (:func:`~.pipeline.pipelined`), in :func:`lockstep` under expert parallelism (PP and EP are
     not combined, see ``preflight.check_pipeline_options``)."""
-    from .pipeline import pipelined
-
     with lockstep(pipelined(model), backward=backward) as phase:
         yield phase
 

@@ -199,7 +199,22 @@ def pipeline_forward_backward(model, micro_batches: Sequence[MicroBatch],
         _run_schedule(stage, micro_batches, indices, forward_only=False, last_stage_fn=loss_fn)
 
 
-class PipelinedModel(torch.nn.Module):
+class ModelWrapper(torch.nn.Module):
+    """A module around ``module`` whose other attributes (``dllm_config``, ``new_kv_cache``,
+    ``zero_grad_buffer``...) are looked up through it: what the phases of the RL loop get."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+class PipelinedModel(ModelWrapper):
     """``model(...)`` with the logits on every pipeline stage: one forward-only pipeline pass,
     the last stage's logits broadcast (``gather_output=False``: each TP rank's own vocabulary
     shard). ``module`` is this rank's stage; attributes the samplers read (``dllm_config``,
@@ -211,15 +226,8 @@ class PipelinedModel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, micro_batches: Optional[int] = None):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.micro_batches = micro_batches
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask=None, **kwargs) -> torch.Tensor:

@@ -101,9 +101,10 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     metrics: Dict[str, Any] = {"skipped_updates": 0.0, "update_skips": []}
     ref, ref_plan = None, None  # the reference's log-probs, scored once per plan until it is synced
     for inner in range(a.inner_iterations):
-        with phase_model(None if cfg.parallel.retain_update_graph else s.model) as model:
+        # a retained graph is recorded through DDP (refused with PP and EP: phase_model returns it as is)
+        with phase_model(s.ddp if cfg.parallel.retain_update_graph else s.model) as model:
             old, plan, current, retained = iteration_inputs(
-                s.ddp if cfg.parallel.retain_update_graph else model, batch, spec, inner,
+                model, batch, spec, inner,
                 sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
                 chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
         if s.reference is not None and plan is not ref_plan:
