@@ -148,14 +148,12 @@ class EosModel(torch.nn.Module):
         self.model, self.start, self.calls = model, start, 0
         self.dllm_config = model.dllm_config
 
-    def new_kv_cache(self):
-        return self.model.new_kv_cache()
-
     def forward(self, ids, position_ids=None, attention_mask=None, **kw):
         self.calls += 1
         logits = self.model(ids, position_ids, attention_mask, **kw).clone()
         pos = position_ids if position_ids is not None else torch.arange(ids.shape[1])[None]
-        logits[..., EOS] += 50.0 * (pos >= self.start).to(logits.dtype).expand(ids.shape)
+        pos = pos.expand(ids.shape)[:, kw.get("logit_positions", slice(None))]
+        logits[..., EOS] += 50.0 * (pos >= self.start).to(logits.dtype)
         return logits
 
 

@@ -32,9 +32,6 @@ class Spy(torch.nn.Module):
         super().__init__()
         self.model, self.dllm_config, self.calls = model, model.dllm_config, []
 
-    def new_kv_cache(self):
-        return self.model.new_kv_cache()
-
     def forward(self, ids, *args, **kwargs):
         self.calls.append(tuple(ids.shape))
         return self.model(ids, *args, **kwargs)

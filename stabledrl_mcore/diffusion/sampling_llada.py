@@ -38,7 +38,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     progress_bar,
     select_transfer,
 )
-from stabledrl_mcore.diffusion.sampling_sdar import default_kv_cache
+from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import padding_mask
 from stabledrl_mcore.models.presets import segment_positions
 
@@ -50,14 +50,15 @@ CACHE_MODES = ("none", "prefix", "dual")
 
 
 def _logits(model, x: Tensor, attn: Optional[Tensor], cfg_scale: float, prompt_len: int, mask_id: int,
-            kv_cache=None) -> Tensor:
-    cache = {} if kv_cache is None else {"kv_cache": kv_cache}
+            span: slice, kv_cache=None) -> Tensor:
+    """Logits of positions ``span`` of ``x`` (the head runs on those only), guided when ``cfg_scale``."""
+    extra = {"logit_positions": span} if kv_cache is None else {"logit_positions": span, "kv_cache": kv_cache}
     if cfg_scale <= 0.0:
-        return model(x, position_ids=None, attention_mask=attn, **cache)
+        return model(x, position_ids=None, attention_mask=attn, **extra)
     un_x = x.clone()
     un_x[:, :prompt_len] = mask_id
     both = model(torch.cat([x, un_x]), position_ids=None,
-                 attention_mask=None if attn is None else torch.cat([attn, attn]), **cache)
+                 attention_mask=None if attn is None else torch.cat([attn, attn]), **extra)
     cond, uncond = both.chunk(2, dim=0)
     return uncond + (cfg_scale + 1.0) * (cond - uncond)
 
@@ -119,9 +120,11 @@ class BlockLogits:
     - ``dual`` (``generate_with_dual_cache``): the block alone, attending to the stored
       prefix *and* suffix (the later blocks, still all masks).
 
-    Stored keys of the positions being forwarded are masked out (as are left-padded
-    prompt keys), so each query sees every position once; bidirectional attention does
-    not depend on the keys' order. What is approximate: the stored keys were computed
+    The cache is written in place (:class:`~stabledrl_mcore.models.KVCache`, one buffer of
+    ``L`` positions per layer, allocated once per call): a cached step's fresh keys overwrite
+    the stored keys of the positions it forwards (``cache.writing_at(s)``), so each query
+    attends over exactly the ``L`` positions once, with no mask but the prompts' padding.
+    What is approximate: the stored keys were computed
     when the block still held the masks of its first step, so within a block the prefix
     (and, for ``dual``, the suffix) does not see the tokens committed since. They are
     recomputed at the next block's first step. ``refresh_every_step`` rebuilds the cache
@@ -129,19 +132,19 @@ class BlockLogits:
     to rounding, checking the cached path itself.
     """
 
-    def __init__(self, model, mode: str, attn: Optional[Tensor], valid: Optional[Tensor], cfg_scale: float,
+    def __init__(self, model, mode: str, attn: Optional[Tensor], cfg_scale: float,
                  prompt_len: int, mask_id: int, stats: Optional[DecodeStats], refresh_every_step: bool = False):
-        self.model, self.mode, self.attn, self.valid = model, mode, attn, valid
+        self.model, self.mode, self.attn = model, mode, attn
         self.cfg_scale, self.prompt_len, self.mask_id = cfg_scale, prompt_len, mask_id
         self.stats, self.refresh = stats, refresh_every_step
-        self.cache = self.mask = None
+        self.cache = None
         self.span = (0, 0)
         self.cached_step = False
         """Whether the last call was served from the cache (not by a full forward)."""
 
     def exact(self, x: Tensor, s: int, e: int) -> Tensor:
         """A full forward without a cache (today's step)."""
-        return _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id)[:, s:e]
+        return _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id, slice(s, e))
 
     def __call__(self, x: Tensor, s: int, e: int, first: bool) -> Tensor:
         if self.mode == "none":
@@ -156,20 +159,14 @@ class BlockLogits:
 
     def _fill(self, x: Tensor, s: int, e: int) -> Tensor:
         """Full forward storing every position's keys/values; the block's exact logits."""
-        self.cache = default_kv_cache(self.model)
+        L = x.shape[1]
+        if self.cache is None:
+            self.cache = KVCache(capacity=L)
+        self.cache.reset()
         with self.cache.storing():
             logits = _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id,
-                             kv_cache=self.cache)[:, s:e]
-        B, L = x.shape
-        end = L if self.mode == "prefix" else e
-        stale = torch.zeros(B, L, dtype=torch.bool, device=x.device)
-        stale[:, s:end] = True  # recomputed by every cached step: the fresh keys replace these
-        if self.valid is not None:
-            stale |= ~self.valid
-        current = torch.zeros(B, end - s, dtype=torch.bool, device=x.device)  # completion keys: valid
-        mask = torch.cat([stale, current], 1)[:, None, None, :]
-        self.mask = torch.cat([mask, mask]) if self.cfg_scale > 0.0 else mask
-        self.span = (s, end)
+                             slice(s, e), kv_cache=self.cache)
+        self.span = (s, L if self.mode == "prefix" else e)
         self.cached_step = False
         if self.stats is not None:
             self.stats.full_forwards += 1
@@ -189,14 +186,18 @@ class BlockLogits:
         if separator is not None:  # positions and segments restart after separators: the whole rows'
             positions, segments = segment_positions(rows, separator)
             extra = {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
-        logits = self.model(rows[:, start:end], attention_mask=self.mask, kv_cache=self.cache, **extra)
+        mask = None if self.attn is None else (torch.cat([self.attn, self.attn]) if self.cfg_scale > 0.0
+                                               else self.attn)
+        with self.cache.writing_at(start):  # the fresh keys replace the block's stored ones
+            logits = self.model(rows[:, start:end], attention_mask=mask, kv_cache=self.cache,
+                                logit_positions=slice(0, e - s), **extra)
         if self.cfg_scale > 0.0:
             cond, uncond = logits.chunk(2, dim=0)
             logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
         self.cached_step = True
         if self.stats is not None:
             self.stats.block_forwards += 1
-        return logits[:, : e - s]
+        return logits
 
 
 def _log_prob_of(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -246,11 +247,11 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
     device = prompt_ids.device
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
-    attn = valid = None
+    attn = None
     if prompt_valid is not None:
         valid = torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool, device=device)], dim=1)
         attn = padding_mask(valid)
-    block_logits = BlockLogits(model, cache, attn, valid, cfg_scale, P, mask_id, stats, refresh_every_step)
+    block_logits = BlockLogits(model, cache, attn, cfg_scale, P, mask_id, stats, refresh_every_step)
     measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
     step, done = 0, False

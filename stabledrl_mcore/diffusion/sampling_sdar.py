@@ -46,22 +46,10 @@ from stabledrl_mcore.diffusion.sampling_common import (
     sample_tokens,
     select_transfer,
 )
+from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, left_pad_counts, padding_mask
 
 StepHook = Callable[[int, Tensor, Tensor], None]
-
-
-def default_kv_cache(model):
-    """``model.new_kv_cache()`` when the model offers one, else ``stabledrl_mcore.models.KVCache()``."""
-    m = model
-    while m is not None:
-        factory = getattr(m, "new_kv_cache", None)
-        if callable(factory):
-            return factory()
-        m = getattr(m, "module", None)
-    from stabledrl_mcore.models import KVCache  # the Megatron model's cache
-
-    return KVCache()
 
 
 @torch.no_grad()
@@ -103,7 +91,7 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     prefill = P // bs
     cache = None
     if use_cache:
-        cache = kv_cache_factory() if kv_cache_factory is not None else default_kv_cache(model)
+        cache = kv_cache_factory() if kv_cache_factory is not None else KVCache(capacity=total)
     share = counts is not None and use_cache and prefill > 0 and callable(getattr(cache, "repeat_interleave", None))
     if counts is not None and not share:  # nothing to share: decode the repeated prompts
         x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
@@ -112,7 +100,7 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     if use_cache and prefill > 0:
         with cache.storing():
             model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
-                  kv_cache=cache)
+                  kv_cache=cache, logit_positions=slice(0, 0))  # fills the cache: no head
     if share:  # the prompt's cache rows serve each of its completions
         cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
         x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
@@ -139,7 +127,8 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
             if use_cache:
                 logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
             else:
-                logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e))[:, s:e]
+                logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e),
+                               logit_positions=slice(s, e))
             if len(chunks) == 1:
                 x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
                 conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
@@ -157,7 +146,8 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         finished = all(done)
         if use_cache and blk < num_blocks - 1 and not finished:
             with cache.storing():
-                model(x[:, s:e], position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
+                model(x[:, s:e], position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache,
+                      logit_positions=slice(0, 0))
         if finished:
             break
     bar.close()

@@ -2,15 +2,16 @@
 
 Contract (what the Megatron model in ``stabledrl_mcore.models`` provides):
 ``model(input_ids [B, S], position_ids=None, attention_mask=None, *, kv_cache=None,
-gather_output=True) -> logits [B, S, V]``; ``attention_mask`` is None (bidirectional),
+gather_output=True, logit_positions=None) -> logits [B, S, V]``
+(``[B, len(logit_positions), V]`` for a slice of the positions); ``attention_mask`` is None (bidirectional),
 bool (True = blocked, broadcastable to ``[B, 1, S, K]``) or an ``AttentionLayout``
 (resolved to its dense mask); ``model.dllm_config``
 has ``arch, mask_token_id, eos_token_id, pad_token_id, block_size, vocab_size``.
 
-KV cache semantics (same as ``stabledrl_mcore.models.KVCache``): with
-``kv_cache=cache`` the queries attend to ``[cached | current]`` keys (the mask's
-key length is ``cache.length + S``); inside ``with cache.storing():`` the current
-keys/values are appended once the forward is done.
+KV cache: the Megatron model's :class:`stabledrl_mcore.models.KVCache` (heads-major
+buffers written in place): with ``kv_cache=cache`` the queries attend to
+``[cached | current]`` keys (the mask's key length is ``cache.key_length(S)``); inside
+``with cache.storing():`` the current keys/values are kept once the forward is done.
 
 Pre-norm transformer: RMSNorm, multi-head attention with rotate-half RoPE on
 the given position ids, SiLU MLP, untied head. Weights are drawn from an
@@ -19,14 +20,14 @@ explicit generator (no global RNG).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout
 
 
@@ -44,52 +45,6 @@ class ToyDLLMConfig:
     rope_theta: float = 10000.0
     logit_scale: float = 1.0
     suppress_mask: bool = True  # push the mask token's logit down (trained dLLMs never predict it)
-
-
-class ToyKVCache:
-    """Per-layer cached keys/values ``[B, H, K, D]`` of finished (clean) positions."""
-
-    def __init__(self) -> None:
-        self.keys: List[Tensor] = []
-        self.values: List[Tensor] = []
-        self._storing = False
-        self._pending: Optional[List[tuple]] = None
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    @contextlib.contextmanager
-    def storing(self):
-        self._storing = True
-        try:
-            yield self
-        finally:
-            self._storing = False
-
-    def past(self, layer: int):
-        return (self.keys[layer], self.values[layer]) if layer < len(self.keys) else (None, None)
-
-    def repeat_interleave(self, repeats) -> None:
-        """Repeat every cached row ``repeats`` times along the batch (prefix sharing)."""
-        self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
-        self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
-
-    def stage(self, layer: int, k: Tensor, v: Tensor) -> None:
-        if self._storing:
-            if self._pending is None:
-                self._pending = []
-            self._pending.append((layer, k, v))
-
-    def commit(self) -> None:
-        for layer, k, v in self._pending or []:
-            if layer < len(self.keys):
-                self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-                self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-            else:
-                self.keys.append(k)
-                self.values.append(v)
-        self._pending = None
 
 
 def _rms(x: Tensor, w: Tensor) -> Tensor:
@@ -126,20 +81,19 @@ class ToyDiffusionLM(nn.Module):
         self.norms = nn.Parameter(torch.ones(2 * n + 1, h, dtype=dtype))
         self.head = param(c.vocab_size, h)
 
-    def new_kv_cache(self) -> ToyKVCache:
-        return ToyKVCache()
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None, *, kv_cache: Optional[ToyKVCache] = None,
-                gather_output: bool = True) -> Tensor:
+                attention_mask: Optional[Tensor] = None, *, kv_cache: Optional[KVCache] = None,
+                gather_output: bool = True, logit_positions: Optional[slice] = None) -> Tensor:
         c = self.dllm_config
         B, S = input_ids.shape
         H = c.num_heads
-        past = kv_cache.length if kv_cache is not None else 0
+        past = kv_cache.offset if kv_cache is not None else 0
+        keys = kv_cache.key_length(S) if kv_cache is not None else S
         if position_ids is None:
             position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
         if isinstance(attention_mask, AttentionLayout):
-            attention_mask = attention_mask.dense(S, past + S, device=input_ids.device)
+            attention_mask = attention_mask.dense(S, keys, device=input_ids.device)
         allowed = None if attention_mask is None else ~attention_mask.bool()
         x = self.embed[input_ids]
         for i in range(c.num_layers):
@@ -147,15 +101,14 @@ class ToyDiffusionLM(nn.Module):
             q, k, v = (t.reshape(B, S, H, -1).transpose(1, 2) for t in (q, k, v))
             q, k = _rope(q, position_ids, c.rope_theta), _rope(k, position_ids, c.rope_theta)
             if kv_cache is not None:
-                kv_cache.stage(i, k, v)
-                pk, pv = kv_cache.past(i)
-                if pk is not None:
-                    k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+                k, v = kv_cache.update(i, k, v)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
             x = x + F.linear(a.transpose(1, 2).reshape(B, S, -1), self.proj[i])
             x = x + F.linear(F.silu(F.linear(_rms(x, self.norms[2 * i + 1]), self.up[i])), self.down[i])
         if kv_cache is not None:
             kv_cache.commit()
+        if logit_positions is not None:
+            x = x[:, logit_positions]
         logits = F.linear(_rms(x, self.norms[-1]), self.head) * c.logit_scale
         if c.suppress_mask:
             bias = torch.zeros(c.vocab_size, dtype=logits.dtype, device=logits.device)

@@ -24,8 +24,9 @@ query groups per tensor-parallel partition), already q/k-normed and rotated by
   survives Megatron's full-layer recompute (``tensor_parallel.checkpoint``).
 
 While the model runs with a :class:`~stabledrl_mcore.models.kv_cache.KVCache`
-it binds the cache to ``self.kv_cache``; keys and values then become
-``[cached | current]`` and are staged for storing when ``cache.store``.
+it binds the cache to ``self.kv_cache``; the current keys and values are then
+written into the cache's buffers and the queries attend over views of them
+(``[cached | current]``, or the overwritten span inside ``cache.writing_at``).
 """
 
 from __future__ import annotations
@@ -119,14 +120,17 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
-        if self.kv_cache is not None:
-            key, value = self.kv_cache.extend(self.layer_number, key, value)
-        sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
+        sq, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if q.device.type == "cpu":
+        if self.kv_cache is not None:  # keys/values copied into the cache, attended as its views
+            k, v = self.kv_cache.update(self.layer_number, k, v)
+        elif q.device.type == "cpu":
             # CPU flash SDPA is faster on [b, h, s, d]-contiguous inputs than on the
             # [s, b, h, d] views Megatron produces, copy included (~3% of a 100M step).
-            q, k, v = (t.contiguous() for t in (q, k, v))
+            k, v = k.contiguous(), v.contiguous()
+        if q.device.type == "cpu":
+            q = q.contiguous()
+        sk = k.shape[2]
         gqa = self.heads_per_partition != self.groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
 

@@ -96,12 +96,19 @@ class DLLMModel(LanguageModule):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: MaskArg = None, *, kv_cache: Optional[KVCache] = None,
-                gather_output: bool = True, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                gather_output: bool = True, segment_ids: Optional[torch.Tensor] = None,
+                logit_positions: Optional[slice] = None) -> torch.Tensor:
         """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
         hidden states ``[S, B, H]`` on the other stages.
 
+        ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted; the
+        LM head runs on those only and the logits are ``[B, len(slice), V]``
+        (equal to the full forward's logits sliced). ``slice(0, 0)`` runs no head at all (a
+        forward that only fills a KV cache). With sequence parallelism the head runs on the
+        whole sequence and the logits are sliced after.
+
         ``position_ids``: ``[B, S]`` or ``[1, S]``; None = ``0..S-1`` (shifted by
-        ``kv_cache.length`` with a cache), or the separator scheme's ids
+        ``kv_cache.offset`` with a cache), or the separator scheme's ids
         (:func:`~stabledrl_mcore.models.presets.segment_positions`) when
         ``segment_separator_id`` is set. ``attention_mask``: None (bidirectional),
         a bool tensor (True = blocked, broadcastable to ``[B, 1, S, S_k]``) or an
@@ -127,7 +134,7 @@ class DLLMModel(LanguageModule):
                 position_ids = derived if position_ids is None else position_ids
             segment_ids = segment_ids.clamp(max=max(self.dllm_config.num_segments - 1, 0))
         if position_ids is None:
-            start = kv_cache.length if kv_cache is not None else 0
+            start = kv_cache.offset if kv_cache is not None else 0
             position_ids = torch.arange(start, start + seq_len, device=device)[None]
         if position_ids.shape[-1] != seq_len:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, input has {seq_len}")
@@ -146,8 +153,8 @@ class DLLMModel(LanguageModule):
         for attention in attentions:
             attention.kv_cache = kv_cache
         try:
-            hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-            if kv_cache is not None and kv_cache.store:
+            hidden = self._decode(hidden, mask, rotary, logit_positions)
+            if kv_cache is not None:
                 kv_cache.commit()
         except BaseException:
             if kv_cache is not None:
@@ -161,6 +168,11 @@ class DLLMModel(LanguageModule):
             return hidden
         if self.config.sequence_parallel:  # the head gathers the sequence dim: keep [S, B, H]
             logits = self.output_layer(hidden)[0].transpose(0, 1).contiguous()
+            if logit_positions is not None:
+                logits = logits[:, logit_positions]
+        elif hidden.shape[0] == 0:  # slice(0, 0): no head
+            width = self.padded_vocab_size // self.config.tensor_model_parallel_size
+            logits = hidden.new_zeros(hidden.shape[1], 0, width)
         else:  # transpose the H-wide input, not the V-wide logits (a 40x smaller copy at 8B)
             logits = self.output_layer(hidden.transpose(0, 1).contiguous())[0]  # [B, S, Vp/tp]
         logits = self._mask_vocab_padding(logits)
@@ -169,6 +181,13 @@ class DLLMModel(LanguageModule):
         if self.config.tensor_model_parallel_size > 1:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., : self.vocab_size] if self.padded_vocab_size != self.vocab_size else logits
+
+    def _decode(self, hidden, mask, rotary, logit_positions: Optional[slice]):
+        """The transformer block, then (last stage) the rows of ``logit_positions``."""
+        hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        if logit_positions is not None and self.post_process and not self.config.sequence_parallel:
+            hidden = hidden[logit_positions]
+        return hidden
 
     def _seq_len_and_device(self, input_ids: Optional[torch.Tensor]):
         if input_ids is not None:

@@ -200,7 +200,7 @@ def pipeline_forward_backward(model, micro_batches: Sequence[MicroBatch],
 
 
 class ModelWrapper(torch.nn.Module):
-    """A module around ``module`` whose other attributes (``dllm_config``, ``new_kv_cache``,
+    """A module around ``module`` whose other attributes (``dllm_config``,
     ``zero_grad_buffer``...) are looked up through it: what the phases of the RL loop get."""
 
     def __init__(self, module: torch.nn.Module):
@@ -218,7 +218,7 @@ class PipelinedModel(ModelWrapper):
     """``model(...)`` with the logits on every pipeline stage: one forward-only pipeline pass,
     the last stage's logits broadcast (``gather_output=False``: each TP rank's own vocabulary
     shard). ``module`` is this rank's stage; attributes the samplers read (``dllm_config``,
-    ``new_kv_cache``...) are looked up through it.
+    ``zero_grad_buffer``...) are looked up through it.
 
     Without a KV cache the rows are split into up to ``2 x PP`` micro-batches so that the
     stages overlap (bubble (p - 1) / (m + p - 1)); a cached forward is one micro-batch (the
