@@ -90,6 +90,82 @@ def test_peaks():
     assert got["flops"] > 0 and got["size"] in (64, 128)
 
 
+def _fake_rates(monkeypatch, bf16, fp32, gpu=None):
+    """``measure_matmul_flops`` returning fixed rates (FLOP/s per dtype); ``gpu``: a CUDA device name."""
+    from stabledrl_mcore.bench import peak
+
+    rates = {torch.bfloat16: bf16, torch.float32: fp32}
+    monkeypatch.setattr(peak, "measure_matmul_flops", lambda dtype, **kw: {
+        "flops": rates[dtype], "size": 1024, "seconds": 2 * 1024 ** 3 / rates[dtype]})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    if gpu:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    return peak
+
+
+def test_peak_is_the_matmul_rate_of_the_model_dtype(monkeypatch):
+    """A CPU without bf16 units: emulated bf16 products at 1/20 of the fp32 rate. An fp32 model's MFU
+    divides by the measured fp32 rate (against the bf16 rate a 50%-of-fp32 run would read 1000%)."""
+    from stabledrl_mcore.bench.report import peak_label
+
+    peak = _fake_rates(monkeypatch, bf16=5e9, fp32=100e9)
+    got = peak.device_peak("fp32")
+    assert (got["kind"], got["dtype"], got["model_dtype"]) == ("measured", "fp32", "fp32")
+    assert got["peak_flops"] == got["fp32_matmul_flops"] == 100e9 and got["bf16_matmul_flops"] == 5e9
+    train = PhaseResult("train", seconds=[1.0], tokens=10.0, flops=50e9).summary(got["peak_flops"])
+    assert train["mfu"] == pytest.approx(0.5)
+    assert peak_label(got) == "measured fp32 matmul rate, fp32 model" and peak.describe(got) == "measured fp32"
+    bf16 = peak.device_peak(torch.bfloat16)  # a bf16 model on the same CPU: its own (slow) rate
+    assert (bf16["kind"], bf16["dtype"], bf16["peak_flops"]) == ("measured", "bf16", 5e9)
+    # the second measurement merges in the best rate of each dtype, each on its own
+    _fake_rates(monkeypatch, bf16=6e9, fp32=80e9)
+    again = peak.device_peak("fp32", previous=got)
+    assert again["peak_flops"] == 100e9 and again["bf16_matmul_flops"] == 6e9 and len(again["measurements"]) == 2
+    assert peak.device_peak("fp32", override_tflops=0.2)["peak_flops"] == 0.2e12
+    with pytest.raises(ValueError, match="dtype"):
+        peak.device_peak("fp16")
+
+
+def test_bench_of_an_fp32_model_takes_mfu_against_the_fp32_rate(monkeypatch, tmp_path):
+    """The whole bench in this process, the matmul rates faked as on a CPU without bf16 units (bf16
+    emulated at a ten-millionth of fp32): the fp32 model's MFU is its model FLOP/s over the fp32 rate
+    (the bf16 rate used to be the peak, and the MFU read in the thousands of percent)."""
+    from stabledrl_mcore.bench.report import format_table
+    from stabledrl_mcore.bench.run import bench_in_process
+    from stabledrl_mcore.config import load_config
+
+    _fake_rates(monkeypatch, bf16=1e6, fp32=1e13)
+    cfg = load_config(CONFIG, SMALL + [f"logging.run_dir={tmp_path}"])
+    data = bench_in_process(cfg, ["train"], warmup=0, repeats=1, baseline=False)
+    train = data["phases"]["train"]
+    assert data["matmul_peak_flops"] == 1e13 and data["peak"]["dtype"] == "fp32"
+    assert data["mfu"] == pytest.approx(train["model_flops_per_s"] / 1e13) == train["mfu"]
+    assert 0 < data["mfu"] < 1 and data["mfu_vs_fp32"] == pytest.approx(data["mfu"])
+    table = format_table(data)
+    assert "peak for MFU (measured fp32 matmul rate, fp32 model): 10.0 TFLOP/s" in table
+    assert "vs measured fp32 peak" in table
+
+
+def test_gpu_peak_rated_for_bf16_measured_for_fp32(monkeypatch):
+    """On a known GPU a bf16 model divides by the rated dense bf16 peak; an fp32 model by the fp32
+    (or, with TF32 allowed, tf32) rate measured in the process, named as such."""
+    peak = _fake_rates(monkeypatch, bf16=700e12, fp32=50e12, gpu="NVIDIA H100 80GB HBM3")
+    bf16 = peak.device_peak("bf16")
+    assert (bf16["kind"], bf16["dtype"], bf16["peak_flops"]) == ("rated", "bf16", 989e12)
+    matmul, tf32 = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        fp32 = peak.device_peak("fp32")
+        assert (fp32["kind"], fp32["dtype"], fp32["peak_flops"], fp32["rated_bf16_flops"]) == (
+            "measured", "fp32", 50e12, 989e12)
+        matmul.allow_tf32 = True
+        assert peak.device_peak("fp32")["dtype"] == "tf32"
+    finally:
+        matmul.allow_tf32 = tf32
+    unknown = _fake_rates(monkeypatch, bf16=300e12, fp32=40e12, gpu="Some Future GPU").device_peak("bf16")
+    assert (unknown["kind"], unknown["peak_flops"]) == ("measured", 300e12)
+
+
 def test_fill_flat_groups():
     from types import SimpleNamespace
 
@@ -110,7 +186,11 @@ def test_bench_cli_json(tmp_path):
     assert set(data["phases"]) == {"rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer",
                                    "step"}
     assert set(data["speedup_vs_baseline"]) == set(data["phases"])
-    assert data["peak"]["kind"] == "measured" and data["matmul_peak_flops"] == data["peak"]["bf16_matmul_flops"]
+    # an fp32 model on CPU: MFU divides by the fp32 matmul rate measured in the run, not the bf16 one
+    peak = data["peak"]
+    assert peak["kind"] == "measured" and peak["dtype"] == peak["model_dtype"] == data["model"]["dtype"] == "fp32"
+    assert data["matmul_peak_flops"] == peak["peak_flops"] == peak["fp32_matmul_flops"] > 0
+    assert peak["bf16_matmul_flops"] > 0 and len(peak["measurements"]) == 2  # before and after the phases
     w = data["workload"]
     assert w["sequences"] == 8 and w["generated"] == 8
     cfg = get_preset("llada-tiny")
@@ -121,11 +201,14 @@ def test_bench_cli_json(tmp_path):
     assert train["model_flops"] == pytest.approx(3 * train["tokens"] * forward_flops_per_token(cfg, w["seq_len"]))
     assert data["baseline"]["phases"]["train"]["model_flops"] == pytest.approx(train["model_flops"])
     assert data["mfu"] == pytest.approx(train["model_flops_per_s"] / data["matmul_peak_flops"])
+    assert 0 < data["mfu"] <= 1 and data["mfu_vs_fp32"] == pytest.approx(data["mfu"])
     step_tokens = w["sequences"] * w["seq_len"]
     assert data["step_tokens_per_s"] == pytest.approx(step_tokens / data["phases"]["step"]["median_s"])
     for ph in data["phases"].values():
         assert ph["median_s"] > 0 and ph["q1_s"] <= ph["median_s"] <= ph["q3_s"]
     assert "MFU" in stdout and "speedup" in stdout
+    assert "peak for MFU (measured fp32 matmul rate, fp32 model)" in stdout
+    assert "vs measured fp32 peak" in stdout and "(vs measured fp32 matmul" not in stdout  # not said twice
 
 
 @pytest.mark.parametrize("args, message", [

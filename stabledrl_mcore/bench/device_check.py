@@ -18,8 +18,9 @@ one table and written as one JSON:
    step 3 is compared with the first (bit for bit on CPU; reported on GPU, where
    kernels need not be deterministic).
 5. ``bench_llada`` / ``bench_sdar``: ``stabledrl bench`` (train phase) on
-   8B-shaped layers (full width, 4 layers, the recipe's likelihood), MFU against
-   the device's rated dense bf16 peak; target :data:`MFU_TARGET`.
+   8B-shaped layers (full width, 4 layers, the recipe's likelihood, bf16), MFU against
+   the device's rated dense bf16 peak (on CPU: the measured matmul rate of the model's
+   dtype, see :mod:`.peak`); target :data:`MFU_TARGET`.
 
 ``cpu=True`` (``--cpu``) runs the same checks shrunk (tiny presets, short
 sequences, eager flex attention) on the CPU; CI runs that mode. Each check is
@@ -335,6 +336,8 @@ def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
 
 
 def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
+    from .peak import describe
+
     preset = sizes.presets[arch]
     run_dir = os.path.join(workdir, f"bench_{arch}")
     result = os.path.join(workdir, f"bench_{arch}.json")
@@ -350,11 +353,12 @@ def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
     with open(result) as handle:
         bench = json.load(handle)
     mfu, train = bench.get("mfu"), bench["phases"]["train"]
-    out = {"mfu": mfu, "peak": bench["peak"]["kind"], "peak_flops": bench["matmul_peak_flops"],
+    out = {"mfu": mfu, "peak": bench["peak"]["kind"], "peak_dtype": bench["peak"].get("dtype"),
+           "peak_flops": bench["matmul_peak_flops"],
            "train_tokens_per_s": train["tokens_per_s"], "model_flops_per_s": train["model_flops_per_s"],
            "params": bench["model"]["params"], "workload": bench["workload"]}
     met = mfu is not None and mfu >= MFU_TARGET
-    out.update(status="ok", value=f"MFU {100 * (mfu or 0):.1f}% of the {out['peak']} peak"
+    out.update(status="ok", value=f"MFU {100 * (mfu or 0):.1f}% of the {describe(bench['peak'])} peak"
                + ("" if cpu else (" (target met)" if met else f" (below the {100 * MFU_TARGET:.0f}% target)")),
                target_met=None if cpu else met)
     return out

@@ -7,6 +7,8 @@ import os
 import tempfile
 from typing import Any, Dict, Optional
 
+from .peak import describe
+
 
 def _num(value: Optional[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     if value is None:
@@ -31,6 +33,19 @@ def _rate(flops: Optional[float]) -> str:
     return f"{flops:.0f} FLOP/s"
 
 
+def _is_measured_fp32(peak: Dict[str, Any]) -> bool:
+    return peak.get("kind") == "measured" and peak.get("dtype") in ("fp32", "tf32")
+
+
+def peak_label(peak: Dict[str, Any]) -> str:
+    """Which peak MFU divides by, e.g. ``measured fp32 matmul rate, fp32 model`` or
+    ``rated dense bf16, bf16 model`` (see :mod:`.peak`)."""
+    kind, dtype = peak.get("kind"), peak.get("dtype", "bf16")
+    text = {"given": "given by --peak-tflops", "rated": f"rated dense {dtype}"}.get(
+        kind, f"{kind} {dtype} matmul rate")
+    return text + (f", {peak['model_dtype']} model" if peak.get("model_dtype") else "")
+
+
 def format_table(result: Dict[str, Any]) -> str:
     """The human-readable summary printed by ``stabledrl bench``."""
     m, lay, w, peak = result["model"], result["layout"], result["workload"], result["peak"]
@@ -40,8 +55,9 @@ def format_table(result: Dict[str, Any]) -> str:
            if m.get("num_experts") else "") + f", {m['dtype']}) on {peak['device']}, "
         f"{lay['threads']} thread(s)/rank, world {lay['world_size']} (TP {lay['tp']}, PP {lay['pp']}, "
         f"DP {lay['dp']})",
-        f"peak for MFU ({peak['kind']}): {_rate(result['matmul_peak_flops'])}   measured matmul: bf16 "
-        f"{_rate(peak['bf16_matmul_flops'])}, fp32 {_rate(peak.get('fp32_matmul_flops'))}",
+        f"peak for MFU ({peak_label(peak)}): {_rate(result['matmul_peak_flops'])}   measured matmul: bf16 "
+        f"{_rate(peak['bf16_matmul_flops'])}, {peak.get('fp32_matmul_dtype', 'fp32')} "
+        f"{_rate(peak.get('fp32_matmul_flops'))}",
         f"workload per rank: {w['sequences']} sequences x {w['seq_len']} tokens (prompt {w['prompt_len']}, "
         f"generated {w['generated']}), num_mc {w['num_mc']}, inner iterations {w['inner_iterations']}, "
         f"micro-batch {w['micro_batch']}; {result['warmup']} warm-up + {result['repeats']} repetitions",
@@ -66,11 +82,12 @@ def format_table(result: Dict[str, Any]) -> str:
 
     lines += format_modes(result)
     lines.append("")
-    fp32 = f"   (vs measured fp32 matmul: {_pct(result['mfu_vs_fp32'])})" if result.get("mfu_vs_fp32") else ""
+    fp32 = (f"   (vs measured {peak.get('fp32_matmul_dtype', 'fp32')} matmul: {_pct(result['mfu_vs_fp32'])})"
+            if result.get("mfu_vs_fp32") and not _is_measured_fp32(peak) else "")
     if result.get("mfu_cpu_time") and result["layout"]["threads"] == 1:
         fp32 += f"   (from CPU time: {_pct(result['mfu_cpu_time'])})"
     what = "training forward+backward" if result.get("mfu_phase", "train") == "train" else "whole step"
-    lines.append(f"MFU ({what} vs {peak['kind']} bf16 peak): {_pct(result['mfu'])}{fp32}")
+    lines.append(f"MFU ({what} vs {describe(peak)} peak): {_pct(result['mfu'])}{fp32}")
     lines.append(f"whole step: {_num(result['step_tokens_per_s'])} tokens/s"
                  + (f", {speed['step']:.2f}x the baseline (wall clock)"
                     + (f", {speed_cpu['step']:.2f}x in CPU time" if speed_cpu.get("step") else "")

@@ -7,8 +7,11 @@ work per rank, and reports weak-scaling efficiency = per-rank tokens/s at 2
 ranks / tokens/s at 1 rank.
 
 JSON top level (``--json PATH``): ``mfu`` (training forward+backward model FLOP/s
-over ``matmul_peak_flops`` x TP x PP), ``matmul_peak_flops`` (GPU: rated dense
-bf16 peak; CPU: bf16 matmul rate measured in this run), ``step_tokens_per_s``
+over ``matmul_peak_flops`` x TP x PP), ``matmul_peak_flops`` (the matmul rate of the
+model's dtype: GPU, bf16 model: rated dense bf16 peak; CPU, or an fp32 model on GPU:
+the rate measured in this run; ``peak.kind`` and ``peak.dtype`` say which, see
+:mod:`.peak`), ``mfu_vs_fp32`` (the same over the measured fp32 matmul rate; equal
+to ``mfu`` for an fp32 model with the measured peak), ``step_tokens_per_s``
 (prompt + completion tokens of one step's sequences, all ranks, per second of
 the median whole step), ``train_tokens_per_s``, ``speedup_vs_baseline`` (per
 phase, ours over the baseline's tokens/s, or seconds for ``optimizer``; only
@@ -53,7 +56,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scaling-phases", default="step", metavar="LIST",
                         help="phases measured at 1 and 2 ranks (default: step)")
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="X",
-                        help="peak to take MFU against (TFLOP/s), e.g. for a GPU missing from the table")
+                        help="peak to take MFU against (TFLOP/s, for the model's dtype), e.g. for a GPU missing from "
+                             "the table (default: rated bf16 peak of a bf16 model on a known GPU, else the "
+                             "matmul rate of the model's dtype measured in the run)")
     parser.add_argument("--rollout-mode", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="also time the rollout with these rollout.* overrides (repeatable; 'NAME:' alone is "
                              "the config as given), e.g. --rollout-mode exact: --rollout-mode "
@@ -133,7 +138,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
             baseline = world == 1 and not token_loss
             if token_loss:
                 log(f"no baseline: it implements sequence-level losses only, not {cfg.algo.loss!r}")
-        peak = device_peak(override_tflops=peak_tflops) if measure_peak else None
+        peak = device_peak(cfg.model.dtype, override_tflops=peak_tflops) if measure_peak else None
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
         if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
@@ -166,7 +171,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
                                 warmup, repeats) if rollout_modes else None
         if peak:
             log("measuring the matmul peak again (the best of both measurements is kept)")
-            peak = device_peak(override_tflops=peak_tflops, previous=peak)
+            peak = device_peak(cfg.model.dtype, override_tflops=peak_tflops, previous=peak)
         mp = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
         peak_flops = peak["peak_flops"] if peak else None
         out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
