@@ -68,7 +68,7 @@ def test_uneven_repeats_and_no_cache_reference():
 
 
 def test_decoding_batches_cover_whole_groups():
-    from stabledrl_mcore.rl.sdar_rollout import decode_rows, prompt_counts
+    from stabledrl_mcore.rl.group_rollout import decode_rows, prompt_counts
 
     assert prompt_counts(0, 8, 4) == (slice(0, 2), [4, 4])
     assert prompt_counts(3, 6, 4) == (slice(0, 2), [1, 2])
@@ -105,9 +105,22 @@ def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
         generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts, row_chunks=[(3, None)], **kw)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, temperature):
-    """Megatron sdar-tiny through generate_rollouts; micro-batches of 3 rows split groups of 2."""
+def _micro_batch_rollouts(model, prompt_ids, prompt_valid, *, group_size, micro_batch, chunk_generator,
+                          first_chunk=0, progress=False, **kw):
+    """The reference: the repeated prompts decoded micro-batch by micro-batch, each with its generator."""
+    from stabledrl_mcore.diffusion import generate
+
+    ids, valid = prompt_ids.repeat_interleave(group_size, 0), prompt_valid.repeat_interleave(group_size, 0)
+    return [generate(model, ids[a:a + micro_batch], prompt_valid=valid[a:a + micro_batch],
+                     generator=chunk_generator(first_chunk + k), progress=progress, **kw)
+            for k, a in enumerate(range(0, ids.shape[0], micro_batch))]
+
+
+@pytest.mark.parametrize("arch,temperature,cache", [("sdar", 0.0, "none"), ("sdar", 1.0, "none"),
+                                                    ("llada", 1.0, "none"), ("llada", 0.0, "dual")])
+def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch, temperature, cache):
+    """Megatron sdar-tiny / llada-tiny through generate_rollouts; micro-batches of 3 rows split groups of 2:
+    whole groups decoded together (SDAR: each prompt prefilled once) equal micro-batch decoding."""
     from stabledrl_mcore.models import KVCache, build_model, get_preset
     from stabledrl_mcore.rl import rollout
     from stabledrl_mcore.tasks import get_task
@@ -115,24 +128,32 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, tempe
     from test_device_rule import CharTokenizer
 
     torch.manual_seed(0)
-    model = build_model(get_preset("sdar-tiny"))
+    model = build_model(get_preset(f"{arch}-tiny"))
     task = get_task("sudoku", prompt_style="compact")
     examples = task.load("train", n=3, seed=0)
-    repeats = []
+    repeats, forwards = [], []
     original = KVCache.repeat_interleave
     monkeypatch.setattr(KVCache, "repeat_interleave", lambda self, r: (repeats.append(r), original(self, r)))
+    model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[0]
+                                                                                if "input_ids" in kwargs
+                                                                                else args[0].shape[0]),
+                                    with_kwargs=True)
 
     def run():
         return rollout.generate_rollouts(
-            model, CharTokenizer(), task, examples, group_size=2, gen_length=8, steps=2, block_length=4,
-            temperature=temperature, threshold=0.9, micro_batch=3,
+            model, CharTokenizer(), task, examples, group_size=2, gen_length=8, steps=2 if arch == "sdar" else 4,
+            block_length=4, temperature=temperature, threshold=0.9, micro_batch=3, cache=cache,
             chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k))
 
     shared = run()
-    assert len(repeats) == 1, "one decoding batch of 6 rows (lcm of 3 and 2), each prompt prefilled once"
-    monkeypatch.setattr(rollout, "shares_prefix", lambda model: False)
+    if arch == "sdar":
+        assert len(repeats) == 1, "one decoding batch of 6 rows (lcm of 3 and 2), each prompt prefilled once"
+    # every decoding forward covers the 6 rows of the 3 groups (SDAR's prefill: the 3 prompts once)
+    assert set(forwards) == ({3, 6} if arch == "sdar" else {6})
+    monkeypatch.setattr(rollout, "group_rollouts", _micro_batch_rollouts)
+    forwards.clear()
     plain = run()
-    assert len(repeats) == 1
+    assert set(forwards) == {3}  # micro-batches of 3 rows
     assert torch.equal(shared.sequences, plain.sequences)
     assert shared.completions == plain.completions and shared.prompt_len == plain.prompt_len
     for name in ("prompt_valid", "completion_mask", "group_index"):

@@ -7,7 +7,7 @@ the KV cache, exactly as ``generate_rollouts`` does:
 
 - ``unshared`` (before issue 24): micro-batch by micro-batch (``--micro-batch``
   rows), each row's prompt prefilled on its own (prompts repeated G times);
-- ``shared``: ``rl.sdar_rollout.shared_prefix_rollouts``: batches of whole groups
+- ``shared``: ``rl.group_rollout.group_rollouts``: batches of whole groups
   (``lcm(micro_batch, G)`` rows), each prompt prefilled once, every micro-batch
   drawing from its own generator as before.
 
@@ -75,9 +75,9 @@ def unshared(model, ids, valid, args, chunk_generator):
 
 
 def shared(model, ids, valid, args, chunk_generator):
-    from stabledrl_mcore.rl.sdar_rollout import shared_prefix_rollouts
+    from stabledrl_mcore.rl.group_rollout import group_rollouts
 
-    return torch.cat(shared_prefix_rollouts(
+    return torch.cat(group_rollouts(
         model, ids, valid, group_size=args.group, gen_length=args.new_tokens, steps=args.steps, block_length=None,
         temperature=args.temperature, threshold=args.threshold, micro_batch=args.micro_batch,
         chunk_generator=chunk_generator))

@@ -8,7 +8,7 @@ the ranks of a TP group so every rank commits the same tokens.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,17 +25,30 @@ def num_transfer_tokens(masked_count: Tensor, steps: int) -> Tensor:
     return base + (torch.arange(steps, device=c.device)[None] < rem).long()
 
 
-def select_transfer(confidence: Tensor, k: Tensor, threshold: Optional[float] = None) -> Tensor:
+def transfer_schedule(count: int, steps: int) -> List[int]:
+    """:func:`num_transfer_tokens` of one host count: the tokens each step commits (no tensor)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    base, rem = divmod(int(count), steps)
+    return [base + (i < rem) for i in range(steps)]
+
+
+def select_transfer(confidence: Tensor, k: Tensor, threshold: Optional[float] = None,
+                    kmax: Optional[int] = None) -> Tensor:
     """Positions to commit ``[B, n]`` from ``confidence`` (-inf = not eligible).
 
     Without ``threshold``: the top-``k[b]`` (LLaDA low-confidence remasking). With a
     threshold (SDAR ``low_confidence_dynamic``): every position above it if there are
     at least ``k[b]`` of them, else the top-``k[b]``. ``k`` is clamped to the number
     of eligible positions, so nothing outside the eligible set is ever committed.
+    ``kmax``: a host bound on ``k`` (the samplers know their schedule); without it
+    ``max(k)`` is read from the device (one synchronisation).
     """
     eligible = torch.isfinite(confidence)
     k = torch.minimum(k.long().reshape(-1), eligible.sum(-1))
-    kmax = int(k.max()) if k.numel() else 0
+    if kmax is None:
+        kmax = int(k.max()) if k.numel() else 0
+    kmax = min(int(kmax), confidence.shape[-1])
     top = torch.zeros_like(eligible)
     if kmax > 0:
         idx = torch.topk(confidence, kmax, dim=-1).indices
@@ -144,3 +157,38 @@ def commit_transfer(x: Tensor, s: int, e: int, x0: Tensor, transfer: Tensor, ste
         full[:, s:e] = transfer
         on_step(step, full, x)
     return step
+
+
+def repeat_counts(repeats, rows: int):
+    """``repeats`` as one count per prompt row (None: no repetition); refuses bad counts by name."""
+    if repeats is None:
+        return None
+    counts = [int(repeats)] * rows if isinstance(repeats, int) else [int(c) for c in repeats]
+    if len(counts) != rows or any(c < 1 for c in counts):
+        raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
+                         f"got {repeats!r}")
+    return counts
+
+
+def chunk_bounds(row_chunks, generator, rows: int) -> List[Tuple[int, int, Optional[torch.Generator]]]:
+    """``[(first row, end row, generator)]`` of ``row_chunks`` (one chunk of every row by default)."""
+    if row_chunks is None:
+        return [(0, rows, generator)]
+    if generator is not None:
+        raise ValueError("pass either generator or row_chunks (each chunk's generator), not both")
+    bounds, start = [], 0
+    for n, gen in row_chunks:
+        bounds.append((start, start + int(n), gen))
+        start += int(n)
+    if start != rows or any(a >= b for a, b, _ in bounds):
+        raise ValueError(f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
+                         f"got sizes {[int(n) for n, _ in row_chunks]}")
+    return bounds
+
+
+def repeat_rows(t: Optional[Tensor], counts) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if len(set(counts)) == 1:
+        return t.repeat_interleave(counts[0], 0)
+    return t.repeat_interleave(torch.tensor(counts, device=t.device), 0, output_size=sum(counts))

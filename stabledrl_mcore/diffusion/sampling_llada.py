@@ -21,7 +21,7 @@ prompt replaced by masks, logits = u + (cfg_scale + 1) (c - u).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,12 +31,15 @@ from stabledrl_mcore.diffusion.masking import uniform
 from stabledrl_mcore.diffusion.sampling_common import (
     commit_transfer,
     check_prompt,
+    chunk_bounds,
     fill_after_eos,
     first_eos_settled,
     gumbel_argmax,
-    num_transfer_tokens,
     progress_bar,
+    repeat_counts,
+    repeat_rows,
     select_transfer,
+    transfer_schedule,
 )
 from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import padding_mask
@@ -63,17 +66,18 @@ def _logits(model, x: Tensor, attn: Optional[Tensor], cfg_scale: float, prompt_l
     return uncond + (cfg_scale + 1.0) * (cond - uncond)
 
 
-def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float) -> Tensor:
+def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float, kmax: Optional[int] = None) -> Tensor:
     """Fast-dLLM's parallel-decoding rule (``get_transfer_index`` with a threshold), ``[B, n]`` bool.
 
     Commits every eligible position (finite ``confidence``) whose confidence is at least
     ``threshold``, and at least the ``max(k[b], 1)`` most confident ones (``k`` = the
     step's scheduled count; with ``steps == gen_length`` it is 1: Fast-dLLM's rule
-    exactly, which commits the most confident position whatever its confidence).
+    exactly, which commits the most confident position whatever its confidence). ``kmax``: a host
+    bound on ``max(k, 1)`` (see :func:`select_transfer`).
     """
     eligible = torch.isfinite(confidence)
     floor = torch.minimum(k.long().reshape(-1).clamp(min=1), eligible.sum(-1))
-    top = select_transfer(confidence, floor)
+    top = select_transfer(confidence, floor, kmax=kmax)
     return top | (eligible & (confidence >= threshold))
 
 
@@ -200,6 +204,14 @@ class BlockLogits:
         return logits
 
 
+def _propose(logits: Tensor, temperature: float, remasking: str, generator: Optional[torch.Generator]):
+    """``(x0, confidence)``: upstream's Gumbel-max proposal and its remasking score."""
+    x0 = gumbel_argmax(logits, temperature, generator)
+    if remasking == "low_confidence":
+        return x0, torch.softmax(logits.float(), -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    return x0, uniform(x0.shape, generator, logits.device)
+
+
 def _log_prob_of(logits: Tensor, tokens: Tensor) -> Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -211,7 +223,9 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
                    mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
                    prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
                    on_step: Optional[StepHook] = None, cache: str = "none",
-                   stats: Optional[DecodeStats] = None, refresh_every_step: bool = False) -> Tensor:
+                   stats: Optional[DecodeStats] = None, refresh_every_step: bool = False,
+                   repeats: Union[int, Sequence[int], None] = None,
+                   row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None) -> Tensor:
     """Decode ``gen_length`` tokens after ``prompt_ids`` ``[B, P]``; returns ``[B, P + gen_length]``.
 
     ``steps`` is the total number of denoising steps (must divide by the number of
@@ -225,6 +239,12 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
     to EOS (LLaDA pads its answers with EOS, so this only skips work). ``generator`` is
     required for ``temperature > 0`` or ``remasking="random"``. The model's train/eval
     mode is left as is.
+
+    ``repeats`` / ``row_chunks``: as in :func:`~.sampling_sdar.generate_sdar`: decode prompt row
+    ``b`` ``repeats[b]`` times (an RL group; bidirectional attention leaves no prefix to share, so
+    the rows are repeated), and split the rows into chunks that each decode as if alone with their
+    own generator (a chunk draws only while one of its rows has a masked position in the block and,
+    with ``stop_at_eos``, while one is not settled), so one forward serves several micro-batches.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
@@ -232,8 +252,6 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
     eos_id = int(cfg.eos_token_id) if eos_id is None else int(eos_id)
     if remasking not in ("low_confidence", "random"):
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
-    if remasking == "random" and generator is None:
-        raise TypeError("remasking='random' needs an explicit torch.Generator")
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     if gen_length % block_length:
@@ -243,8 +261,14 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
         raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({num_blocks})")
     steps_per_block = steps // num_blocks
 
+    counts = repeat_counts(repeats, prompt_ids.shape[0])
+    if counts is not None:
+        prompt_ids, prompt_valid = repeat_rows(prompt_ids, counts), repeat_rows(prompt_valid, counts)
     B, P = prompt_ids.shape
     device = prompt_ids.device
+    chunks = chunk_bounds(row_chunks, generator, B)
+    if remasking == "random" and any(gen is None for _, _, gen in chunks):
+        raise TypeError("remasking='random' needs an explicit torch.Generator")
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
     attn = None
@@ -254,27 +278,34 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
     block_logits = BlockLogits(model, cache, attn, cfg_scale, P, mask_id, stats, refresh_every_step)
     measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
-    step, done = 0, False
+    # Every block starts with all its positions masked (only the current block is ever committed),
+    # so its schedule is known on the host: the k of each step needs no device read.
+    schedule = transfer_schedule(block_length, steps_per_block)
+    step, settled = 0, [False] * len(chunks)  # settled: every row of the chunk (stop_at_eos)
     for blk in range(num_blocks):
         s, e = P + blk * block_length, P + (blk + 1) * block_length
-        schedule = num_transfer_tokens((x[:, s:e] == mask_id).sum(-1), steps_per_block)
+        row_masked = None  # the last device read of which rows hold masks (None: every row)
         for i in range(steps_per_block):
-            if threshold is not None and not bool((x[:, s:e] == mask_id).any()):
+            active = [c for c, d in zip(chunks, settled)
+                      if not d and (row_masked is None or any(row_masked[c[0]:c[1]]))]
+            if not active:
                 bar.update(steps_per_block - i)
                 break  # the threshold finished the block early
             logits = block_logits(x, s, e, first=i == 0)
             cur = x[:, s:e]
             masked = cur == mask_id
-            x0 = gumbel_argmax(logits, temperature, generator)
-            if remasking == "low_confidence":
-                conf = torch.softmax(logits.float(), -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+            if len(chunks) == 1:
+                x0, conf = _propose(logits, temperature, remasking, chunks[0][2])
             else:
-                conf = uniform(x0.shape, generator, device)
+                x0, conf = cur.clone(), torch.full(cur.shape, -torch.inf, device=device)
+                for a, b, gen in active:
+                    x0[a:b], conf[a:b] = _propose(logits[a:b], temperature, remasking, gen)
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            k = torch.full((B,), schedule[i], dtype=torch.long, device=device)
             if threshold is None:
-                transfer = select_transfer(conf, schedule[:, i])
+                transfer = select_transfer(conf, k, kmax=schedule[i])
             else:
-                transfer = threshold_transfer(conf, schedule[:, i], threshold)
+                transfer = threshold_transfer(conf, k, threshold, kmax=max(schedule[i], 1))
             if measure and block_logits.cached_step:
                 exact = block_logits.exact(x, s, e)
                 gap = (_log_prob_of(logits, x0) - _log_prob_of(exact, x0)).abs()
@@ -283,10 +314,23 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
                 stats.steps += 1
                 stats.gap_tokens += int(transfer.sum()) if measure else 0
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
-            if stop_at_eos and bool(first_eos_settled(x[:, P:], mask_id, eos_id)[0].all()):
-                done = True
-                break
-        if done:
+            # At most one device->host read per step: which rows still hold masks (the threshold
+            # may finish the block early) and which are settled (stop_at_eos), read together.
+            early = threshold is not None and i < steps_per_block - 1
+            parts = []
+            if early:
+                parts.append((x[:, s:e] == mask_id).any(-1))
+            if stop_at_eos:
+                parts.append(first_eos_settled(x[:, P:], mask_id, eos_id)[0])
+            if parts:
+                flags = torch.cat(parts).tolist()
+                if early:
+                    row_masked = flags[:B]
+                if stop_at_eos:
+                    settled = [all(flags[-B:][a:b]) for a, b, _ in chunks]
+                    if all(settled):
+                        break
+        if all(settled):
             break
     bar.close()
     if stop_at_eos:

@@ -31,20 +31,23 @@ draws nothing; every decoding step draws for all ``B x G`` rows as before).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.sampling_common import (
+    chunk_bounds,
     commit_transfer,
     check_prompt,
     fill_after_eos,
-    num_transfer_tokens,
     progress_bar,
+    repeat_counts,
+    repeat_rows,
     sample_tokens,
     select_transfer,
+    transfer_schedule,
 )
 from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, left_pad_counts, padding_mask
@@ -94,36 +97,43 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         cache = kv_cache_factory() if kv_cache_factory is not None else KVCache(capacity=total)
     share = counts is not None and use_cache and prefill > 0 and callable(getattr(cache, "repeat_interleave", None))
     if counts is not None and not share:  # nothing to share: decode the repeated prompts
-        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
         B = x.shape[0]
-    mask = _mask_fn(prompt_valid, B, total, P, bs, device)
+    pads = None if prompt_valid is None else left_pad_counts(prompt_valid)  # one device->host copy
+    mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
     if use_cache and prefill > 0:
         with cache.storing():
             model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
                   kv_cache=cache, logit_positions=slice(0, 0))  # fills the cache: no head
     if share:  # the prompt's cache rows serve each of its completions
         cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
-        x, prompt_valid = _repeat_rows(x, counts), _repeat_rows(prompt_valid, counts)
+        x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
         B = x.shape[0]
-        mask = _mask_fn(prompt_valid, B, total, P, bs, device)
-    schedule = num_transfer_tokens(torch.tensor([bs], device=device), steps)[0]
-    chunks = _chunk_bounds(row_chunks, generator, B)
+        if pads is not None:
+            pads = tuple(p for p, c in zip(pads, counts) for _ in range(c))
+        mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
+    plan = transfer_schedule(bs, steps)  # tokens per step, on the host
+    schedule = torch.tensor(plan, device=device)
+    chunks = chunk_bounds(row_chunks, generator, B)
     done = [False] * len(chunks)  # with stop_at_eos: every row of the chunk has an EOS
 
     bar = progress_bar((num_blocks - prefill) * steps, progress, "sdar")
     step = 0
     for blk in range(prefill, num_blocks):
         s, e = blk * bs, (blk + 1) * bs
+        # Masked positions of every row: known on the host without a threshold (each step commits
+        # min(k, masked) in every row); with one, an upper bound and the rows are read once a step.
+        remaining = e - max(s, P)
+        row_masked, has_eos = None, None  # the last device read (None: every row still masked)
         for i in range(steps):
-            cur = x[:, s:e]
-            masked = cur == mask_id
-            if len(chunks) == 1:
-                active = chunks if not done[0] and bool(masked.any()) else []
-            else:  # one device->host copy for every chunk
-                rows = masked.any(-1).tolist()
-                active = [c for c, d in zip(chunks, done) if not d and any(rows[c[0]:c[1]])]
+            if remaining <= 0:
+                break
+            active = [c for c, d in zip(chunks, done)
+                      if not d and (row_masked is None or any(row_masked[c[0]:c[1]]))]
             if not active:
                 break
+            cur = x[:, s:e]
+            masked = cur == mask_id
             if use_cache:
                 logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
             else:
@@ -132,16 +142,32 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
             if len(chunks) == 1:
                 x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
                 conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
-                transfer = select_transfer(conf, schedule[i].expand(B), threshold)
+                transfer = select_transfer(conf, schedule[i].expand(B), threshold, kmax=plan[i])
             else:
                 x0, transfer = cur.clone(), torch.zeros_like(masked)
                 for a, b, gen in active:
                     x0[a:b], p = sample_tokens(logits[a:b], temperature, top_k, top_p, gen)
                     conf = torch.where(masked[a:b], p, torch.full_like(p, -torch.inf))
-                    transfer[a:b] = select_transfer(conf, schedule[i].expand(b - a), threshold)
+                    transfer[a:b] = select_transfer(conf, schedule[i].expand(b - a), threshold, kmax=plan[i])
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
+            remaining -= plan[i]
+            # At most one device->host read per step: which rows still hold masks (threshold) and,
+            # at the block's end, which rows have an EOS (stop_at_eos), read together.
+            last = remaining <= 0 or i == steps - 1
+            parts = []
+            if threshold is not None and not last:
+                parts.append((x[:, s:e] == mask_id).any(-1))
+            if stop_at_eos and (last or threshold is not None):
+                parts.append((x[:, P:e] == eos_id).any(-1))
+            if parts:
+                flags = torch.cat(parts).tolist()
+                if threshold is not None and not last:
+                    row_masked = flags[:B]
+                if stop_at_eos and (last or threshold is not None):
+                    has_eos = flags[-B:]
         if stop_at_eos:
-            has_eos = (x[:, P:e] == eos_id).any(-1).tolist()
+            if has_eos is None:  # no step ran in this block
+                has_eos = (x[:, P:e] == eos_id).any(-1).tolist()
             done = [all(has_eos[a:b]) for a, b, _ in chunks]
         finished = all(done)
         if use_cache and blk < num_blocks - 1 and not finished:
@@ -156,46 +182,13 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     return x
 
 
-def repeat_counts(repeats, rows: int):
-    """``repeats`` as one count per prompt row (None: no repetition); refuses bad counts by name."""
-    if repeats is None:
-        return None
-    counts = [int(repeats)] * rows if isinstance(repeats, int) else [int(c) for c in repeats]
-    if len(counts) != rows or any(c < 1 for c in counts):
-        raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
-                         f"got {repeats!r}")
-    return counts
-
-
-def _chunk_bounds(row_chunks, generator, rows: int) -> List[Tuple[int, int, Optional[torch.Generator]]]:
-    """``[(first row, end row, generator)]`` of ``row_chunks`` (one chunk of every row by default)."""
-    if row_chunks is None:
-        return [(0, rows, generator)]
-    if generator is not None:
-        raise ValueError("pass either generator or row_chunks (each chunk's generator), not both")
-    bounds, start = [], 0
-    for n, gen in row_chunks:
-        bounds.append((start, start + int(n), gen))
-        start += int(n)
-    if start != rows or any(a >= b for a, b, _ in bounds):
-        raise ValueError(f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
-                         f"got sizes {[int(n) for n, _ in row_chunks]}")
-    return bounds
-
-
-def _repeat_rows(t: Optional[Tensor], counts) -> Optional[Tensor]:
-    if t is None:
-        return None
-    if len(set(counts)) == 1:
-        return t.repeat_interleave(counts[0], 0)
-    return t.repeat_interleave(torch.tensor(counts, device=t.device), 0, output_size=sum(counts))
-
-
-def _mask_fn(prompt_valid: Optional[Tensor], B: int, total: int, P: int, bs: int, device):
+def _mask_fn(prompt_valid: Optional[Tensor], pads, B: int, total: int, P: int, bs: int, device):
     """``mask(offset, length)``: the attention of queries ``offset..offset+length-1`` over keys
-    ``0..offset+length-1``. A left-padded prompt (the usual case) travels as the layout's pad
-    counts (one device->host copy here); any other key mask falls back to a dense mask."""
-    pads = () if prompt_valid is None else left_pad_counts(prompt_valid)
+    ``0..offset+length-1``. A left-padded prompt (the usual case, ``pads`` = its
+    :func:`left_pad_counts`) travels as the layout's pad counts; any other key mask falls back
+    to a dense mask."""
+    if prompt_valid is None:
+        pads = ()
     layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
     valid = None
     if layout is None:

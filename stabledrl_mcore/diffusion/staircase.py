@@ -63,8 +63,9 @@ def staircase_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobF
         x = torch.cat([noisy, ids], dim=1)[:, :keep]
         pos = staircase_position_ids(n, device=ids.device)[:, :keep]
         layout = AttentionLayout.staircase(block_size, noisy_len=n)
-        logits = model(x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None)
-        return gather_log_probs(logits[:, :n], ids, scored, logprob_fn)
+        logits = model(x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None,
+                       logit_positions=slice(0, n))  # the head on the scored noisy half only
+        return gather_log_probs(logits, ids, scored, logprob_fn)
 
     return forward
 
@@ -88,8 +89,8 @@ def loop_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobFn] = 
             x = torch.cat([ids[:, :s], noisy[:, s:e], ids[:, e:stop]], dim=1)
             mask = block_causal_mask(stop, block_size, device=ids.device)
             logits = model(x, position_ids=torch.arange(stop, device=ids.device)[None], attention_mask=mask,
-                           gather_output=logprob_fn is None)
-            pieces.append(gather_log_probs(logits[:, s:e], ids[:, s:e], scored[:, s:e], logprob_fn))
+                           gather_output=logprob_fn is None, logit_positions=slice(s, e))
+            pieces.append(gather_log_probs(logits, ids[:, s:e], scored[:, s:e], logprob_fn))
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces])
         return torch.cat([p.to(dtype) for p in pieces], dim=1)
 

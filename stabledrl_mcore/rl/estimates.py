@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
 from ..diffusion.mask_schemes import MaskRegions, build_mask_plan
@@ -150,8 +151,10 @@ def token_logp_inputs(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
         keys = padding_mask(torch.cat([keys_ok, keys_ok], 1) if spec.kind == "staircase" else keys_ok)
         pattern = layout.dense(x.shape[1], x.shape[1], device=ids.device)
         mask = keys if pattern is None else pattern | keys
-    return ({"input_ids": x, "position_ids": pos, "attention_mask": mask},
-            lambda logits: gather_log_probs(logits[:, :n], ids, scored))
+    # The head runs on the completion's positions only (prompt positions are never scored).
+    p = batch.prompt_len
+    return ({"input_ids": x, "position_ids": pos, "attention_mask": mask, "logit_positions": slice(p, n)},
+            lambda logits: F.pad(gather_log_probs(logits, ids[:, p:], scored[:, p:]), (p, 0)))
 
 
 def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,

@@ -12,12 +12,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..diffusion import generate
 from ..diffusion.sampling_llada import DecodeStats
 from ..models.placement import eval_mode, model_device
 from ..tasks.base import Example
 from .advantages import group_advantages
-from .sdar_rollout import shared_prefix_rollouts, shares_prefix
+from .group_rollout import group_rollouts
 
 
 @dataclass
@@ -109,8 +108,8 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
     so results do not depend on how the global batch is split over DP ranks. Runs on
     the model's device, in eval mode (no recompute, no dropout) whatever the training
-    mode; the mode is restored afterwards. SDAR decodes whole groups together, each prompt
-    prefilled once, with the same draws (:mod:`.sdar_rollout`). ``cache``: LLaDA's approximate
+    mode; the mode is restored afterwards. Whole groups are decoded together (SDAR: each prompt
+    prefilled once), with the same draws as micro-batch by micro-batch (:mod:`.group_rollout`). ``cache``: LLaDA's approximate
     KV cache (``rollout.cache``); whatever the sampler did, the likelihood phases score with exact
     attention. ``measure_cache_gap`` (LLaDA with a cache) also runs the exact forward at each cached
     step; ``stats`` then holds ``cache_gap_sum`` / ``cache_gap_tokens`` (see ``DecodeStats``).
@@ -122,22 +121,15 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
     group_index = torch.arange(len(examples), device=device).repeat_interleave(group_size)
-    outputs = []
     gap = DecodeStats(measure_gap=True) if measure_cache_gap else None
     extra = {} if gap is None else {"stats": gap}
-    with torch.no_grad(), eval_mode(model):
-        if shares_prefix(model):  # SDAR: whole groups per decoding batch, each prompt prefilled once
-            outputs = shared_prefix_rollouts(
-                model, unique_ids, unique_valid, group_size=group_size, gen_length=gen_length, steps=steps,
-                block_length=block_length, temperature=temperature, threshold=threshold,
-                micro_batch=micro_batch, chunk_generator=chunk_generator, first_chunk=first_chunk,
-                progress=progress)
-        for k, start in enumerate([] if outputs else range(0, prompt_ids.shape[0], micro_batch)):
-            sl = slice(start, start + micro_batch)
-            outputs.append(generate(model, prompt_ids[sl], gen_length=gen_length, steps=steps,
-                                    block_length=block_length, temperature=temperature,
-                                    threshold=threshold, generator=chunk_generator(first_chunk + k),
-                                    prompt_valid=prompt_valid[sl], progress=progress, cache=cache, **extra))
+    if cache != "none":
+        extra["cache"] = cache
+    with torch.no_grad(), eval_mode(model):  # whole groups per decoding batch (SDAR: prefilled once)
+        outputs = group_rollouts(
+            model, unique_ids, unique_valid, group_size=group_size, gen_length=gen_length, steps=steps,
+            block_length=block_length, temperature=temperature, threshold=threshold, micro_batch=micro_batch,
+            chunk_generator=chunk_generator, first_chunk=first_chunk, progress=progress, **extra)
     sequences = torch.cat(outputs)
     width = prompt_ids.shape[1]
     completion = sequences[:, width:]

@@ -1,13 +1,16 @@
-"""SDAR rollouts with prefix sharing: a prompt's prefill is computed once for its G completions.
+"""Rollouts decoded a group at a time: a prompt's G completions share one decoding batch.
 
 Rows (prompt-major groups of G) are decoded in batches of whole micro-batches
 that end on a group boundary (:func:`decode_rows`: ``lcm(micro_batch, G)`` rows),
-so a prompt's completions are decoded together and its whole prompt blocks are
-prefilled once (``generate_sdar(repeats=...)``) whatever the micro-batch. Inside
-a batch, micro-batch ``k`` still draws from ``chunk_generator(first_chunk + k)``
-exactly as when decoded alone (``generate_sdar(row_chunks=...)``: a chunk draws,
-and its block's steps go on, only while one of its rows has a masked position),
-so the rollout equals micro-batch by micro-batch decoding of the repeated prompts.
+so a prompt's completions are decoded together whatever the micro-batch and each
+forward's GEMMs see more rows. SDAR prefills a prompt's whole prompt blocks once
+and repeats the cache rows (``generate_sdar(repeats=...)``); LLaDA's bidirectional
+attention leaves no prefix to share, so its prompt rows are repeated
+(``generate_llada(repeats=...)``). Inside a batch, micro-batch ``k`` still draws
+from ``chunk_generator(first_chunk + k)`` exactly as when decoded alone
+(``row_chunks``: a chunk draws, and its block's steps go on, only while one of its
+rows has a masked position), so the rollout equals micro-batch by micro-batch
+decoding of the repeated prompts.
 """
 
 from __future__ import annotations
@@ -17,15 +20,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..diffusion import dllm_config, generate
+from ..diffusion import generate
 
 MAX_DECODE_FACTOR = 4
 """A decoding batch holds at most this many times ``max(micro_batch, G)`` rows (else one micro-batch)."""
-
-
-def shares_prefix(model) -> bool:
-    """Whether the model's sampler shares a prompt's prefill over its completions (SDAR)."""
-    return str(dllm_config(model).arch).lower() == "sdar"
 
 
 def decode_rows(micro_batch: int, group_size: int) -> int:
@@ -43,13 +41,14 @@ def prompt_counts(start: int, stop: int, group_size: int):
     return slice(first, last + 1), counts
 
 
-def shared_prefix_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, *, group_size: int,
-                           gen_length: int, steps: int, block_length: int, temperature: float,
-                           threshold: Optional[float], micro_batch: int,
-                           chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
-                           progress: bool = False) -> List[torch.Tensor]:
+def group_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, *, group_size: int,
+                   gen_length: int, steps: int, block_length: int, temperature: float,
+                   threshold: Optional[float], micro_batch: int,
+                   chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
+                   progress: bool = False, **sampler_options) -> List[torch.Tensor]:
     """``group_size`` completions of each prompt row (``[B, P]``, each prompt once): the decoded
-    batches, rows prompt-major (what ``generate_rollouts`` concatenates)."""
+    batches, rows prompt-major (what ``generate_rollouts`` concatenates). ``sampler_options`` go
+    to :func:`~..diffusion.generate` (LLaDA's ``cache`` and ``stats``)."""
     total = prompt_ids.shape[0] * group_size
     rows = decode_rows(micro_batch, group_size)
     outputs = []
@@ -61,5 +60,5 @@ def shared_prefix_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.
         outputs.append(generate(model, prompt_ids[prompts], gen_length=gen_length, steps=steps,
                                 block_length=block_length, temperature=temperature, threshold=threshold,
                                 prompt_valid=prompt_valid[prompts], progress=progress, repeats=counts,
-                                row_chunks=chunks))
+                                row_chunks=chunks, **sampler_options))
     return outputs
