@@ -407,10 +407,11 @@ def test_fc1_gate_up_split_matches_the_fused_fc1(megatron_tp1, name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
-def test_swiglu_module_only_with_megatrons_plain_swiglu():
-    """``with_module_activation`` turns the module on only where Megatron's plain
-    (unfused, bias-free) SwiGLU would run; the module accepts fc1's pair or fused output."""
-    from stabledrl_mcore.models.gated_mlp import SwiGLU, with_module_activation
+def test_swiglu_module_only_with_megatrons_plain_or_fused_swiglu(monkeypatch):
+    """``with_module_activation`` turns the module on only where Megatron's plain or fused
+    bias-free SwiGLU would run; the module accepts fc1's pair or fused output; with the fused
+    kernel on it runs it when autograd records (training) and the eager product without."""
+    from stabledrl_mcore.models.gated_mlp import SwiGLU, fused_swiglu, with_module_activation
     from stabledrl_mcore.models.presets import to_transformer_config
     from stabledrl_mcore.models.specs import dllm_layer_spec
 
@@ -422,13 +423,26 @@ def test_swiglu_module_only_with_megatrons_plain_swiglu():
     local, stock = dllm_layer_spec(use_te=False), dllm_layer_spec(use_te=False, stock_local=True)
     assert with_module_activation(config(), local).use_te_activation_func
     assert not with_module_activation(config(), stock).use_te_activation_func
-    assert not with_module_activation(config(bias_activation_fusion=True), local).use_te_activation_func
+    fused_config = with_module_activation(config(bias_activation_fusion=True), local)
+    assert fused_config.use_te_activation_func and not fused_config.bias_activation_fusion
+    assert fused_swiglu(fused_config) and not fused_swiglu(with_module_activation(config(), local))
     assert not with_module_activation(config(glu_linear_offset=1.0), local).use_te_activation_func
+    assert not with_module_activation(config(add_bias_linear=True), local).use_te_activation_func
     y = torch.randn(3, 2, 10)
     gate, up = y.chunk(2, dim=-1)
     module = SwiGLU(config())
     expected = torch.nn.functional.silu(gate) * up
     assert torch.equal(module(y), expected) and torch.equal(module((gate, up)), expected)
+
+    from megatron.core.fusions import fused_bias_swiglu
+
+    fused_calls = []
+    monkeypatch.setattr(fused_bias_swiglu, "bias_swiglu_impl",
+                        lambda x, bias, *a: fused_calls.append(x.shape) or expected)
+    fused = SwiGLU(fused_config)
+    assert fused(y) is expected and fused_calls == [y.shape]  # training: Megatron's fused kernel
+    with torch.no_grad():
+        assert torch.equal(fused(y), expected) and len(fused_calls) == 1  # no autograd: eager
 
 
 def _graph_node_names(fn, seen=None):

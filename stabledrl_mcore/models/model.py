@@ -145,6 +145,7 @@ class DLLMModel(LanguageModule):
                 input_ids=input_ids,
                 position_ids=position_ids.expand_as(input_ids) if self.learned_positions else None,
                 tokentype_ids=segment_ids if self.dllm_config.num_segments else None)
+            hidden = _canonical_strides(hidden)
         rotary = None if self.learned_positions else self._rotary(
             _shared_rows(position_ids), self.config.kv_channels, self.dllm_config.rope_theta)
         mask = _decoder_mask(attention_mask)
@@ -173,8 +174,11 @@ class DLLMModel(LanguageModule):
         elif hidden.shape[0] == 0:  # slice(0, 0): no head
             width = self.padded_vocab_size // self.config.tensor_model_parallel_size
             logits = hidden.new_zeros(hidden.shape[1], 0, width)
-        else:  # transpose the H-wide input, not the V-wide logits (a 40x smaller copy at 8B)
-            logits = self.output_layer(hidden.transpose(0, 1).contiguous())[0]  # [B, S, Vp/tp]
+        else:  # transpose the H-wide input, not the V-wide logits (a 40x smaller copy at 8B); a 2-D
+            # input keeps the head one GEMM (see _canonical_strides)
+            rows, batch = hidden.shape[:2]
+            flat = hidden.transpose(0, 1).reshape(rows * batch, hidden.shape[-1])
+            logits = self.output_layer(flat)[0].view(batch, rows, -1)  # [B, S, Vp/tp]
         logits = self._mask_vocab_padding(logits)
         if not gather_output:
             return logits
@@ -206,6 +210,17 @@ class DLLMModel(LanguageModule):
         start = parallel_state.get_tensor_model_parallel_rank() * width
         padded = torch.arange(start, start + width, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def _canonical_strides(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with the strides of a freshly allocated tensor (a view, no copy).
+
+    At batch 1 the embedding's ``[S, 1, H]`` output (a transposed ``[1, S, H]``) is
+    "contiguous" with the stride ``S * H`` on its size-1 dimension; ``matmul`` then does not
+    fold it into one GEMM but expands the weight and runs a batched GEMM per row -- 2.8x the
+    time of the first layer's QKV projection on CPU (measured at hidden 512, 320 tokens).
+    """
+    return hidden.view(hidden.shape) if hidden.is_contiguous() else hidden.contiguous()
 
 
 def _shared_rows(position_ids: torch.Tensor) -> torch.Tensor:
