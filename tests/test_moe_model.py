@@ -120,7 +120,10 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
 
     with torch.no_grad(), RoutingRecorder(model, keep_maps=True) as sampled:
         final = generate_sdar(Recording(), prompt, gen_length=8, steps=4, temperature=0.0)
-    decoding = [(j, ids, start) for j, (ids, start, store) in enumerate(states) if not store]
+    # after the prefill (states[0]): one forward per step; a block's first step also stores the
+    # finished block before it (2 blocks in, the decoded block last)
+    assert states[0][2] and all(ids.shape[1] == (2 * bs if store else bs) for ids, _, store in states[1:])
+    decoding = [(j, ids[:, -bs:], start + ids.shape[1] - bs) for j, (ids, start, _) in enumerate(states) if j]
     assert len(decoding) == 8  # 2 blocks x 4 steps (one token each)
     n, compared = final.shape[1], 0
     for j, block_state, start in decoding:
@@ -129,7 +132,7 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
         with torch.no_grad(), RoutingRecorder(model, keep_maps=True) as scored:
             staircase_forward_logp(model, bs)(noisy, final, noisy == mask_id)
         for layer in range(2):
-            in_sampler = sampled.maps[layer][j]  # [4 tokens, experts]
+            in_sampler = sampled.maps[layer][j][-bs:]  # [4 tokens, experts]
             in_likelihood = scored.maps[layer][0][start:start + bs]  # the noisy copy of the block
             assert torch.equal(in_sampler, in_likelihood), f"step {j} layer {layer}: routing differs"
             compared += 1
