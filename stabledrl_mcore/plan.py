@@ -21,12 +21,14 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   Full recompute keeps ``b_a * H`` per token and layer, plus the larger of the LM head's tensors
   and one recomputed layer's activations (they are not alive at the same time); selective
   recompute drops the core-attention tensors (pipelining: see below); **head**: the LM head's
-  logits ``b_a * T * V * (1 + 1/tp)`` (gathered over TP), ``12 * V * f * T`` for the float32
-  log-softmax of the scored rows and its gradient (``f`` = scored fraction of tokens) and
+  logits ``b_a * T_c * V * (1 + 1/tp)`` (gathered over TP; ``T_c`` = the micro-batch's completion
+  positions, the only ones the head runs on), ``12 * V * f * T_s`` for the float32 log-softmax of
+  the scored rows and its gradient (``f`` = scored fraction of the ``T_s`` sequence tokens) and
   ``3 * b_a * H * T`` (final norm, head input);
 - **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
-  plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block for SDAR, the whole
-  sequence for LLaDA) and ``28 * V`` bytes per decoded position of a block (float64 Gumbel/softmax work);
+  plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block: both samplers run the
+  LM head on the decoded block only) and ``28 * V`` bytes per decoded position of a block (float64
+  Gumbel/softmax work);
   under PP the transient is on *every* stage: the last stage's logits are broadcast to the others
   (full vocabulary, the samplers' ``gather_output``) and every stage runs the same sampler on them;
 - **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``;
@@ -272,16 +274,15 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     else:
         per_layer_kept, extra_layer = full, 0.0
     frac = _scored_fraction(spec)
-    head = bw * tokens * m.vocab_size * (1 + (1 / tp if tp > 1 else 0)) + 12 * m.vocab_size * frac * tokens \
-        + 3 * bw * m.hidden_size * tokens
+    head_rows = spec.micro_batch * spec.gen_length  # the head runs on the completion's positions only
+    head = bw * head_rows * m.vocab_size * (1 + (1 / tp if tp > 1 else 0)) \
+        + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len + 3 * bw * m.hidden_size * tokens
     kv = 0.0
     block = m.block_size or 32
     if m.arch == "sdar":
         kv = 2 * per_stage_layers * (m.num_query_groups / tp) * m.kv_channels * bw * spec.seq_len * spec.micro_batch
-        q = block
-    else:
-        q = spec.seq_len
-    rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * min(block, spec.gen_length))
+    q = min(block, spec.gen_length)  # both samplers run the LM head on the decoded block only
+    rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * q)
     logprob_broadcast = 8.0 * spec.num_mc * per_rank_seqs * spec.seq_len if pp > 1 else 0.0
     worst, stage_totals = None, {}
     for name, dense, last in stages:

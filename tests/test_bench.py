@@ -198,8 +198,12 @@ def test_bench_cli_json(tmp_path):
     train = data["phases"]["train"]
     # forward + backward of num_mc draws of every sequence: 3 F_fwd(S) per token, counted by the hook
     assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
-    assert train["model_flops"] == pytest.approx(3 * train["tokens"] * forward_flops_per_token(cfg, w["seq_len"]))
-    assert data["baseline"]["phases"]["train"]["model_flops"] == pytest.approx(train["model_flops"])
+    # ... less the LM head on the prompt positions: it runs on the completion's only
+    skipped_head = w["num_mc"] * w["sequences"] * (w["seq_len"] - w["generated"]) * 2 * cfg.vocab_size * cfg.hidden_size
+    assert train["model_flops"] == pytest.approx(3 * (train["tokens"] * forward_flops_per_token(cfg, w["seq_len"])
+                                                      - skipped_head))
+    # the baseline runs the head on every position
+    assert data["baseline"]["phases"]["train"]["model_flops"] == pytest.approx(train["model_flops"] + 3 * skipped_head)
     assert data["mfu"] == pytest.approx(train["model_flops_per_s"] / data["matmul_peak_flops"])
     assert 0 < data["mfu"] <= 1 and data["mfu_vs_fp32"] == pytest.approx(data["mfu"])
     step_tokens = w["sequences"] * w["seq_len"]
@@ -418,7 +422,8 @@ def test_bench_of_a_mixture_of_experts_counts_active_parameters(tmp_path):
     keys = 2 * w["seq_len"]                           # staircase: 2S queries over [x_t | x_0], 2S keys
     per_token = 2 * active_mm + 4 * layers * keys * 4 * 16
     assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
-    assert train["model_flops"] == pytest.approx(3 * 2 * train["tokens"] * per_token)
+    skipped_head = w["num_mc"] * w["sequences"] * (keys - w["generated"]) * 2 * vocab * h  # head: completion only
+    assert train["model_flops"] == pytest.approx(3 * (2 * train["tokens"] * per_token - skipped_head))
     from stabledrl_mcore.bench.baseline import hf_model
 
     baseline = hf_model(get_preset("sdar-moe-tiny"))

@@ -45,11 +45,11 @@ def test_memory_estimate_by_hand():
     per_token_layer = 4 * (6 * 64 + (3 * 4 + 2 * 4) * 16 + 5 * 176)  # local kernels: 6336 bytes
     tokens = 2 * 32
     assert est["activations"] == 4 * per_token_layer * tokens == 1622016
-    head = 4 * tokens * 256 + 12 * 256 * 0.25 * tokens + 3 * 4 * 64 * tokens
-    assert est["head"] == head == 163840
+    head = 4 * 2 * 16 * 256 + 12 * 256 * 0.25 * tokens + 3 * 4 * 64 * tokens  # logits of the 2 x 16 completion rows
+    assert est["head"] == head == 131072
     assert est["rollout_kv_cache"] == 0                               # LLaDA decodes without a cache
-    assert est["rollout_transient"] == 2 * (32 * 256 * 4 + 28 * 256 * 16)
-    assert est["total"] == 2 * 4 * PARAMS + 8 * PARAMS + 1622016 + 163840 == 5530624
+    assert est["rollout_transient"] == 2 * (16 * 256 * 4 + 28 * 256 * 16)  # the head on the 16-token block
+    assert est["total"] == 2 * 4 * PARAMS + 8 * PARAMS + 1622016 + 131072 == 5497856
     assert est["dp"] == 2 and est["fits"]
 
 
@@ -147,8 +147,8 @@ def test_pipeline_stages_by_hand():
     tokens, per_token_layer = 2 * 32, 6336
     first_act = 2 * 2 * per_token_layer * tokens + 2 * 4 * 64 * tokens    # 2 in flight x 2 layers + 2 sent outputs
     last_act = 1 * 2 * per_token_layer * tokens
-    head = 163840                                                          # as at PP = 1 (same micro-batch)
-    rollout = 2 * (32 * 256 * 4 + 28 * 256 * 16)                           # broadcast logits + sampler work
+    head = 131072                                                          # as at PP = 1 (same micro-batch)
+    rollout = 2 * (16 * 256 * 4 + 28 * 256 * 16)                           # broadcast block logits + sampler work
     assert est["rollout_transient"] == rollout and est["likelihood_peak"] == 8 * 2 * 4 * 32
     assert est["stage_totals"] == {"first": 16 * first + max(first_act, rollout),
                                    "last": 16 * last + max(last_act + head, rollout)}

@@ -23,7 +23,8 @@ counted densely, as SDPA with a mask computes them (a staircase pass over
 
 :class:`FlopCounter` hooks a model's forward and adds ``F_fwd`` for every call
 (``3 F_fwd`` when autograd records it, since a backward follows), so any phase
-(sampling, likelihood passes, training) is counted from the forwards it really runs.
+(sampling, likelihood passes, training) is counted from the forwards it really runs; the LM head
+only on the positions a forward asks logits for (``logit_positions``).
 """
 
 from __future__ import annotations
@@ -63,12 +64,23 @@ def _shape(args, kwargs):
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         return None
+    queries = int(ids.shape[1])
     cache = kwargs.get("kv_cache")
-    cached = int(getattr(cache, "length", 0) or 0) if cache is not None else 0
+    keys = queries
+    if cache is not None and hasattr(cache, "key_length"):  # ours: appended or overwritten in place
+        keys = int(cache.key_length(queries))
+    elif cache is not None:
+        keys += int(getattr(cache, "length", 0) or 0)
     past = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers caches
     if past is not None and hasattr(past, "get_seq_length"):
-        cached = int(past.get_seq_length())
-    return int(ids.shape[0]), int(ids.shape[1]), int(ids.shape[1]) + cached
+        keys = queries + int(past.get_seq_length())
+    return int(ids.shape[0]), queries, keys
+
+
+def _head_rows(kwargs, queries: int) -> int:
+    """Positions the LM head runs on: ``logit_positions`` (a slice) or every query."""
+    positions = kwargs.get("logit_positions")
+    return queries if positions is None else len(range(*positions.indices(queries)))
 
 
 class FlopCounter:
@@ -90,7 +102,8 @@ class FlopCounter:
             return None
         batch, queries, keys = shape
         factor = 3.0 if torch.is_grad_enabled() else 1.0
-        self.flops += factor * forward_flops(self.cfg, batch, queries, keys)
+        skipped_head = batch * (queries - _head_rows(kwargs, queries)) * 2.0 * self.cfg.vocab_size * self.cfg.hidden_size
+        self.flops += factor * (forward_flops(self.cfg, batch, queries, keys) - skipped_head)
         self.tokens += batch * queries
         return None
 
