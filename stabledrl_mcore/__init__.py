@@ -28,6 +28,6 @@ _quiet_cpu_warnings()
 def load_model(*args, **kwargs):
     """HF directory or converted checkpoint -> single-process logits module
     (see :func:`stabledrl_mcore.checkpoint.loader.load_model`)."""
-    from .checkpoint.loader import load_model as _load_model
+    from stabledrl_mcore.checkpoint.loader import load_model as _load_model
 
     return _load_model(*args, **kwargs)

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
-from . import __version__
+from stabledrl_mcore import __version__
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -50,10 +50,10 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
     """``(config, overrides)`` of ``train`` and ``sft``: the file plus overrides, ``--resume`` /
     ``--overwrite`` as ``checkpoint.*`` overrides (the ranks get the same); ``--nproc`` checked; pre-emption handlers installed first (unless
     ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
-    from .config import ConfigError, RunConfig, load_config
+    from stabledrl_mcore.config import ConfigError, RunConfig, load_config
 
     if not args.print_config:
-        from .rl.trainer import install_preemption_handlers
+        from stabledrl_mcore.rl.trainer import install_preemption_handlers
 
         install_preemption_handlers()
     if args.nproc is not None and args.nproc < 1:
@@ -64,13 +64,13 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import save_config, to_dict
-    from .preflight import preflight
+    from stabledrl_mcore.config import save_config, to_dict
+    from stabledrl_mcore.preflight import preflight
 
     cfg, overrides = run_config_from_args(args)
     # every check that needs no model, before any rank starts; a plain `train` is one process
     report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
-    from .checkpoint.resume import preflight as check_run_directory
+    from stabledrl_mcore.checkpoint.resume import preflight as check_run_directory
 
     check_run_directory(cfg)  # a used run directory or a resume that cannot fit the config
     if args.print_config:
@@ -82,14 +82,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             save_config(cfg, args.save_config)
         return 0
     if args.nproc is not None and args.nproc > 1:
-        from .parallel.launch import exit_status, spawn
+        from stabledrl_mcore.parallel.launch import exit_status, spawn
 
-        from .rl.trainer import EXIT_PREEMPTED, train_rank
+        from stabledrl_mcore.rl.trainer import EXIT_PREEMPTED, train_rank
 
         # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
         return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
-    from .rl.trainer import train_rank
+    from stabledrl_mcore.rl.trainer import train_rank
 
     return train_rank(args.config, overrides)
 
@@ -183,7 +183,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from .errors import RunFailed, is_user_error, is_user_error_type, one_line
+    from stabledrl_mcore.errors import RunFailed, is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")

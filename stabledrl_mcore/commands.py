@@ -51,13 +51,13 @@ PROMPT_FLAGS = ("--system-prompt", "--prompt-template", "--chat-template")
 
 def cli_prompt_format(args: argparse.Namespace):
     """The checked :class:`~.tasks.prompts.PromptFormat` of the prompt flags (one line if bad)."""
-    from .tasks.prompts import prompt_format
+    from stabledrl_mcore.tasks.prompts import prompt_format
 
     return prompt_format(args.system_prompt, args.prompt_template, args.chat_template, names=PROMPT_FLAGS)
 
 
 def _tokenizer(args):
-    from .tokenizer import load_tokenizer
+    from stabledrl_mcore.tokenizer import load_tokenizer
 
     path = args.tokenizer or (os.path.join(args.ckpt, "hf") if os.path.isdir(os.path.join(args.ckpt, "hf"))
                               else args.ckpt)
@@ -68,7 +68,7 @@ def _sampling(args, cfg):
     steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
     block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
     if args.cache != "none" and cfg.arch != "llada":
-        from .errors import UserError
+        from stabledrl_mcore.errors import UserError
 
         raise UserError(f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
                         f"with its own KV cache of finished blocks (drop --cache)")
@@ -81,7 +81,7 @@ def chat_prompt(text: str, tokenizer, prompt_format=None) -> str:
     ``prompt_format`` sets one), as ``eval`` formats its prompts (``PromptFormat.render``);
     unchanged without a template (the tokenizer's or ``--chat-template``), system prompt or
     prompt template."""
-    from .tasks.prompts import PromptFormat
+    from stabledrl_mcore.tasks.prompts import PromptFormat
 
     fmt = prompt_format or PromptFormat()
     if not tokenizer.chat_template and fmt.is_default:
@@ -105,11 +105,11 @@ def run_generate(args: argparse.Namespace) -> int:
     each JSONL record holds the ``input`` as given and the exact ``prompt`` the model saw."""
     import torch
 
-    from .checkpoint.loader import load_model
-    from .diffusion import generate
-    from .models.placement import eval_mode, model_device
-    from .rl.rollout import encode_prompts
-    from .tasks import write_jsonl
+    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.diffusion import generate
+    from stabledrl_mcore.models.placement import eval_mode, model_device
+    from stabledrl_mcore.rl.rollout import encode_prompts
+    from stabledrl_mcore.tasks import write_jsonl
 
     prompts: List[str] = list(args.prompt or [])
     if args.prompts:
@@ -168,7 +168,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.check:
         return _check_eval(args)
     if args.nproc > 1:
-        from .parallel.launch import spawn
+        from stabledrl_mcore.parallel.launch import spawn
 
         _eval_inputs(args)  # a bad task or data file fails here, before any rank starts
         spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
@@ -179,7 +179,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def _check_eval(args: argparse.Namespace) -> int:
     """``eval --check``: every input a rank would read (task, data, prompt format, checkpoint
     config, sampling flags, output files), checked in this one process; no model is built."""
-    from .checkpoint.loader import read_config
+    from stabledrl_mcore.checkpoint.loader import read_config
 
     task, examples = _eval_inputs(args)
     cfg = read_config(args.ckpt)
@@ -220,8 +220,8 @@ def summary_path(out: str) -> str:
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:
     """``--n`` / ``--k`` / ``--temperature``, refused by name before any rank starts; sets ``args.k``."""
-    from .errors import UserError
-    from .tasks.at_k import check_ks, default_ks
+    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.tasks.at_k import check_ks, default_ks
 
     if args.n < 1:
         raise UserError(f"--n must be >= 1, got {args.n}")
@@ -241,8 +241,8 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
 
 def _eval_inputs(args: argparse.Namespace):
     """``(task, examples)`` of an eval, checked before any model is loaded; none is an error."""
-    from .errors import DataError, UserError
-    from .tasks import GENERATED_TASKS, get_task
+    from stabledrl_mcore.errors import DataError, UserError
+    from stabledrl_mcore.tasks import GENERATED_TASKS, get_task
 
     if not os.path.isdir(args.ckpt):
         raise FileNotFoundError(f"--ckpt {args.ckpt}: no such checkpoint directory")
@@ -273,12 +273,12 @@ def _eval_inputs(args: argparse.Namespace):
 def _eval_rank(options: dict) -> int:
     import torch
 
-    from .checkpoint.loader import read_config
-    from .evaluation import evaluate_model
-    from .models import build_model
-    from .parallel import bootstrap
-    from .rl.setup import load_initial_weights
-    from .tasks import write_jsonl
+    from stabledrl_mcore.checkpoint.loader import read_config
+    from stabledrl_mcore.evaluation import evaluate_model
+    from stabledrl_mcore.models import build_model
+    from stabledrl_mcore.parallel import bootstrap
+    from stabledrl_mcore.rl.setup import load_initial_weights
+    from stabledrl_mcore.tasks import write_jsonl
 
     args = argparse.Namespace(**options)
     if args.threads:
@@ -359,8 +359,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_stress_arguments(parser: argparse.ArgumentParser) -> None:
-    from .experiments.stress import StressOptions
-    from .experiments.tiny_sudoku import LIKELIHOODS
+    from stabledrl_mcore.experiments.stress import StressOptions
+    from stabledrl_mcore.experiments.tiny_sudoku import LIKELIHOODS
 
     d = StressOptions()
     parser.add_argument("--config", metavar="FILE",
@@ -381,8 +381,8 @@ def add_stress_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stress(args: argparse.Namespace) -> int:
-    from .experiments.stress import StressOptions, format_stress, run_stress as run
-    from .experiments.tiny_sudoku import TinySudoku
+    from stabledrl_mcore.experiments.stress import StressOptions, format_stress, run_stress as run
+    from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku
 
     opts = StressOptions(out=args.out, setting=TinySudoku(seed=args.seed), config=args.config,
                          overrides=tuple(args.overrides), steps=args.steps, noise=args.noise,

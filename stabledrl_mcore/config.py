@@ -17,8 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
-from .config_io import (ConfigError, apply_overrides, from_dict, get_dotted,  # noqa: F401 (API)
-                        parse_override, to_dict)
+from stabledrl_mcore.config_io import ConfigError, apply_overrides, from_dict, get_dotted, parse_override, to_dict
 
 
 @dataclass
@@ -357,7 +356,7 @@ class RunConfig:
         if self.rollout.cache_gap_every < 0 or self.rollout.cache_gap_every and self.rollout.cache == "none":
             raise ConfigError(f"rollout.cache_gap_every={self.rollout.cache_gap_every} measures the cached "
                               f"sampler's gap to exact decoding: needs a value >= 0 and rollout.cache=prefix|dual")
-        from .tasks import available_tasks
+        from stabledrl_mcore.tasks import available_tasks
 
         _choice("rollout.task", self.rollout.task, available_tasks())
         _choice("algo.likelihood", self.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
@@ -437,7 +436,7 @@ class RunConfig:
                               f"{a.reference_sync_every}, {a.reference_mixup}")
         if (a.reference_sync_every or a.reference_mixup != 0.6) and a.kl_coef == 0:
             raise ConfigError("algo.reference_sync_every / reference_mixup need a reference: set algo.kl_coef > 0")
-        from .rl.losses import available_policy_losses, available_token_policy_losses
+        from stabledrl_mcore.rl.losses import available_policy_losses, available_token_policy_losses
 
         sequence, token = available_policy_losses(), available_token_policy_losses()
         if a.loss not in sequence + token:
@@ -461,8 +460,8 @@ class RunConfig:
 
 def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> None:
     """``algo.loss_options`` must be keyword options of the loss function itself."""
-    from .rl.losses import get_policy_loss, get_token_policy_loss
-    from .rl.losses_common import option_names
+    from stabledrl_mcore.rl.losses import get_policy_loss, get_token_policy_loss
+    from stabledrl_mcore.rl.losses_common import option_names
 
     accepted = option_names((get_token_policy_loss if token else get_policy_loss)(loss), configurable=True)
     unknown = sorted(set(options) - set(accepted))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from .experiments.demo import DemoOptions, format_summary, run_demo
-from .experiments.tiny_sudoku import LIKELIHOODS, POSITION_INPUTS, TinySudoku
-from .tasks import get_task
+from stabledrl_mcore.experiments.demo import DemoOptions, format_summary, run_demo
+from stabledrl_mcore.experiments.tiny_sudoku import LIKELIHOODS, POSITION_INPUTS, TinySudoku
+from stabledrl_mcore.tasks import get_task
 
 
 def _blank_range(text: str):

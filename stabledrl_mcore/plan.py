@@ -82,7 +82,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from .config import ConfigError
+from stabledrl_mcore.config import ConfigError
 
 GIB = 1024 ** 3
 
@@ -244,7 +244,7 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     recompute = recompute or spec.recompute
     why = check_layout(spec, tp, pp, ep)
     if why:
-        from .parallel.bootstrap import ParallelLayoutError
+        from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 
         raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
                                   + f": {why}")
@@ -319,7 +319,7 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
 
 
 def _throughput(spec: PlanSpec, pp: int, micro_batches: int, rollout_micro_batches: int) -> Dict[str, float]:
-    from .bench.flops import forward_flops_per_token
+    from stabledrl_mcore.bench.flops import forward_flops_per_token
 
     m, s = spec.model, spec.seq_len
     t_train = s * (2 if spec.likelihood == "staircase" else 1)
@@ -483,8 +483,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> PlanSpec:
-    from .models import get_preset
-    from .models.presets import ModelConfigError
+    from stabledrl_mcore.models import get_preset
+    from stabledrl_mcore.models.presets import ModelConfigError
 
     try:
         model = get_preset(args.model)
@@ -506,21 +506,21 @@ def run_plan(args: argparse.Namespace) -> int:
     """The ``stabledrl plan`` command: the requested layout in detail, then every layout."""
     spec = spec_from_args(args)
     if args.plot:
-        from .plan_plot import check_plot_path
+        from stabledrl_mcore.plan_plot import check_plot_path
 
         check_plot_path(args.plot)
     chosen = estimate(spec)
     rows = all_layouts(spec)
     print(format_plan(spec, chosen, rows))
     if args.json:
-        from .bench.report import write_json
+        from stabledrl_mcore.bench.report import write_json
 
         plain = dataclasses.asdict(dataclasses.replace(spec, model=None))
         params = {"total": spec.model.num_parameters(), "active": spec.model.num_active_parameters()}
         write_json({"spec": dict(plain, model=args.model), "model_params": params, "chosen": chosen,
                     "layouts": rows}, args.json)
     if args.plot:
-        from .plan_plot import plot_plan
+        from stabledrl_mcore.plan_plot import plot_plan
 
         plot_plan(rows, spec.gpu_memory_gib, args.plot, title=format_plan(spec, chosen, rows).splitlines()[0],
                   requested=layout_key(chosen))

@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import ConfigError, RunConfig, get_dotted
-from .errors import DataError
-from .parallel.bootstrap import ParallelLayoutError
-from .tasks import GENERATED_TASKS
-from .tasks.local_datasets import check_local
+from stabledrl_mcore.config import ConfigError, RunConfig, get_dotted
+from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
+from stabledrl_mcore.tasks import GENERATED_TASKS
+from stabledrl_mcore.tasks.local_datasets import check_local
 
 _TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
 _GENERATED_SAMPLE = 8  # generated tasks: a few examples prove the options work; the run draws its own
@@ -124,7 +124,7 @@ def model_shape(cfg: RunConfig):
 
     Token ids of a random-init model come from its tokenizer at build time; they are not checked here.
     """
-    from .models import DLLMConfig, ModelConfigError, available_presets, get_preset
+    from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
 
     if cfg.model.preset not in available_presets():
         close = difflib.get_close_matches(cfg.model.preset, available_presets(), n=1)
@@ -156,8 +156,8 @@ def model_shape(cfg: RunConfig):
 def checkpoint_config(path: str):
     """The :class:`DLLMConfig` of an HF directory, a converted or a training checkpoint; a missing
     or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``."""
-    from .checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
-    from .models import DLLMConfig
+    from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
+    from stabledrl_mcore.models import DLLMConfig
 
     if not os.path.exists(path):
         raise ConfigError(f"model.checkpoint: {path} does not exist (give an HF model directory, a "
@@ -171,8 +171,8 @@ def checkpoint_config(path: str):
         with open(os.path.join(path, MODEL_CONFIG)) as handle:  # a training checkpoint
             return DLLMConfig.from_dict(json.load(handle))
     if os.path.isfile(os.path.join(path, "config.json")):
-        from .checkpoint import hf_config
-        from .checkpoint.safetensors_io import SafetensorsReader
+        from stabledrl_mcore.checkpoint import hf_config
+        from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 
         SafetensorsReader(path)  # headers only: a missing or truncated weight file fails here
         return hf_config.hf_to_dllm_config(hf_config.read_hf_config(path), source_dir=path)
@@ -200,7 +200,7 @@ def _check_tokenizer(cfg: RunConfig) -> None:
 
 
 def _check_logging(cfg: RunConfig) -> None:
-    from .metrics import tensorboard_available
+    from stabledrl_mcore.metrics import tensorboard_available
 
     if cfg.logging.tensorboard and not tensorboard_available():
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
@@ -209,7 +209,7 @@ def _check_logging(cfg: RunConfig) -> None:
 
 def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[int]:
     """The layout against the model's shape, and against ``world_size`` when it is known."""
-    from .parallel.bootstrap import validate_parallel_layout
+    from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
 
     p = cfg.parallel
     known = world_size is not None
@@ -241,7 +241,7 @@ def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[i
 
 def _task(cfg: RunConfig):
     """The run's task as every rank builds it (``rollout.reward_fn`` is imported here once)."""
-    from .rl.setup import build_task
+    from stabledrl_mcore.rl.setup import build_task
 
     try:
         return build_task(cfg)  # also checks the prompt template / chat template file renders
@@ -254,8 +254,8 @@ def _task(cfg: RunConfig):
 def _load(cfg: RunConfig, task, split: str) -> list:
     """The examples of ``split`` as training (``train``) or held-out evaluation would load them
     (a generated task draws a few: generating the run's thousands belongs to the run)."""
-    from .rl.heldout import heldout_examples
-    from .rl.setup import load_train_examples
+    from stabledrl_mcore.rl.heldout import heldout_examples
+    from stabledrl_mcore.rl.setup import load_train_examples
 
     generated = cfg.rollout.task in GENERATED_TASKS
     what = "training" if split == "train" else f"eval.split={split}"

@@ -32,7 +32,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from ..models.masks import block_causal_mask, padding_mask
+from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
 
 
 def hf_model(cfg, dtype: torch.dtype = torch.float32):
@@ -96,7 +96,7 @@ class BaselineStep:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **extra).logits
 
     def _generator(self, k: int) -> torch.Generator:
-        from ..rl.setup import derive_seed
+        from stabledrl_mcore.rl.setup import derive_seed
 
         return torch.Generator().manual_seed(derive_seed(self.cfg.parallel.seed, "baseline", k))
 
@@ -183,7 +183,7 @@ class BaselineStep:
 
     def generate(self):
         """Rollouts of the same prompts as ours (``RolloutBatch``), micro-batch by micro-batch."""
-        from ..rl.rollout import RolloutBatch, completion_mask_until_eos, encode_prompts
+        from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos, encode_prompts
 
         s, r = self.ours.s, self.cfg.rollout
         examples = s.prompts.for_step(0)
@@ -246,14 +246,14 @@ class BaselineStep:
 
     def _plan(self, batch, spec):
         """The masks of the step: the same draws as ours (identical work on both sides)."""
-        from ..rl.trainer import _chunk_generators, _first_chunk
-        from ..rl.estimates import draw_plan
+        from stabledrl_mcore.rl.trainer import _chunk_generators, _first_chunk
+        from stabledrl_mcore.rl.estimates import draw_plan
 
         return draw_plan(batch, spec, _chunk_generators(self.cfg, 0)("masks"),
                          micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=_first_chunk(self.ours.s))
 
     def likelihood(self, name: str) -> float:
-        from ..rl.estimates import sequence_estimates
+        from stabledrl_mcore.rl.estimates import sequence_estimates
 
         spec = self.ours.specs[name]
         batch = dataclasses.replace(self.ours.batch)
@@ -264,8 +264,8 @@ class BaselineStep:
 
     # ------------------------------------------------------------------ update
     def _loss(self, batch, spec) -> torch.Tensor:
-        from ..rl.losses import sequence_policy_loss
-        from ..rl.estimates import sequence_estimates
+        from stabledrl_mcore.rl.losses import sequence_policy_loss
+        from stabledrl_mcore.rl.estimates import sequence_estimates
 
         tok = self.all_token_logp(batch, batch.plan, spec)
         logp = sequence_estimates(tok, batch.plan, batch, spec)
@@ -291,9 +291,9 @@ class BaselineStep:
         return 0.0
 
     def step(self) -> float:
-        from ..rl.rollout import score_rollouts
-        from ..rl.estimates import sequence_estimates
-        from .phases import fill_flat_groups
+        from stabledrl_mcore.rl.rollout import score_rollouts
+        from stabledrl_mcore.rl.estimates import sequence_estimates
+        from stabledrl_mcore.bench.phases import fill_flat_groups
 
         spec = self.ours.spec
         batch = score_rollouts(self.generate(), self.ours.s.task, advantage=self.cfg.algo.advantage)
@@ -308,6 +308,6 @@ class BaselineStep:
         return float(batch.sequences.numel())
 
     def jobs(self, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
-        from .phases import phase_jobs
+        from stabledrl_mcore.bench.phases import phase_jobs
 
         return phase_jobs(self, phases)

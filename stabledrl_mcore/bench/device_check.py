@@ -86,7 +86,7 @@ CPU = Sizes(presets={"llada": "llada-tiny", "sdar": "sdar-tiny"}, layers=2, seq=
 
 
 def _device() -> torch.device:
-    from ..models import default_device
+    from stabledrl_mcore.models import default_device
 
     return default_device()
 
@@ -108,7 +108,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _shaped(preset: str, layers: int):
-    from ..models import get_preset
+    from stabledrl_mcore.models import get_preset
 
     return get_preset(preset, num_layers=layers, init_std=0.02)
 
@@ -126,8 +126,8 @@ def _left_padded_ids(cfg, batch: int, length: int, generator: torch.Generator, d
 def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
     """Per arch: max rel |dlogit| of the local spec vs ``build_model(**other)``, same weights
     (saved from the local model, loaded into the other: the specs share checkpoint keys)."""
-    from ..checkpoint.mcore_io import load_model_weights, save_model_checkpoint
-    from ..models import build_model
+    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+    from stabledrl_mcore.models import build_model
 
     out = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -148,7 +148,7 @@ def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
 def check_te_vs_local(sizes: Sizes) -> Dict[str, Any]:
     """TE vs local spec; without TE the same transfer and comparison against Megatron's stock
     local layer (so the check's own path runs everywhere), reported as skipped."""
-    from ..models.specs import te_unavailable_reason
+    from stabledrl_mcore.models.specs import te_unavailable_reason
 
     reason = te_unavailable_reason()
     if reason:
@@ -178,7 +178,7 @@ def _forward_backward(model, ids, layout, positions, backend: str, backward: boo
 
 def check_flex_vs_sdpa(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     """Forward and backward on GPU; forward only on CPU, where torch has no flex backward."""
-    from ..models import AttentionLayout, build_model, staircase_position_ids
+    from stabledrl_mcore.models import AttentionLayout, build_model, staircase_position_ids
 
     cfg = _shaped(sizes.presets["sdar"], sizes.layers)
     model = build_model(cfg, params_dtype=torch.bfloat16).train()
@@ -226,7 +226,7 @@ def _peak_bytes(fn: Callable[[], None]) -> int:
         fn()
         _sync()
         return torch.cuda.max_memory_allocated() - base
-    from .memory import _reset_peak, _status
+    from stabledrl_mcore.bench.memory import _reset_peak, _status
 
     _reset_peak()
     base = _status("VmRSS")
@@ -236,8 +236,8 @@ def _peak_bytes(fn: Callable[[], None]) -> int:
 
 def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     """Forward + backward on GPU; on CPU the forward alone (torch has no flex backward there)."""
-    from ..diffusion.likelihood import gather_log_probs
-    from ..models import AttentionLayout, build_model, staircase_position_ids
+    from stabledrl_mcore.diffusion.likelihood import gather_log_probs
+    from stabledrl_mcore.models import AttentionLayout, build_model, staircase_position_ids
 
     cfg = _shaped(sizes.presets["sdar"], sizes.layers)
     model = build_model(cfg, params_dtype=torch.bfloat16).train()
@@ -278,9 +278,9 @@ def probe_reward(task, completion: str, reference) -> float:
 
 def _train_rank(config: str, overrides: List[str], out_json: str) -> None:
     """One rank of the training check (module level: ``parallel.launch.spawn`` starts it)."""
-    from ..config import load_config
-    from ..rl.trainer import train
-    from ..tasks.base import Task
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.tasks.base import Task
 
     Task.reward = probe_reward
     setup = train(load_config(config, overrides))
@@ -301,7 +301,7 @@ def _metrics(run_dir: str) -> List[Dict[str, Any]]:
 
 
 def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
-    from ..parallel.launch import spawn
+    from stabledrl_mcore.parallel.launch import spawn
 
     preset = "llada-tiny" if arch == "llada" else "sdar-tiny"
     extra = [f"model.preset={preset}", "model.dtype=bf16", "model.recompute=true", "optim.distributed=true",
@@ -336,7 +336,7 @@ def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
 
 
 def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
-    from .peak import describe
+    from stabledrl_mcore.bench.peak import describe
 
     preset = sizes.presets[arch]
     run_dir = os.path.join(workdir, f"bench_{arch}")
@@ -368,7 +368,7 @@ def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
 def run_checks(*, cpu: bool, workdir: Optional[str] = None,
                only: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run every check (or ``only`` those); returns the JSON-ready result."""
-    from ..parallel import bootstrap
+    from stabledrl_mcore.parallel import bootstrap
 
     if not cpu and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: run with --cpu for the CPU variant")
@@ -415,7 +415,7 @@ def run_checks(*, cpu: bool, workdir: Optional[str] = None,
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    from .peak import _cpu_name
+    from stabledrl_mcore.bench.peak import _cpu_name
 
     return _cpu_name()
 
@@ -458,7 +458,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu_check: error: {err}", file=sys.stderr)
         return 2
     print(format_table(result), flush=True)
-    from .report import write_json
+    from stabledrl_mcore.bench.report import write_json
 
     write_json(result, args.json)
     print(f"wrote {args.json}")

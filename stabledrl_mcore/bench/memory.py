@@ -59,7 +59,7 @@ def _reset_peak() -> bool:
 
 def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: torch.Generator):
     """A rollout batch of ``prompts_per_step x group_size`` random sequences (advantages +-1)."""
-    from ..rl.rollout import RolloutBatch
+    from stabledrl_mcore.rl.rollout import RolloutBatch
 
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     seqs = torch.randint(5, vocab - 1, (n, seq_len), generator=generator)
@@ -73,8 +73,8 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
-    from ..parallel.expert import phase_model
-    from ..rl.update import accumulate_gradients, sync_gradients
+    from stabledrl_mcore.parallel.expert import phase_model
+    from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
 
     peaks = []
     coef = batch.plan.scored.float()
@@ -91,9 +91,9 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
 
 
 def _run(cfg, seq_len: int, prompt_len: int, iterations: int):
-    from ..rl.setup import build_training, phase_generator
-    from ..rl.trainer import likelihood_spec
-    from ..rl.estimates import draw_plan
+    from stabledrl_mcore.rl.setup import build_training, phase_generator
+    from stabledrl_mcore.rl.trainer import likelihood_spec
+    from stabledrl_mcore.rl.estimates import draw_plan
 
     s = build_training(cfg)
     after_build = _status("VmRSS")
@@ -111,8 +111,8 @@ def measure(config: Optional[str], overrides: Sequence[str], *, seq_len: int, pr
     """Peak RSS growth (bytes) of building + ``iterations`` updates; call in a fresh process."""
     from megatron.core import parallel_state as ps
 
-    from ..config import load_config
-    from ..parallel import bootstrap
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.parallel import bootstrap
 
     torch.set_num_threads(1)
     cfg = load_config(config, list(overrides))
@@ -151,8 +151,8 @@ def measure_ranks(config: Optional[str], overrides: Sequence[str], *, seq_len: i
     ``{"ranks": [record of rank 0, ...]}``, or one record when the layout has a single rank."""
     import tempfile
 
-    from ..config import load_config
-    from ..parallel.launch import spawn
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.parallel.launch import spawn
 
     cfg = load_config(config, list(overrides))
     world = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel

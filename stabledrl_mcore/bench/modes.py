@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import ConfigError, RunConfig
+from stabledrl_mcore.config import ConfigError, RunConfig
 
 # rollout fields the training set-up reads once (prompt stream, task): a mode cannot change them
 SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step",
@@ -54,7 +54,7 @@ def parse_rollout_modes(specs: Sequence[str]) -> List[Tuple[str, List[str]]]:
 def mode_configs(config: Optional[str], overrides: Sequence[str], modes: Sequence[Tuple[str, List[str]]], *,
                  keep_tokenizer_vocab: bool = False) -> Dict[str, RunConfig]:
     """Each mode's full config (validated: a misspelt field is refused by name)."""
-    from .run import bench_config
+    from stabledrl_mcore.bench.run import bench_config
 
     out = {}
     for name, extra in modes:
@@ -108,7 +108,7 @@ class RolloutMode:
         self.completions = 0
 
     def rollout(self) -> float:
-        from ..rl.trainer import rollout_phase
+        from stabledrl_mcore.rl.trainer import rollout_phase
 
         with _RowCounter(self.s.model) as counter:
             batch = rollout_phase(self.s, 0)
@@ -118,11 +118,11 @@ class RolloutMode:
 
     def accuracy(self) -> Dict[str, Any]:
         """Greedy held-out accuracy with this mode's decoding settings (one completion per example)."""
-        from ..rl.heldout import heldout_examples
-        from ..rl.rollout import score_rollouts
-        from ..rl.trainer import rollout_phase
-        from ..tasks.evaluation import shard_examples
-        from .phases import _reduce
+        from stabledrl_mcore.rl.heldout import heldout_examples
+        from stabledrl_mcore.rl.rollout import score_rollouts
+        from stabledrl_mcore.rl.trainer import rollout_phase
+        from stabledrl_mcore.tasks.evaluation import shard_examples
+        from stabledrl_mcore.bench.phases import _reduce
 
         cfg = self.s.cfg
         held_out = heldout_examples(cfg, self.s.task)

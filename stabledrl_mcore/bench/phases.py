@@ -80,7 +80,7 @@ def _dist() -> bool:
 def _reduce(values: List[float], op) -> List[float]:
     if not _dist() or not values:
         return values
-    from ..parallel.bootstrap import comm_device
+    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(t, op=op)
@@ -109,7 +109,7 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
     Every job returns its local token count; tokens are summed over ranks and
     each repetition's time is the slowest rank's.
     """
-    from ..parallel.pipeline import CLOCK
+    from stabledrl_mcore.parallel.pipeline import CLOCK
 
     names = list(jobs)
     results = {n: PhaseResult(n) for n in names}
@@ -190,9 +190,9 @@ class StableDRLPhases:
     """
 
     def __init__(self, setup):
-        from ..rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
-        from ..rl.rollout import score_rollouts
-        from ..rl.estimates import LikelihoodSpec
+        from stabledrl_mcore.rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
+        from stabledrl_mcore.rl.rollout import score_rollouts
+        from stabledrl_mcore.rl.estimates import LikelihoodSpec
 
         s = self.s = setup
         cfg = s.cfg
@@ -215,16 +215,16 @@ class StableDRLPhases:
         return int(self.batch.sequences.numel())
 
     def rollout(self) -> float:
-        from ..rl.trainer import rollout_phase
+        from stabledrl_mcore.rl.trainer import rollout_phase
 
         batch = rollout_phase(self.s, 0)
         return float(batch.size * (batch.sequences.shape[1] - batch.prompt_len))
 
     def likelihood(self, name: str) -> float:
-        from ..models.placement import model_device
-        from ..parallel.expert import phase_model
-        from ..rl.trainer import _chunk_generators, _first_chunk
-        from ..rl.estimates import old_policy_likelihood
+        from stabledrl_mcore.models.placement import model_device
+        from stabledrl_mcore.parallel.expert import phase_model
+        from stabledrl_mcore.rl.trainer import _chunk_generators, _first_chunk
+        from stabledrl_mcore.rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
@@ -235,8 +235,8 @@ class StableDRLPhases:
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
-        from ..parallel.expert import phase_model
-        from ..rl.update import accumulate_gradients, sync_gradients
+        from stabledrl_mcore.parallel.expert import phase_model
+        from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
 
         self.s.ddp.zero_grad_buffer()
         with phase_model(self.s.ddp, backward=True) as ddp:
@@ -249,8 +249,8 @@ class StableDRLPhases:
         return 0.0
 
     def step(self) -> float:
-        from ..rl.rollout import score_rollouts
-        from ..rl.trainer import PhaseTimer, filter_phase, old_logp_phase, policy_update, rollout_phase
+        from stabledrl_mcore.rl.rollout import score_rollouts
+        from stabledrl_mcore.rl.trainer import PhaseTimer, filter_phase, old_logp_phase, policy_update, rollout_phase
 
         s = self.s
         batch = rollout_phase(s, 0)

@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..config import ConfigError, RunConfig, load_config, to_dict
-from .phases import PHASES, StableDRLPhases, VocabGuard, log, measure
+from stabledrl_mcore.config import ConfigError, RunConfig, load_config, to_dict
+from stabledrl_mcore.bench.phases import PHASES, StableDRLPhases, VocabGuard, log, measure
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +83,8 @@ def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokeni
     (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
     cfg = load_config(config, list(overrides))
     if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
-        from ..models import get_preset
-        from ..models.presets import ModelConfigError
+        from stabledrl_mcore.models import get_preset
+        from stabledrl_mcore.models.presets import ModelConfigError
 
         try:
             cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
@@ -111,10 +111,10 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     Returns the result dict (the same on every rank); everything built is freed
     and the process group destroyed before returning.
     """
-    from ..parallel import bootstrap
-    from ..rl.setup import build_training
-    from .flops import FlopCounter, matmul_params
-    from .peak import device_peak
+    from stabledrl_mcore.parallel import bootstrap
+    from stabledrl_mcore.rl.setup import build_training
+    from stabledrl_mcore.bench.flops import FlopCounter, matmul_params
+    from stabledrl_mcore.bench.peak import device_peak
 
     load_before = _load()
     log(f"building {cfg.model.preset} ({cfg.model.dtype}) and the training set-up")
@@ -128,7 +128,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     ours = base = None
     try:
         world = torch.distributed.get_world_size()
-        from ..rl.losses import available_token_policy_losses
+        from stabledrl_mcore.rl.losses import available_token_policy_losses
 
         token_loss = cfg.algo.loss in available_token_policy_losses()
         if baseline and token_loss:
@@ -142,11 +142,11 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
         if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
-            from ..parallel.pipeline import timed_stage_forward
+            from stabledrl_mcore.parallel.pipeline import timed_stage_forward
 
             timed_stage_forward(s.model)
         if baseline:
-            from .baseline import BaselineStep
+            from stabledrl_mcore.bench.baseline import BaselineStep
 
             log("building the baseline (transformers model, torch AdamW)")
             base = BaselineStep(ours)
@@ -177,7 +177,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
                         matmul_params(dcfg), with_baseline=base is not None)
         if mode_out:
-            from .modes import summarize_modes
+            from stabledrl_mcore.bench.modes import summarize_modes
 
             modes, mode_results, accuracy = mode_out
             base_rollout = (mode_results["baseline/rollout"].summary(peak_flops, mp)
@@ -194,7 +194,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
 
 def _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter, warmup, repeats):
     """Time each rollout mode (interleaved, with the baseline's rollout); greedy accuracy with a checkpoint."""
-    from .modes import RolloutMode
+    from stabledrl_mcore.bench.modes import RolloutMode
 
     modes = [RolloutMode(s, name, mcfg, overrides) for name, (overrides, mcfg) in rollout_modes.items()]
     jobs = {f"rollout[{m.name}]": m.rollout for m in modes}
@@ -292,7 +292,7 @@ def speedup(ours: Dict[str, Any], base: Dict[str, Any]) -> Optional[float]:
 
 def run_bench(args: argparse.Namespace) -> int:
     """The ``stabledrl bench`` command."""
-    from .report import format_table, write_json
+    from stabledrl_mcore.bench.report import format_table, write_json
 
     phases = parse_phases(args.phases)
     if args.warmup < 0 or args.repeats < 1:
@@ -303,14 +303,14 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = bench_config(args.config, args.overrides, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
     rollout_modes = None
     if args.rollout_mode:
-        from .modes import mode_configs, parse_rollout_modes
+        from stabledrl_mcore.bench.modes import mode_configs, parse_rollout_modes
 
         parsed = parse_rollout_modes(args.rollout_mode)
         configs = mode_configs(args.config, args.overrides, parsed, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
         rollout_modes = {name: (overrides, configs[name]) for name, overrides in parsed}
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
-    from ..parallel.bootstrap import detect_launch_env
+    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
     launch = detect_launch_env()
     if args.dp_scaling and launch.world_size > 1:
@@ -320,7 +320,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if launch.rank != 0:
         return 0
     if args.dp_scaling:
-        from .scaling import weak_scaling
+        from stabledrl_mcore.bench.scaling import weak_scaling
 
         result["scaling"] = weak_scaling(args.config, list(args.overrides), scaling_phases, warmup=args.warmup,
                                          repeats=args.repeats, reference=result,

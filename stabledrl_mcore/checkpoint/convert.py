@@ -43,15 +43,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models import DLLMConfig
-from . import hf_config as hfc
-from .engine import MappingEngine
-from .errors import ConversionError
-from .mappings import VocabRows, table_for
-from .mcore_io import (DTYPES, HF_ASSETS, attach, build_shell, copy_assets, discard_output,
-                       ensure_single_process, expanded_sharded_state_dict, finalize_output,
-                       iter_full_tensors, prepare_output, read_checkpoint_info, write_json, write_marker)
-from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
+from stabledrl_mcore.models import DLLMConfig
+from stabledrl_mcore.checkpoint import hf_config as hfc
+from stabledrl_mcore.checkpoint.engine import MappingEngine
+from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
+from stabledrl_mcore.checkpoint.mcore_io import DTYPES, HF_ASSETS, attach, build_shell, copy_assets, discard_output, ensure_single_process, expanded_sharded_state_dict, finalize_output, iter_full_tensors, prepare_output, read_checkpoint_info, write_json, write_marker
+from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -149,7 +147,7 @@ def resolve_model_choice(model: Optional[str]):
     Returns ``(arch or None, preset name or None)``; a preset also fixes the shape
     the checkpoint must have (:func:`check_preset_shape`).
     """
-    from ..models import available_presets, get_preset
+    from stabledrl_mcore.models import available_presets, get_preset
 
     if model is None or model in hfc.MODEL_TYPES.values():
         return model, None
@@ -162,7 +160,7 @@ def resolve_model_choice(model: Optional[str]):
 
 def check_preset_shape(cfg, preset: str) -> None:
     """The checkpoint has the shape of ``preset`` (else a one-line error naming the fields)."""
-    from ..models import get_preset
+    from stabledrl_mcore.models import get_preset
 
     want = get_preset(preset)
     wrong = [f"{f} {getattr(cfg, f)} (preset {getattr(want, f)})" for f in SHAPE_FIELDS
@@ -188,7 +186,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     """
     from megatron.core import dist_checkpointing
 
-    from .writers import bind_checkpoint_writers
+    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
 
     raw = hfc.read_hf_config(hf_dir)
     expected_arch, preset = resolve_model_choice(model)
@@ -231,7 +229,7 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     finally:
         discard_output(tmp)  # nothing left once finalized; the unfinished output on any failure
         if owns_megatron:
-            from ..parallel import bootstrap
+            from stabledrl_mcore.parallel import bootstrap
 
             bootstrap.destroy()
 
@@ -291,7 +289,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
             writer.abort()
         discard_output(tmp)
         if owns_megatron:
-            from ..parallel import bootstrap
+            from stabledrl_mcore.parallel import bootstrap
 
             bootstrap.destroy()
 
@@ -375,7 +373,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
     """``--verify`` as a check of the finished temporary output (raises :class:`VerificationFailed`)."""
     def check(tmp: str) -> None:
-        from .verify import verify
+        from stabledrl_mcore.checkpoint.verify import verify
 
         hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
         diff = verify(hf_dir, ckpt, reference=args.reference)

@@ -19,10 +19,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..models import DLLMConfig
-from .errors import ConversionError
-from .mappings import GatedMLP, Mapping, ModelTable, VocabRows, canonical_megatron_name
-from .safetensors_io import Plan, SafetensorsReader
+from stabledrl_mcore.models import DLLMConfig
+from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.mappings import GatedMLP, Mapping, ModelTable, VocabRows, canonical_megatron_name
+from stabledrl_mcore.checkpoint.safetensors_io import Plan, SafetensorsReader
 
 Group = Tuple[str, List[Mapping]]
 

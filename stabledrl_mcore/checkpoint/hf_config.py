@@ -35,8 +35,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ..models import DLLMConfig, ModelConfigError
-from .errors import ConversionError
+from stabledrl_mcore.models import DLLMConfig, ModelConfigError
+from stabledrl_mcore.checkpoint.errors import ConversionError
 
 Default = Union[None, float, int, Callable[[Dict[str, Any]], Any]]
 

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..models import DLLMConfig
+from stabledrl_mcore.models import DLLMConfig
 
 Shape = Tuple[str, ...]
 

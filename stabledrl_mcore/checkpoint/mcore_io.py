@@ -38,8 +38,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..models import DLLMConfig
-from .errors import ConversionError
+from stabledrl_mcore.models import DLLMConfig
+from stabledrl_mcore.checkpoint.errors import ConversionError
 
 MARKER = "stabledrl_model.json"
 MODEL_CONFIG = "model_config.json"
@@ -124,7 +124,7 @@ def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: boo
                  layout: Dict[str, int], source: Dict[str, Any],
                  padded_vocab: Optional[int] = None) -> None:
     """Write ``model_config.json`` then the marker (last: its presence means complete)."""
-    from .. import __version__
+    from stabledrl_mcore import __version__
 
     write_json(os.path.join(out_dir, MODEL_CONFIG), cfg.to_dict())
     write_json(os.path.join(out_dir, MARKER), {
@@ -319,7 +319,7 @@ def ensure_single_process() -> bool:
     """
     from megatron.core import parallel_state
 
-    from ..parallel import bootstrap
+    from stabledrl_mcore.parallel import bootstrap
 
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != 1
@@ -338,7 +338,7 @@ def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
     (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE), on
     the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`); an MoE
     model holds all its experts (EP=1: local expert index = global one)."""
-    from ..models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
+    from stabledrl_mcore.models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 
     config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1), dtype,
@@ -433,7 +433,7 @@ def load_model_weights(model, path: str) -> None:
     do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters."""
     from megatron.core import dist_checkpointing
 
-    from .integrity import CHECKSUM_FILE, check_finite, verify_checksums
+    from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
 
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)

@@ -22,10 +22,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..config import ConfigError, RunConfig, to_dict
-from .history import check_run_dir, checkpoint_root, resume_requested
-from .integrity import CheckpointError
-from .state import TrainState, find_latest, read_train_state
+from stabledrl_mcore.config import ConfigError, RunConfig, to_dict
+from stabledrl_mcore.checkpoint.history import check_run_dir, checkpoint_root, resume_requested
+from stabledrl_mcore.checkpoint.integrity import CheckpointError
+from stabledrl_mcore.checkpoint.state import TrainState, find_latest, read_train_state
 
 FROZEN = ("model.preset", "model.checkpoint", "model.tokenizer", "model.dtype", "model.overrides",
           "optim.name", "optim.distributed")
@@ -139,7 +139,7 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
 def check_optimizer_layout(cfg: RunConfig, path: str) -> None:
     """Refuse, before any rank starts, a layout the checkpoint's distributed-optimizer state cannot
     be read at (:mod:`.optimizer_reshard`: another PP size needs its bucket map, TP must match)."""
-    from .optimizer_state import MAP_FIELD, read_format
+    from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD, read_format
 
     fmt = read_format(path)
     if fmt.get("kind") != "distributed":

@@ -27,7 +27,7 @@ from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .errors import ConversionError
+from stabledrl_mcore.checkpoint.errors import ConversionError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -54,10 +54,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import optimizer_reshard, optimizer_state
-from .integrity import (CheckpointError, check_finite, load_rng_file, save_rng_file,
-                        verify_checksums, write_checksums)
-from .optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
+from stabledrl_mcore.checkpoint import optimizer_reshard, optimizer_state
+from stabledrl_mcore.checkpoint.integrity import CheckpointError, check_finite, load_rng_file, save_rng_file, verify_checksums, write_checksums
+from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"

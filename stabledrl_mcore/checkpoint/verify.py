@@ -24,10 +24,10 @@ from typing import Optional
 
 import torch
 
-from ..models import DLLMConfig, block_causal_mask
-from . import hf_config as hfc
-from .errors import ConversionError
-from .safetensors_io import SafetensorsReader
+from stabledrl_mcore.models import DLLMConfig, block_causal_mask
+from stabledrl_mcore.checkpoint import hf_config as hfc
+from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 
 # LLaDA (OLMo names) -> LlamaForCausalLM names; SDAR already uses Qwen3's.
 LLADA_TO_LLAMA = [
@@ -142,7 +142,7 @@ def verify(hf_dir: str, ckpt: str, *, reference: str = "public", seq_len: int = 
            batch: int = 2, seed: int = 0, ours: Optional[torch.nn.Module] = None) -> float:
     """Max abs logit difference between the reference (on ``hf_dir``) and
     :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint)."""
-    from .loader import load_model, read_config
+    from stabledrl_mcore.checkpoint.loader import load_model, read_config
 
     cfg = read_config(hf_dir)
     ours = ours if ours is not None else load_model(ckpt, dtype=torch.float32)

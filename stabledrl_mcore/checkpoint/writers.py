@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import queue
 
-from ..parallel.launch import bind_forked_children
+from stabledrl_mcore.parallel.launch import bind_forked_children
 
 
 def bind_checkpoint_writers() -> None:

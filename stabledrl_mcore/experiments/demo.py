@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict
 
-from .plots import plot_demo_curves
-from .runs import eval_history, mean_of_last, read_metrics, run_in_process_ranks, write_run_config
-from .tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
+from stabledrl_mcore.experiments.plots import plot_demo_curves
+from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, read_metrics, run_in_process_ranks, write_run_config
+from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
 
 
 @dataclass

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .plots import plot_stress
-from .runs import read_metrics, run_side_by_side, write_run_config
-from .tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
+from stabledrl_mcore.experiments.plots import plot_stress
+from stabledrl_mcore.experiments.runs import read_metrics, run_side_by_side, write_run_config
+from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
 
 ALGOS = ("grpo", "stabledrl")
 

@@ -8,17 +8,15 @@ Public API::
     logp = vocab_parallel_log_probs(logits, targets)
 """
 
-from .attention import SDPACoreAttention
-from .kv_cache import KVCache
-from .logprobs import vocab_parallel_log_probs
-from .masks import (AttentionLayout, block_causal_mask, padding_mask, staircase_mask,
-                    staircase_position_ids)
-from .model import DLLMModel, build_model
-from .placement import default_device, eval_mode, model_device, place_model
-from .presets import (DLLMConfig, ModelConfigError, available_presets, get_preset,
-                      segment_positions, to_transformer_config)
-from .rope import rotary_angles
-from .specs import dllm_layer_spec, te_available
+from stabledrl_mcore.models.attention import SDPACoreAttention
+from stabledrl_mcore.models.kv_cache import KVCache
+from stabledrl_mcore.models.logprobs import vocab_parallel_log_probs
+from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, padding_mask, staircase_mask, staircase_position_ids
+from stabledrl_mcore.models.model import DLLMModel, build_model
+from stabledrl_mcore.models.placement import default_device, eval_mode, model_device, place_model
+from stabledrl_mcore.models.presets import DLLMConfig, ModelConfigError, available_presets, get_preset, segment_positions, to_transformer_config
+from stabledrl_mcore.models.rope import rotary_angles
+from stabledrl_mcore.models.specs import dllm_layer_spec, te_available
 
 __all__ = [
     "AttentionLayout", "DLLMConfig", "DLLMModel", "KVCache", "ModelConfigError",

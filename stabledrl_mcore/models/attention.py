@@ -43,9 +43,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from . import flex
-from .masks import AttentionLayout
-from .rope import cos_sin_heads_major, rotate_heads_major
+from stabledrl_mcore.models import flex
+from stabledrl_mcore.models.masks import AttentionLayout
+from stabledrl_mcore.models.rope import cos_sin_heads_major, rotate_heads_major
 
 
 @functools.lru_cache(maxsize=8)

@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from .masks import AttentionLayout, _host_to_device
+from stabledrl_mcore.models.masks import AttentionLayout, _host_to_device
 
 FLEX_MIN_QUERY = 256
 """``auto`` uses flex attention on CUDA from this many queries on."""

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from .linear import AutogradColumnParallelLinear, _plain_matmul_applies
+from stabledrl_mcore.models.linear import AutogradColumnParallelLinear, _plain_matmul_applies
 
 
 class GateUpColumnParallelLinear(AutogradColumnParallelLinear):

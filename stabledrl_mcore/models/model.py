@@ -35,15 +35,15 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
-from .gated_mlp import with_module_activation
-from .kv_cache import KVCache
-from .linear import AutogradColumnParallelLinear
-from .masks import AttentionLayout
-from .placement import default_device, place_model
-from .presets import DLLMConfig, segment_positions, to_transformer_config
-from .rope import rotary_angles, rotary_cos_sin
-from .specs import dllm_layer_spec
+from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
+from stabledrl_mcore.models.gated_mlp import with_module_activation
+from stabledrl_mcore.models.kv_cache import KVCache
+from stabledrl_mcore.models.linear import AutogradColumnParallelLinear
+from stabledrl_mcore.models.masks import AttentionLayout
+from stabledrl_mcore.models.placement import default_device, place_model
+from stabledrl_mcore.models.presets import DLLMConfig, segment_positions, to_transformer_config
+from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
+from stabledrl_mcore.models.specs import dllm_layer_spec
 
 MaskArg = Union[None, torch.Tensor, AttentionLayout]
 

@@ -16,9 +16,9 @@ import copy
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
-from .gated_mlp import GateUpColumnParallelLinear, SwiGLU
-from .linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
+from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
+from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear, SwiGLU
+from stabledrl_mcore.models.linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
 
 
 class SpecError(RuntimeError):
@@ -80,7 +80,7 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
                         "use the local spec (use_te=None or False)")
     use_te = reason is None if use_te is None else use_te
     if num_experts is not None:
-        from . import moe  # noqa: F401  (megatron-core 0.16.1 MoE fixes, see .moe)
+        from stabledrl_mcore.models import moe  # noqa: F401  (megatron-core 0.16.1 MoE fixes, see .moe)
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm)

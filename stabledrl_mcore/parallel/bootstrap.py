@@ -26,7 +26,7 @@ from typing import List, Optional
 
 import torch
 
-from .launch import free_port
+from stabledrl_mcore.parallel.launch import free_port
 
 
 class ParallelLayoutError(ValueError):
@@ -210,7 +210,7 @@ def initialize(
     """
     from megatron.core import parallel_state
 
-    from . import cpu_compat
+    from stabledrl_mcore.parallel import cpu_compat
 
     launch = detect_launch_env(environ)
     validate_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel,

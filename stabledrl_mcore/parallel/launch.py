@@ -147,7 +147,7 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     finally:
         if "torch.distributed" in sys.modules:  # only ranks that may have started a process group
             try:
-                from .bootstrap import destroy
+                from stabledrl_mcore.parallel.bootstrap import destroy
 
                 destroy()
             except Exception:  # pragma: no cover - best effort clean-up

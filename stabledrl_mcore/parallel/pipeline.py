@@ -244,7 +244,7 @@ class PipelinedModel(ModelWrapper):
 def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
     """``batch`` as ``count`` micro-batches of consecutive rows: per-row tensors (first dim = rows)
     and an :class:`~..models.masks.AttentionLayout`'s pad counts are sliced, shared ones kept."""
-    from ..models.masks import AttentionLayout
+    from stabledrl_mcore.models.masks import AttentionLayout
 
     rows = batch["input_ids"].shape[0]
     if count <= 1 or rows <= 1:

@@ -27,13 +27,13 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
-from ..diffusion.mask_schemes import MaskRegions, build_mask_plan
-from ..diffusion.masking import MaskPlan
-from ..models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
-from ..parallel.pipeline import is_pipelined, pipeline_forward
-from .losses import spg_select_bound
-from .rollout import RolloutBatch
+from stabledrl_mcore.diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
+from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
+from stabledrl_mcore.diffusion.masking import MaskPlan
+from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
+from stabledrl_mcore.parallel.pipeline import is_pipelined, pipeline_forward
+from stabledrl_mcore.rl.losses import spg_select_bound
+from stabledrl_mcore.rl.rollout import RolloutBatch
 
 ESTIMATORS = ("elbo", "mean_field", "spg", "staircase")
 MASK_SAMPLING = ("fresh", "replay", "per_iteration")

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..diffusion import generate
+from stabledrl_mcore.diffusion import generate
 
 MAX_DECODE_FACTOR = 4
 """A decoding batch holds at most this many times ``max(micro_batch, G)`` rows (else one micro-batch)."""

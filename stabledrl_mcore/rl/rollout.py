@@ -12,11 +12,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..diffusion.sampling_llada import DecodeStats
-from ..models.placement import eval_mode, model_device
-from ..tasks.base import Example
-from .advantages import group_advantages
-from .group_rollout import group_rollouts
+from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
+from stabledrl_mcore.models.placement import eval_mode, model_device
+from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.rl.advantages import group_advantages
+from stabledrl_mcore.rl.group_rollout import group_rollouts
 
 
 @dataclass

@@ -32,7 +32,7 @@ def rank0_decides(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank (a broadcast; the flag itself when not distributed)."""
     if not torch.distributed.is_initialized():
         return flag
-    from ..parallel.bootstrap import comm_device
+    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
     torch.distributed.broadcast(value, src=0)

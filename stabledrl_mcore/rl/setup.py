@@ -15,10 +15,10 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from ..config import RunConfig
-from ..tasks import GENERATED_TASKS, get_task
-from ..tasks.base import Example
-from ..tasks.prompts import rollout_prompt_format
+from stabledrl_mcore.config import RunConfig
+from stabledrl_mcore.tasks import GENERATED_TASKS, get_task
+from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.tasks.prompts import rollout_prompt_format
 
 
 @dataclass
@@ -89,10 +89,10 @@ class PromptStream:
 
 def _model_config(cfg: RunConfig, tokenizer):
     """The preset (random init) or the checkpoint's own config, with ``model.overrides`` applied."""
-    from ..models import get_preset
+    from stabledrl_mcore.models import get_preset
 
     if cfg.model.checkpoint:
-        from ..checkpoint.loader import read_config
+        from stabledrl_mcore.checkpoint.loader import read_config
 
         mcfg = read_config(cfg.model.checkpoint)
     else:
@@ -104,7 +104,7 @@ def _model_config(cfg: RunConfig, tokenizer):
         overrides.setdefault("vocab_size", tokenizer.vocab_size)
     unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(mcfg)}]
     if unknown:
-        from ..config import ConfigError
+        from stabledrl_mcore.config import ConfigError
 
         raise ConfigError(f"model.overrides: unknown DLLMConfig field(s) {', '.join(unknown)}")
     return dataclasses.replace(mcfg, **overrides).validate()
@@ -112,7 +112,7 @@ def _model_config(cfg: RunConfig, tokenizer):
 
 def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     """The configured tokenizer, the checkpoint's, or a tiny one trained on the task (rank 0 trains)."""
-    from ..tokenizer import load_tokenizer, train_sentencepiece
+    from stabledrl_mcore.tokenizer import load_tokenizer, train_sentencepiece
 
     if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
         raise FileNotFoundError(f"model.checkpoint: {cfg.model.checkpoint} does not exist or is not a directory")
@@ -165,12 +165,12 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
     from megatron.core import parallel_state as ps
 
-    from ..models import build_model
-    from ..parallel import bootstrap
+    from stabledrl_mcore.models import build_model
+    from stabledrl_mcore.parallel import bootstrap
 
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
-    from ..preflight import check_pipeline_options
+    from stabledrl_mcore.preflight import check_pipeline_options
 
     check_pipeline_options(cfg)
     task = build_task(cfg)
@@ -183,7 +183,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
                          expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = _model_config(cfg, tokenizer)
-    from ..preflight import check_moe_options
+    from stabledrl_mcore.preflight import check_moe_options
 
     check_moe_options(cfg, mcfg)
     bootstrap.validate_parallel_layout(
@@ -203,7 +203,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
     rows = cfg.rollout.generated_prompts // dp_size * cfg.rollout.group_size
     if rows % cfg.parallel.micro_batch_size:
-        from ..config import ConfigError
+        from stabledrl_mcore.config import ConfigError
 
         raise ConfigError(f"each data-parallel rank holds {rows} sequences (prompts_per_step / DP x "
                           f"group_size), not a multiple of parallel.micro_batch_size "
@@ -217,7 +217,7 @@ def reference_policy(model, mcfg, dtype):
     dtype, in eval mode: the reference of the KL penalty. A resume rebuilds it the same way
     (from ``model.checkpoint`` or the seeded initialisation) before the run's own weights load.
     """
-    from ..models import build_model
+    from stabledrl_mcore.models import build_model
 
     reference = build_model(mcfg, params_dtype=dtype, device=next(model.parameters()).device)
     reference.load_state_dict(model.state_dict())
@@ -234,8 +234,8 @@ def sync_reference(reference, model, mixup: float) -> None:
 
 def load_initial_weights(model, path: str) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP)."""
-    from ..checkpoint.loader import is_hf_dir, load_hf_weights
-    from ..checkpoint.mcore_io import load_model_weights
+    from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights
+    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
@@ -249,7 +249,7 @@ def build_task(cfg: RunConfig):
     """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
     columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
     refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
-    from ..config import ConfigError
+    from stabledrl_mcore.config import ConfigError
 
     r = cfg.rollout
     options = dict(r.task_options)
@@ -270,7 +270,7 @@ def build_task(cfg: RunConfig):
     task = get_task(r.task, prompt_style=r.prompt_style, **options)
     task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
     if r.reward_fn:
-        from ..tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
+        from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
 
         shaping = [k for k in TASK_REWARD_OPTIONS if k in options]
         if shaping:

@@ -15,7 +15,7 @@ def _dp_sum(values: torch.Tensor) -> list:
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
 
-        from ..parallel.bootstrap import comm_device
+        from stabledrl_mcore.parallel.bootstrap import comm_device
 
         values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())

@@ -18,25 +18,24 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from ..checkpoint.history import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
-from ..checkpoint.resume import ResumePlan, check_model_config, plan_resume
-from ..checkpoint.state import TrainState, load_checkpoint, save_checkpoint
-from ..config import RunConfig, save_config, to_dict
-from ..metrics import create_logger, logger_options
-from ..models.placement import model_device
-from ..parallel.bootstrap import any_rank
-from ..parallel.expert import (expert_group, lockstep_dummy_rounds, phase_model, routing_statistics,
-                               summed_over_ranks)
-from .heldout import is_eval_step, make_heldout_evaluator
-from .noise import RatioNoise
-from .dynamic_sampling import filter_uniform_groups
-from .rollout import generate_rollouts, score_rollouts
-from .save_schedule import SaveSchedule
-from .setup import TrainingSetup, build_training, phase_generator, sync_reference
-from .step_metrics import step_metrics
-from .estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
-from .health import RunHealth
-from .update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients, sync_gradients
+from stabledrl_mcore.checkpoint.history import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
+from stabledrl_mcore.checkpoint.resume import ResumePlan, check_model_config, plan_resume
+from stabledrl_mcore.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
+from stabledrl_mcore.config import RunConfig, save_config, to_dict
+from stabledrl_mcore.metrics import create_logger, logger_options
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.parallel.bootstrap import any_rank
+from stabledrl_mcore.parallel.expert import expert_group, lockstep_dummy_rounds, phase_model, routing_statistics, summed_over_ranks
+from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
+from stabledrl_mcore.rl.noise import RatioNoise
+from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
+from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
+from stabledrl_mcore.rl.save_schedule import SaveSchedule
+from stabledrl_mcore.rl.setup import TrainingSetup, build_training, phase_generator, sync_reference
+from stabledrl_mcore.rl.step_metrics import step_metrics
+from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
+from stabledrl_mcore.rl.health import RunHealth
+from stabledrl_mcore.rl.update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients, sync_gradients
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -55,7 +54,7 @@ def install_preemption_handlers() -> None:
     for name in ("SIGUSR1", "SIGTERM"):
         signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
     _PREEMPTION["installed"] = True
-    from ..parallel.launch import take_held_signals
+    from stabledrl_mcore.parallel.launch import take_held_signals
 
     if take_held_signals():  # forwarded by the --nproc launcher while this rank was starting
         _PREEMPTION["caught"] = True
@@ -240,8 +239,8 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """
-    from ..checkpoint.writers import bind_checkpoint_writers
-    from ..config import load_config
+    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+    from stabledrl_mcore.config import load_config
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))
@@ -354,7 +353,7 @@ def _synced_reference(s: TrainingSetup) -> Optional[Dict[str, Any]]:
 def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
     """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
     model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
-    from ..parallel.bootstrap import detect_launch_env
+    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
     moved = prepare_run_dir(cfg, resume, rank=rank)

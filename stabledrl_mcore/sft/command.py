@@ -20,10 +20,10 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
-    from ..cli import _world_size, run_config_from_args
-    from ..config import to_dict
-    from .config import SFTConfig
-    from .preflight import preflight_sft
+    from stabledrl_mcore.cli import _world_size, run_config_from_args
+    from stabledrl_mcore.config import to_dict
+    from stabledrl_mcore.sft.config import SFTConfig
+    from stabledrl_mcore.sft.preflight import preflight_sft
 
     cfg, overrides = run_config_from_args(args, SFTConfig)
     summary = preflight_sft(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
@@ -34,11 +34,11 @@ def run_sft(args: argparse.Namespace) -> int:
         print(f"# {summary}")
         return 0
     print(summary, flush=True)
-    from .trainer import sft_rank
+    from stabledrl_mcore.sft.trainer import sft_rank
 
     if args.nproc is not None and args.nproc > 1:
-        from ..parallel.launch import exit_status, spawn
-        from ..rl.trainer import EXIT_PREEMPTED
+        from stabledrl_mcore.parallel.launch import exit_status, spawn
+        from stabledrl_mcore.rl.trainer import EXIT_PREEMPTED
 
         return exit_status(spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import (CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection,
-                      ParallelSection, _choice, get_dotted, validate_logging_and_saving)
+from stabledrl_mcore.config import CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection, ParallelSection, _choice, get_dotted, validate_logging_and_saving
 
 CHAT_TEMPLATES = ("auto", "never")
 RL_ONLY = ("parallel.retain_update_graph",)

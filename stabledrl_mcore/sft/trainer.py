@@ -21,16 +21,16 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..checkpoint.history import checkpoint_root
-from ..config import save_config, to_dict
-from ..diffusion.pretrain import sft_sequence_losses
-from ..metrics import create_logger, logger_options
-from ..models.placement import model_device
-from ..rl.save_schedule import SaveSchedule
-from ..rl.setup import derive_seed, phase_generator
-from ..rl.update import SkippedUpdatesError, agree_ok, grads_finite, sync_gradients
-from .config import SFTConfig
-from .data import SFTData
+from stabledrl_mcore.checkpoint.history import checkpoint_root
+from stabledrl_mcore.config import save_config, to_dict
+from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
+from stabledrl_mcore.metrics import create_logger, logger_options
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.rl.save_schedule import SaveSchedule
+from stabledrl_mcore.rl.setup import derive_seed, phase_generator
+from stabledrl_mcore.rl.update import SkippedUpdatesError, agree_ok, grads_finite, sync_gradients
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.sft.data import SFTData
 
 Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
 
@@ -84,9 +84,8 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
     from DP-reduced metrics); ``stop_after`` ends early (tests)."""
-    from ..rl.trainer import (_maybe_resume, _progress, install_preemption_handlers, preemption_agreed,
-                              prepare_start, save_training_checkpoint)
-    from .setup import build_sft
+    from stabledrl_mcore.rl.trainer import _maybe_resume, _progress, install_preemption_handlers, preemption_agreed, prepare_start, save_training_checkpoint
+    from stabledrl_mcore.sft.setup import build_sft
 
     plan, notes = prepare_start(cfg)
     s = build_sft(cfg)
@@ -188,9 +187,9 @@ class SkipLimit:
 def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of an SFT run from a config file plus dotted overrides; 75 = pre-empted
     (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
-    from ..checkpoint.writers import bind_checkpoint_writers
-    from ..config import load_config
-    from ..rl.trainer import run_with_preemption_marker
+    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.rl.trainer import run_with_preemption_marker
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)
