@@ -1,11 +1,11 @@
-"""Tests for stabledrl_mcore.rl.advantages."""
+"""Tests for stabledrl_mcore.algorithms.advantages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stabledrl_mcore.rl.advantages import available_advantages, group_advantages
+from stabledrl_mcore.algorithms.advantages import available_advantages, group_advantages
 
 
 def make_rewards():
@@ -89,7 +89,7 @@ def test_leave_one_out_float32_binary_rewards_and_no_grad():
 
 
 def test_config_accepts_leave_one_out():
-    from stabledrl_mcore.config import ConfigError, RunConfig
+    from stabledrl_mcore.config.schema import ConfigError, RunConfig
 
     cfg = RunConfig()
     cfg.algo.advantage = "leave_one_out"

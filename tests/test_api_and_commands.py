@@ -43,10 +43,10 @@ def test_load_model_composes_with_the_library(checkpoints, arch):
     from stabledrl_mcore import load_model
     from stabledrl_mcore.diffusion import elbo, generate, mean_field_logp, mixture
     from stabledrl_mcore.diffusion.staircase import block_elbo_staircase
-    from stabledrl_mcore.evaluation import evaluate_model
+    from stabledrl_mcore.evaluation.distributed import evaluate_model
     from stabledrl_mcore.models import AttentionLayout
     from stabledrl_mcore.tasks import get_task
-    from stabledrl_mcore.tokenizer import load_tokenizer
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
     model = load_model(checkpoints[arch])
     raw = model.model
@@ -81,7 +81,7 @@ def _jsonl(path):
 
 
 def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_path, capsys):
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli.main import main
 
     common = ["generate", "--ckpt", checkpoints["llada"], "--prompt", "tok5 tok6", "--gen-length", "4",
               "--no-progress"]
@@ -98,8 +98,8 @@ def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_
 
 
 def test_eval_writes_to_the_working_directory_and_never_over_a_file(checkpoints, tmp_path, monkeypatch, capsys):
-    from stabledrl_mcore import commands
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli.main import main
 
     ckpt = checkpoints["sdar"]
     monkeypatch.chdir(tmp_path)

@@ -14,7 +14,7 @@ from stabledrl_mcore.bench.peak import gpu_peak_flops, measure_matmul_flops
 from stabledrl_mcore.bench.phases import PhaseResult, fill_flat_groups
 from stabledrl_mcore.bench.run import parse_phases, speedup
 from stabledrl_mcore.bench.scaling import efficiency
-from stabledrl_mcore.config import ConfigError
+from stabledrl_mcore.config.schema import ConfigError
 from stabledrl_mcore.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +132,7 @@ def test_bench_of_an_fp32_model_takes_mfu_against_the_fp32_rate(monkeypatch, tmp
     (the bf16 rate used to be the peak, and the MFU read in the thousands of percent)."""
     from stabledrl_mcore.bench.report import format_table
     from stabledrl_mcore.bench.run import bench_in_process
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
 
     _fake_rates(monkeypatch, bf16=1e6, fp32=1e13)
     cfg = load_config(CONFIG, SMALL + [f"logging.run_dir={tmp_path}"])
@@ -317,7 +317,7 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
     from types import SimpleNamespace
 
     from stabledrl_mcore.bench import modes
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl import heldout, rollout, trainer
 
     cfg = load_config(CONFIG, ["rollout.steps=2", "eval.num_examples=3"])
@@ -372,7 +372,7 @@ def test_baseline_llada_sampler_follows_rollout_threshold():
 
 def _pp_bench_worker(out_path):
     from stabledrl_mcore.bench.run import bench_in_process
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
 
     cfg = load_config(CONFIG, SMALL + ["parallel.pipeline_parallel=2", "logging.run_dir=" + os.path.dirname(out_path)])
     result = bench_in_process(cfg, ["rollout", "likelihood_full", "train"], warmup=0, repeats=1, baseline=False)

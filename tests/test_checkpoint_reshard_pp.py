@@ -275,8 +275,8 @@ def test_pp2_checkpoint_resumes_at_pp1_and_back_exactly(saved_run, kind):
 def test_a_layout_the_optimizer_state_cannot_be_read_at_is_refused_before_any_rank(tmp_path):
     """``plan_resume`` (the CLI runs it before any rank starts) reads ``optimizer_format.json``:
     another TP size, or another PP size without the bucket map, is refused by name."""
-    from stabledrl_mcore.checkpoint.resume import ResumeConfigError, plan_resume
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
+    from stabledrl_mcore.config.schema import load_config
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "examples", "configs", "tiny_cpu.yaml")

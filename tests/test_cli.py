@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stabledrl_mcore.cli import main
+from stabledrl_mcore.cli.main import main
 
 SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "bench", "plan")
 
@@ -74,7 +74,7 @@ def test_overrides_may_follow_options(capsys):
 
 
 def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
-    from stabledrl_mcore.config import ConfigError
+    from stabledrl_mcore.config.schema import ConfigError
 
     for argv in (["--debug", "train", "rollout.task=gsm9k", "--print-config"],
                  ["train", "rollout.task=gsm9k", "--print-config", "--debug"]):
@@ -88,7 +88,7 @@ def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.config_io.ConfigError", 2),
+@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.config.io.ConfigError", 2),
                                               ("builtins.RuntimeError", 1)])
 def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(capsys, monkeypatch, first_type,
                                                                                 code):

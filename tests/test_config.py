@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from stabledrl_mcore.config import (ConfigError, RunConfig, load_config, save_config, to_dict)
+from stabledrl_mcore.config.schema import (ConfigError, RunConfig, load_config, save_config, to_dict)
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

@@ -8,10 +8,10 @@ import os
 import datasets
 import pytest
 
-from stabledrl_mcore.cli import main
-from stabledrl_mcore.config import ConfigError, load_config
-from stabledrl_mcore.errors import DataError
-from stabledrl_mcore.preflight import preflight
+from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.config.schema import ConfigError, load_config
+from stabledrl_mcore.common.errors import DataError
+from stabledrl_mcore.cli.preflight import preflight
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tasks.local_datasets import load_rows
 from stabledrl_mcore.tasks.qa import choice_letter

@@ -12,9 +12,9 @@ from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, per
 from stabledrl_mcore.experiments.tiny_sudoku import (TinySudoku, answer_separator_id,
                                                      rl_overrides, sft_batches, tiny_model_config)
 from stabledrl_mcore.models import segment_positions
-from stabledrl_mcore.config import load_config
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.tasks import get_task
-from stabledrl_mcore.tokenizer import train_sentencepiece
+from stabledrl_mcore.tasks.tokenizer import train_sentencepiece
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -48,7 +48,7 @@ def _audited_step(run_dir, extra):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from device_audit import DeviceAudit
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.setup import build_training
     from stabledrl_mcore.rl.trainer import train
 

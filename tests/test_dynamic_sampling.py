@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from stabledrl_mcore.config import ConfigError, load_config
+from stabledrl_mcore.config.schema import ConfigError, load_config
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups, keep_groups, varied_groups
 from stabledrl_mcore.rl.rollout import RolloutBatch
@@ -147,7 +147,7 @@ def test_the_filtered_update_is_the_unfiltered_one_over_the_kept_groups(inproces
 
 
 def _rows(run_dir):
-    from stabledrl_mcore.metrics import read_metrics
+    from stabledrl_mcore.engine.metrics import read_metrics
 
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
@@ -212,7 +212,7 @@ def test_nonsense_combinations_are_refused_by_name(inprocess, tmp_path, extra, m
 
 
 def test_oversampled_prompts_must_split_over_data_parallel_ranks(inprocess, tmp_path):
-    from stabledrl_mcore.preflight import preflight
+    from stabledrl_mcore.cli.preflight import preflight
 
     cfg = _config(tmp_path, **{"rollout.filter_uniform_groups": True, "rollout.oversample_prompts": 1,
                                "rollout.task": "sudoku"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_fixtures import write_hf_checkpoint
-from stabledrl_mcore.tasks.at_k import check_ks, default_ks, majority_vote, pass_at_k, sample_metrics
+from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, majority_vote, pass_at_k, sample_metrics
 from stabledrl_mcore.tasks.base import Example, Task
 
 TEMPLATE = ("{% for m in messages %}tok7 {{ m['content'] }} tok8 {% endfor %}"
@@ -70,7 +70,7 @@ def tiny(tmp_path_factory):
     """An LLaDA HF fixture with a chat template, loaded once; Megatron torn down after."""
     from stabledrl_mcore import load_model
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
-    from stabledrl_mcore.tokenizer import load_tokenizer
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -86,7 +86,7 @@ def tiny(tmp_path_factory):
 
 
 def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
-    from stabledrl_mcore.evaluation import _sampled_records, evaluate_model
+    from stabledrl_mcore.evaluation.distributed import _sampled_records, evaluate_model
 
     _, model, tokenizer = tiny
     task = _EvenFirstToken()
@@ -117,8 +117,8 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
 
 
 def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch, capsys):
-    from stabledrl_mcore import commands
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli.main import main
 
     path = tiny[0]
     monkeypatch.chdir(tmp_path)

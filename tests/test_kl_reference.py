@@ -45,7 +45,7 @@ def test_kl_term_is_the_estimator_on_the_sequence_estimates(estimator):
 
 
 def _kl_worker(run_dir):
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task
@@ -85,7 +85,7 @@ def test_training_with_a_kl_penalty_keeps_the_reference_frozen(tmp_path):
 
 def test_plan_counts_the_reference_weights():
     from stabledrl_mcore.models import get_preset
-    from stabledrl_mcore.plan import PlanSpec, estimate as plan_estimate
+    from stabledrl_mcore.bench.plan import PlanSpec, estimate as plan_estimate
 
     base = PlanSpec(model=get_preset("llada-8b"), nodes=4, tp=2)
     with_ref = PlanSpec(model=get_preset("llada-8b"), nodes=4, tp=2, reference_model=True)
@@ -94,7 +94,7 @@ def test_plan_counts_the_reference_weights():
 
 
 def _sync_worker(run_dir, steps, resume):
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task

@@ -166,7 +166,7 @@ def test_threshold_decoding_follows_fast_dllm_step_for_step(cache):
 # ------------------------------------------------------------------ refusals for SDAR
 
 def test_cache_gap_needs_a_cache():
-    from stabledrl_mcore.config import ConfigError, load_config
+    from stabledrl_mcore.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="rollout.cache_gap_every=2 .*rollout.cache=prefix"):
         load_config(CONFIG, ["rollout.cache_gap_every=2"])
@@ -174,10 +174,10 @@ def test_cache_gap_needs_a_cache():
 
 
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
-    from stabledrl_mcore.cli import main
-    from stabledrl_mcore.commands import _sampling
-    from stabledrl_mcore.config import ConfigError, load_config
-    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.commands import _sampling
+    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.common.errors import UserError
 
     with pytest.raises(ConfigError, match="rollout.cache must be one of"):
         load_config(CONFIG, ["rollout.cache=full"])
@@ -199,7 +199,7 @@ def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
 def test_generate_cli_with_dual_cache_and_threshold(tmp_path):
     from hf_fixtures import write_hf_checkpoint
 
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli.main import main
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
     ckpt = write_hf_checkpoint(str(tmp_path / "llada"), "llada", seed=3)
@@ -263,7 +263,7 @@ def _worker(result_dir, run_dir):
         torch.save(result, os.path.join(result_dir, f"tp{tp}_rank{rank}.pt"))
         parallel_state.destroy_model_parallel()
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
 
     train(load_config(CONFIG, [f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "steps=1",

@@ -1,4 +1,4 @@
-"""Tests for stabledrl_mcore.rl.losses / losses_token / noise.
+"""Tests for stabledrl_mcore.algorithms.losses / losses_token / noise.
 
 Every loss's gradient with respect to logp is pinned against a hand-written
 closed form (Python loops over groups, float64) on random inputs that include
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from stabledrl_mcore.rl.losses import (
+from stabledrl_mcore.algorithms.losses import (
     available_policy_losses,
     available_token_policy_losses,
     get_policy_loss,
@@ -22,7 +22,7 @@ from stabledrl_mcore.rl.losses import (
     spg_select_bound,
     token_policy_loss,
 )
-from stabledrl_mcore.rl.noise import RatioNoise, perturb_log_ratio
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise, perturb_log_ratio
 
 EPS = 0.2
 OUTLIER = math.log(1e4)

@@ -3,7 +3,7 @@
 import io
 import math
 
-from stabledrl_mcore.metrics import MetricsLogger, NullLogger, create_logger, read_metrics
+from stabledrl_mcore.engine.metrics import MetricsLogger, NullLogger, create_logger, read_metrics
 
 
 def test_rank0_writes_jsonl_console_and_offline_wandb(tmp_path):
@@ -65,8 +65,8 @@ def _capture_wandb_init(monkeypatch):
 
 
 def test_wandb_init_gets_entity_name_group_tags_and_the_kept_run_id(tmp_path, monkeypatch):
-    from stabledrl_mcore.config import load_config
-    from stabledrl_mcore.metrics import WANDB_ID_FILE, logger_options
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.engine.metrics import WANDB_ID_FILE, logger_options
 
     calls = _capture_wandb_init(monkeypatch)
     cfg = load_config(None, ["logging.wandb_entity=team", "logging.wandb_name=exp-1", "logging.wandb_group=abl",
@@ -83,9 +83,9 @@ def test_wandb_init_gets_entity_name_group_tags_and_the_kept_run_id(tmp_path, mo
 
 
 def test_overwrite_moves_the_wandb_id_aside_so_a_fresh_run_gets_a_new_one(tmp_path, monkeypatch):
-    from stabledrl_mcore.checkpoint.history import move_run_aside
-    from stabledrl_mcore.config import load_config
-    from stabledrl_mcore.metrics import WANDB_ID_FILE
+    from stabledrl_mcore.engine.run_dir import move_run_aside
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.engine.metrics import WANDB_ID_FILE
 
     calls = _capture_wandb_init(monkeypatch)
     cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
@@ -102,8 +102,8 @@ def test_overwrite_moves_the_wandb_id_aside_so_a_fresh_run_gets_a_new_one(tmp_pa
 def test_a_bad_wandb_id_file_is_named(tmp_path):
     import pytest
 
-    from stabledrl_mcore.errors import UserError
-    from stabledrl_mcore.metrics import WANDB_ID_FILE, wandb_run_id
+    from stabledrl_mcore.common.errors import UserError
+    from stabledrl_mcore.engine.metrics import WANDB_ID_FILE, wandb_run_id
 
     (tmp_path / WANDB_ID_FILE).write_text("not an id!\n")
     with pytest.raises(UserError, match="wandb_run_id: not a wandb run id"):
@@ -128,9 +128,9 @@ def test_tensorboard_sink_writes_scalars_and_a_resume_purges_repeated_steps(tmp_
 def test_wandb_fields_without_wandb_and_tensorboard_missing_are_refused_by_name(monkeypatch):
     import pytest
 
-    from stabledrl_mcore import metrics
-    from stabledrl_mcore.config import ConfigError, load_config
-    from stabledrl_mcore.preflight import _check_logging
+    from stabledrl_mcore.engine import metrics
+    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.cli.preflight import _check_logging
 
     with pytest.raises(ConfigError, match="logging.wandb_tags has no effect with logging.wandb_mode=disabled"):
         load_config(None, ["logging.wandb_mode=disabled", "logging.wandb_tags=[a]"])

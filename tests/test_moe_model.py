@@ -172,7 +172,7 @@ def test_router_losses_are_averaged_over_the_update_and_absent_from_lockstep_dum
     :func:`router_loss_scale` (the update sets 1 / forwards); the lockstep's dummy forward and
     backward add no gradient at all, router loss included."""
     from stabledrl_mcore.models.moe import router_loss_scale
-    from stabledrl_mcore.parallel.expert import LockstepModel
+    from stabledrl_mcore.engine.expert import LockstepModel
 
     model = _moe_model(moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.5).train()
     ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(3))

@@ -6,7 +6,7 @@ inner iterations, held-out evaluations over 3 prompts, which split unevenly over
 ranks) start from one random Megatron checkpoint. Expert parallelism puts the experts of one
 all-to-all group on ranks of different data-parallel replicas, which run different numbers of
 forwards (the unevenly split evaluation, update chunks without weight): the lockstep of
-:mod:`stabledrl_mcore.parallel.expert` must keep them matched, and the runs must still be the
+:mod:`stabledrl_mcore.engine.expert` must keep them matched, and the runs must still be the
 single process's (weights to 1e-5; metrics, router statistics included, to 1e-4).
 """
 
@@ -80,7 +80,7 @@ def _start_checkpoint(root):
 def _runs_worker(root, runs, final=None):
     from megatron.core import parallel_state
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks import available_tasks
 

@@ -64,7 +64,7 @@ def _runs_worker(root, runs, final_weights=None):
     processes; then, with ``final_weights``, save those runs' final weights (:func:`_save_final_weights`)."""
     from megatron.core import parallel_state
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks import available_tasks
 
@@ -178,7 +178,7 @@ def test_resume_at_another_pipeline_size_continues_the_run(runs):
 
 def test_split_rows_slices_per_row_inputs_and_keeps_shared_ones():
     from stabledrl_mcore.models.masks import AttentionLayout
-    from stabledrl_mcore.parallel.pipeline import split_rows
+    from stabledrl_mcore.engine.pipeline import split_rows
 
     ids = torch.arange(5 * 3).view(5, 3)
     batch = {"input_ids": ids, "position_ids": torch.arange(3)[None], "segment_ids": ids * 2,

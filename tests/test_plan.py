@@ -9,9 +9,9 @@ import torch
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token, matmul_params
-from stabledrl_mcore.cli import main
+from stabledrl_mcore.cli.main import main
 from stabledrl_mcore.models import get_preset
-from stabledrl_mcore.plan import GIB, PlanSpec, all_layouts, estimate
+from stabledrl_mcore.bench.plan import GIB, PlanSpec, all_layouts, estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
@@ -275,7 +275,7 @@ def test_moe_dispatched_row_activations_match_saved_tensors(megatron_tp1):  # no
     """The MoE layer's MLP keeps, per token, its input (H) and what the formula counts (local, fp32):
     every tensor autograd saves during the MLP's forward, counted by storage, parameters left out."""
     from stabledrl_mcore.models import build_model
-    from stabledrl_mcore.plan import moe_activation_bytes_per_token
+    from stabledrl_mcore.bench.plan import moe_activation_bytes_per_token
 
     cfg = get_preset("sdar-moe-tiny", num_layers=1, num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=40)
     model = build_model(cfg, device="cpu")

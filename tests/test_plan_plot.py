@@ -2,10 +2,10 @@
 
 import pytest
 
-from stabledrl_mcore.cli import main
+from stabledrl_mcore.cli.main import main
 from stabledrl_mcore.models import get_preset
-from stabledrl_mcore.plan import PlanSpec, all_layouts
-from stabledrl_mcore.plan_plot import COMPONENTS, memory_components
+from stabledrl_mcore.bench.plan import PlanSpec, all_layouts
+from stabledrl_mcore.bench.plan_plot import COMPONENTS, memory_components
 
 
 @pytest.mark.parametrize("preset, kw", [

@@ -15,9 +15,9 @@ import time
 import pytest
 from hf_fixtures import write_hf_checkpoint
 
-from stabledrl_mcore.cli import main
-from stabledrl_mcore.config import load_config
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.tasks import get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -58,8 +58,8 @@ def test_the_file_renders_as_the_tokenizers_own_template_would():
 
 
 def test_train_eval_and_generate_render_the_same_prompt(tmp_path, monkeypatch):
-    from stabledrl_mcore import commands
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl import setup
     from stabledrl_mcore.tasks.prompts import rollout_prompt_format
 
@@ -99,8 +99,8 @@ class _NoTemplate:
     ("{{ messages[5]['content'] }}", "does not render"),
 ])
 def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, capsys, monkeypatch, text, needle):
-    from stabledrl_mcore import commands
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli.main import main
 
     bad = _write(tmp_path, "bad.jinja", text)
     assert main(["train", "--config", TINY, "rollout.prompt_style=chat", f"rollout.chat_template={bad}",
@@ -117,7 +117,7 @@ def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, ca
 
 
 def test_missing_file_placeholder_and_compact_style_are_refused_by_name(tmp_path, capsys):
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli.main import main
 
     cases = [(["rollout.prompt_style=chat", f"rollout.chat_template={tmp_path / 'nope.jinja'}"],
               "rollout.chat_template", "does not exist"),
@@ -135,7 +135,7 @@ def test_missing_file_placeholder_and_compact_style_are_refused_by_name(tmp_path
 
 def test_generate_takes_the_prompt_flags(tmp_path):
     from hf_fixtures import write_hf_checkpoint
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli.main import main
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
     ckpt = write_hf_checkpoint(str(tmp_path / "llada"), "llada", seed=1)
@@ -155,7 +155,7 @@ def test_generate_takes_the_prompt_flags(tmp_path):
 def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys):
     import argparse
 
-    from stabledrl_mcore import commands
+    from stabledrl_mcore.cli import commands
 
     (tmp_path / "config.yaml").write_text("rollout:\n  task: gsm8k\n  system_prompt: SYS\n"
                                           "  prompt_template: 'Q: {question}'\n  chat_template: null\n")
@@ -169,7 +169,7 @@ def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys
 
 def test_a_bench_rollout_mode_cannot_change_the_prompts():
     from stabledrl_mcore.bench.modes import parse_rollout_modes
-    from stabledrl_mcore.config import ConfigError
+    from stabledrl_mcore.config.schema import ConfigError
 
     for field in ("system_prompt", "prompt_template", "chat_template"):
         with pytest.raises(ConfigError, match=f"rollout.{field} is fixed"):

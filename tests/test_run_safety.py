@@ -30,7 +30,7 @@ TINY = {"logging.wandb_mode": "disabled", "logging.progress": False, "rollout.pr
 
 
 def tiny_config(run_dir, **extra):
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
 
     return load_config(CONFIG, [f"{k}={v}" for k, v in dict(TINY, **{"logging.run_dir": run_dir}, **extra).items()])
 
@@ -266,7 +266,7 @@ def test_rng_file_roundtrip_and_refusal(tmp_path):
 
 
 def test_metrics_keep_steps_through_is_lossless(tmp_path):
-    from stabledrl_mcore.metrics import keep_steps_through
+    from stabledrl_mcore.engine.metrics import keep_steps_through
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2, 3)) + '{"step": 4, "lo')
@@ -279,9 +279,9 @@ def test_metrics_keep_steps_through_is_lossless(tmp_path):
 @pytest.mark.multiprocess
 def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeypatch, capsys):
     """train_state.json vs its directory, steps past the checkpoint, frozen keys, the CLI refusal."""
-    from stabledrl_mcore import cli
+    from stabledrl_mcore.cli.main import main as cli
     from stabledrl_mcore.checkpoint.integrity import CheckpointError
-    from stabledrl_mcore.checkpoint.resume import ResumeConfigError, plan_resume
+    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
     from stabledrl_mcore.rl import trainer
 
     base = record[1]

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stabledrl_mcore.rl import save_schedule
-from stabledrl_mcore.rl.save_schedule import TIMING_FILE, SaveSchedule, margin_warning
+from stabledrl_mcore.engine import save_schedule
+from stabledrl_mcore.engine.save_schedule import TIMING_FILE, SaveSchedule, margin_warning
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def tiny_run():
     down after."""
     import torch
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks import available_tasks, base as task_base
@@ -97,7 +97,7 @@ def _agreement_worker(out_dir, rank, port, seconds_per_step):
     it saved at. A bare gloo group (no Megatron: quick to start and to leave)."""
     import torch.distributed as dist
 
-    from stabledrl_mcore.rl import save_schedule as schedule
+    from stabledrl_mcore.engine import save_schedule as schedule
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     now = [0.0]
@@ -139,7 +139,7 @@ def test_every_rank_saves_when_rank0s_clock_says_so(tmp_path):
 
 def test_a_requeue_continues_the_wandb_run_tensorboard_and_saves_on_the_clock(tiny_run, tmp_path, monkeypatch):
     """Two launches into one run directory with --resume auto (a SLURM requeue), offline wandb."""
-    from stabledrl_mcore.metrics import MetricsLogger
+    from stabledrl_mcore.engine.metrics import MetricsLogger
 
     lines, info = [], MetricsLogger.info
     monkeypatch.setattr(MetricsLogger, "info", lambda self, message: (lines.append(message), info(self, message))[1])

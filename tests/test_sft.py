@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from stabledrl_mcore.diffusion.pretrain import sft_mask_plan, sft_sequence_losses
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.models.masks import block_causal_mask
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.sft import SFTSection, encode_rows
@@ -174,8 +174,8 @@ def _fixed_mask_loss(s):
 def _sft_worker(tmp, out):
     """Both architectures: an uninterrupted run, the same run cut at step 2 and resumed with
     ``checkpoint.resume=auto``; then ``stabledrl sft`` itself (in this rank's process)."""
-    from stabledrl_mcore.cli import main
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.sft import SFTConfig, train_sft
 
@@ -206,9 +206,9 @@ def _sft_worker(tmp, out):
 
 
 def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.sft import SFTConfig
-    from stabledrl_mcore.sft.preflight import preflight_sft
+    from stabledrl_mcore.cli.preflight_sft import preflight_sft
 
     monkeypatch.chdir(ROOT)
     cfg = load_config("examples/sft/tiny_cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"], cls=SFTConfig)
@@ -229,7 +229,7 @@ def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
 
 def _layout_worker(tmp, name, extra, out):
     """The uninterrupted llada-tiny run of :func:`_sft_worker` on 2 ranks (one layout per launch)."""
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.sft import SFTConfig, train_sft
 
     run = os.path.join(tmp, name)
@@ -303,7 +303,7 @@ def test_dp2_equals_dp1_and_tp2_trains(trained):
 
 
 def test_sft_command_refuses_bad_input_before_any_rank(tmp_path, capsys):
-    from stabledrl_mcore.cli import main
+    from stabledrl_mcore.cli.main import main
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a="}\n')

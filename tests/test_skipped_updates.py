@@ -29,7 +29,7 @@ class ConstantTask(SudokuTask):
 @pytest.fixture(scope="module")
 def tiny_run():
     """``run(run_dir, **overrides) -> setup``: an in-process training run; Megatron torn down after."""
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks import available_tasks, base as task_base
@@ -58,7 +58,7 @@ def tiny_run():
 @pytest.fixture
 def console(monkeypatch):
     """The rank-0 logger's console lines (``MetricsLogger.info``) of the test, as one string."""
-    from stabledrl_mcore.metrics import MetricsLogger
+    from stabledrl_mcore.engine.metrics import MetricsLogger
 
     lines, real = [], MetricsLogger.info
     monkeypatch.setattr(MetricsLogger, "info", lambda self, message: (lines.append(message), real(self, message))[1])
@@ -73,7 +73,7 @@ def console(monkeypatch):
 
 
 def _rows(run_dir):
-    from stabledrl_mcore.metrics import read_metrics
+    from stabledrl_mcore.engine.metrics import read_metrics
 
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
@@ -130,7 +130,7 @@ def test_a_run_whose_every_update_was_skipped_fails_with_the_reason(tiny_run, tm
 
 
 def test_max_skipped_updates_ends_the_run_by_name(tiny_run, tmp_path, monkeypatch, console):
-    from stabledrl_mcore.config import ConfigError, load_config
+    from stabledrl_mcore.config.schema import ConfigError, load_config
     from stabledrl_mcore.rl.update import SkippedUpdatesError
 
     _nan_loss_after(monkeypatch, 2)  # step 1 trains, then every update is skipped
@@ -145,7 +145,7 @@ def test_max_skipped_updates_ends_the_run_by_name(tiny_run, tmp_path, monkeypatc
 
 
 def test_no_learning_signal_is_warned_once_and_only_without_signal(tiny_run, tmp_path, console):
-    from stabledrl_mcore.rl.health import NO_SIGNAL_STEPS
+    from stabledrl_mcore.engine.health import NO_SIGNAL_STEPS
 
     steps = NO_SIGNAL_STEPS + 1
     tiny_run(tmp_path / "constant", steps=steps, **{"rollout.task": "test_constant"})

@@ -214,7 +214,7 @@ def test_unknown_and_bad_options_are_refused():
 
 
 def test_run_config_task_options_reach_the_task():
-    from stabledrl_mcore.config import RunConfig
+    from stabledrl_mcore.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.rollout.task = "sudoku"

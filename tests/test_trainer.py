@@ -45,7 +45,7 @@ def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
 
     if "test_digits" not in available_tasks():  # registered in the rank processes only
         register_task("test_digits")(DigitsTask)
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
 
     cfg = load_config(CONFIG, overrides(run_dir, **extra))

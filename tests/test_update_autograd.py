@@ -19,11 +19,11 @@ import json
 import pytest
 import torch
 
-from stabledrl_mcore.config import ConfigError, load_config
+from stabledrl_mcore.config.schema import ConfigError, load_config
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.rl.estimates import (LikelihoodSpec, all_token_logp, draw_plan, estimate, scored_region,
                                           sequence_estimates_and_elbo, token_logp)
-from stabledrl_mcore.rl.losses import (available_policy_losses, available_token_policy_losses,
+from stabledrl_mcore.algorithms.losses import (available_policy_losses, available_token_policy_losses,
                                        sequence_policy_loss, token_policy_loss)
 from stabledrl_mcore.rl.rollout import RolloutBatch
 from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients

@@ -27,7 +27,7 @@ def _digest(value) -> int:
 
 def _half_uniform_scoring() -> None:
     from stabledrl_mcore.rl import rollout, trainer
-    from stabledrl_mcore.rl.advantages import group_advantages
+    from stabledrl_mcore.algorithms.advantages import group_advantages
 
     real_score, real_filter = rollout.score_rollouts, trainer.filter_phase
 
@@ -53,7 +53,7 @@ def _half_uniform_scoring() -> None:
 
 
 def main(argv=None) -> int:
-    from stabledrl_mcore import cli
+    from stabledrl_mcore.cli.main import main as cli
 
     _half_uniform_scoring()
     return cli.main(["bench", *list(sys.argv[1:] if argv is None else argv)])

@@ -132,7 +132,7 @@ def stabledrl_commands(line: str) -> List[List[str]]:
     found, i = [], 0
     while i < len(tokens):
         token = tokens[i]
-        if os.path.basename(token) == "stabledrl" or token.endswith("stabledrl_mcore/cli.py"):
+        if os.path.basename(token) == "stabledrl" or token.endswith("stabledrl_mcore/cli/main.py"):
             start = i + 1
         elif token == "-m" and i + 1 < len(tokens) and tokens[i + 1] == "stabledrl_mcore.cli":
             start = i + 2
@@ -189,7 +189,7 @@ def config_class(command: str):
 
         return SFTConfig
     if command in ("train", "bench", "stress"):
-        from stabledrl_mcore.config import RunConfig
+        from stabledrl_mcore.config.schema import RunConfig
 
         return RunConfig
     return None
@@ -197,9 +197,9 @@ def config_class(command: str):
 
 def check_command(argv: Sequence[str], root: str) -> List[str]:
     """Problems of one ``stabledrl`` argument list (empty when it parses and its config loads)."""
-    from stabledrl_mcore import cli
-    from stabledrl_mcore.config import ConfigError, load_config
-    from stabledrl_mcore.config_io import apply_overrides, from_dict
+    from stabledrl_mcore.cli.main import main as cli
+    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.io import apply_overrides, from_dict
 
     argv = [t for t in argv if t != "--debug"]
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -340,7 +340,7 @@ def check_paths(text: str, path: str, root: str = ROOT) -> List[Finding]:
 def check_yaml(text: str, path: str, root: str = ROOT) -> List[Finding]:
     import yaml
 
-    from stabledrl_mcore.config import ConfigError, load_config
+    from stabledrl_mcore.config.schema import ConfigError, load_config
 
     findings = []
     for block in fenced_blocks(text):

@@ -8,5 +8,5 @@
 - :mod:`.scaling`: weak scaling at 1 vs 2 data-parallel ranks;
 - :mod:`.report`: console table and JSON; :mod:`.run`: the command.
 
-The memory/throughput planner is :mod:`stabledrl_mcore.plan` (``stabledrl plan``).
+The memory/throughput planner is :mod:`stabledrl_mcore.bench.plan` (``stabledrl plan``).
 """

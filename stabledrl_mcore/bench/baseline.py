@@ -264,7 +264,7 @@ class BaselineStep:
 
     # ------------------------------------------------------------------ update
     def _loss(self, batch, spec) -> torch.Tensor:
-        from stabledrl_mcore.rl.losses import sequence_policy_loss
+        from stabledrl_mcore.algorithms.losses import sequence_policy_loss
         from stabledrl_mcore.rl.estimates import sequence_estimates
 
         tok = self.all_token_logp(batch, batch.plan, spec)

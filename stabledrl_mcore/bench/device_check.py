@@ -278,7 +278,7 @@ def probe_reward(task, completion: str, reference) -> float:
 
 def _train_rank(config: str, overrides: List[str], out_json: str) -> None:
     """One rank of the training check (module level: ``parallel.launch.spawn`` starts it)."""
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks.base import Task
 

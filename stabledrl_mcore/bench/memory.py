@@ -73,7 +73,7 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
-    from stabledrl_mcore.parallel.expert import phase_model
+    from stabledrl_mcore.engine.expert import phase_model
     from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
 
     peaks = []
@@ -111,7 +111,7 @@ def measure(config: Optional[str], overrides: Sequence[str], *, seq_len: int, pr
     """Peak RSS growth (bytes) of building + ``iterations`` updates; call in a fresh process."""
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap
 
     torch.set_num_threads(1)
@@ -151,7 +151,7 @@ def measure_ranks(config: Optional[str], overrides: Sequence[str], *, seq_len: i
     ``{"ranks": [record of rank 0, ...]}``, or one record when the layout has a single rank."""
     import tempfile
 
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel.launch import spawn
 
     cfg = load_config(config, list(overrides))

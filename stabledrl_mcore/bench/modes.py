@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from stabledrl_mcore.config import ConfigError, RunConfig
+from stabledrl_mcore.config.schema import ConfigError, RunConfig
 
 # rollout fields the training set-up reads once (prompt stream, task): a mode cannot change them
 SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step",
@@ -121,7 +121,7 @@ class RolloutMode:
         from stabledrl_mcore.rl.heldout import heldout_examples
         from stabledrl_mcore.rl.rollout import score_rollouts
         from stabledrl_mcore.rl.trainer import rollout_phase
-        from stabledrl_mcore.tasks.evaluation import shard_examples
+        from stabledrl_mcore.evaluation.scoring import shard_examples
         from stabledrl_mcore.bench.phases import _reduce
 
         cfg = self.s.cfg

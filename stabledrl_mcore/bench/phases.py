@@ -109,7 +109,7 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
     Every job returns its local token count; tokens are summed over ranks and
     each repetition's time is the slowest rank's.
     """
-    from stabledrl_mcore.parallel.pipeline import CLOCK
+    from stabledrl_mcore.engine.pipeline import CLOCK
 
     names = list(jobs)
     results = {n: PhaseResult(n) for n in names}
@@ -222,7 +222,7 @@ class StableDRLPhases:
 
     def likelihood(self, name: str) -> float:
         from stabledrl_mcore.models.placement import model_device
-        from stabledrl_mcore.parallel.expert import phase_model
+        from stabledrl_mcore.engine.expert import phase_model
         from stabledrl_mcore.rl.trainer import _chunk_generators, _first_chunk
         from stabledrl_mcore.rl.estimates import old_policy_likelihood
 
@@ -235,7 +235,7 @@ class StableDRLPhases:
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
-        from stabledrl_mcore.parallel.expert import phase_model
+        from stabledrl_mcore.engine.expert import phase_model
         from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
 
         self.s.ddp.zero_grad_buffer()

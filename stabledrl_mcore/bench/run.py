@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.config import ConfigError, RunConfig, load_config, to_dict
+from stabledrl_mcore.config.schema import ConfigError, RunConfig, load_config, to_dict
 from stabledrl_mcore.bench.phases import PHASES, StableDRLPhases, VocabGuard, log, measure
 
 
@@ -128,7 +128,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     ours = base = None
     try:
         world = torch.distributed.get_world_size()
-        from stabledrl_mcore.rl.losses import available_token_policy_losses
+        from stabledrl_mcore.algorithms.losses import available_token_policy_losses
 
         token_loss = cfg.algo.loss in available_token_policy_losses()
         if baseline and token_loss:
@@ -142,7 +142,7 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
         if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
-            from stabledrl_mcore.parallel.pipeline import timed_stage_forward
+            from stabledrl_mcore.engine.pipeline import timed_stage_forward
 
             timed_stage_forward(s.model)
         if baseline:

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from stabledrl_mcore.config import load_config, save_config
+from stabledrl_mcore.config.schema import load_config, save_config
 
 
 def write_run_config(run_dir: str, overrides: Sequence[str], config: Optional[str] = None) -> str:

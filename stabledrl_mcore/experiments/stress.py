@@ -2,7 +2,7 @@
 
 From one SFT checkpoint, four arms run side by side with the same seed and
 budget: ``{grpo, stabledrl} x {no noise, heavy-tailed noise on the estimated
-log-ratio}`` (``algo.ratio_noise``, :mod:`stabledrl_mcore.rl.noise`). The
+log-ratio}`` (``algo.ratio_noise``, :mod:`stabledrl_mcore.algorithms.ratio_noise`). The
 paper's claim (Zhong et al. 2026, stress test): under noise GRPO's gradient
 spikes and its reward falls below its start, while StableDRL's clipped,
 self-normalised update stays bounded (in the convex hull of per-sample

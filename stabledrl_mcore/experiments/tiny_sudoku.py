@@ -107,8 +107,8 @@ def run_sft(out: str, tokenizer, task, labelled: List[Example], validation: List
             setting: TinySudoku):
     """Masked-diffusion SFT (``stabledrl sft``'s loop) until validation accuracy first reaches
     ``setting.sft_target``; returns ``(model, record)``."""
-    from stabledrl_mcore.config import load_config
-    from stabledrl_mcore.evaluation import evaluate_model
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.evaluation.distributed import evaluate_model
     from stabledrl_mcore.sft import SFTConfig, train_sft
     from stabledrl_mcore.tasks import write_jsonl
 
@@ -142,7 +142,7 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     """
     from stabledrl_mcore.checkpoint.mcore_io import save_model_checkpoint
     from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.tokenizer import train_sentencepiece
+    from stabledrl_mcore.tasks.tokenizer import train_sentencepiece
 
     record_path = os.path.join(out, "sft.json")
     if os.path.exists(record_path):

@@ -6,7 +6,7 @@ becomes router + experts (:func:`~.specs.dllm_layer_spec` with ``num_experts``; 
 ``parallel.expert_parallel`` ranks of the data-parallel dimension (Megatron's expert grid:
 ``world = PP x ETP x EP x expert-DP``); tokens go to their experts' ranks and back by
 all-to-all in every layer, so the ranks of one expert-parallel group must run the same
-number of forwards (see :mod:`stabledrl_mcore.parallel.expert`).
+number of forwards (see :mod:`stabledrl_mcore.engine.expert`).
 
 Checkpoint layout: Megatron's ``SequentialMLP`` (CPU) and TE's grouped experts (GPU) both write
 ``decoder.layers.L.mlp.experts.experts.linear_fc{1,2}.weight`` sharded along a global expert axis, so
@@ -152,7 +152,7 @@ _PAUSED = {"depth": 0}
 @contextlib.contextmanager
 def routing_recorders_paused():
     """Forwards inside this block are not seen by any :class:`RoutingRecorder` (the lockstep's
-    dummy forwards, see :mod:`stabledrl_mcore.parallel.expert`)."""
+    dummy forwards, see :mod:`stabledrl_mcore.engine.expert`)."""
     _PAUSED["depth"] += 1
     try:
         yield

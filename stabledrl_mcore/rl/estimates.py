@@ -31,8 +31,8 @@ from stabledrl_mcore.diffusion.likelihood import elbo_from_draws, eubo_from_draw
 from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
-from stabledrl_mcore.parallel.pipeline import is_pipelined, pipeline_forward
-from stabledrl_mcore.rl.losses import spg_select_bound
+from stabledrl_mcore.engine.pipeline import is_pipelined, pipeline_forward
+from stabledrl_mcore.algorithms.losses import spg_select_bound
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 ESTIMATORS = ("elbo", "mean_field", "spg", "staircase")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-from stabledrl_mcore.config import RunConfig
+from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.tasks import GENERATED_TASKS
 from stabledrl_mcore.tasks.base import Example
 
@@ -30,7 +30,7 @@ def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable
     """``evaluate(model) -> {"test_accuracy", "test_reward"}``, or None when ``eval.every`` is 0."""
     if not cfg.eval.every:
         return None
-    from stabledrl_mcore.evaluation import evaluate_model
+    from stabledrl_mcore.evaluation.distributed import evaluate_model
 
     examples = heldout_examples(cfg, task)
     r = cfg.rollout

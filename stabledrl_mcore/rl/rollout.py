@@ -15,7 +15,7 @@ import torch
 from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.tasks.base import Example
-from stabledrl_mcore.rl.advantages import group_advantages
+from stabledrl_mcore.algorithms.advantages import group_advantages
 from stabledrl_mcore.rl.group_rollout import group_rollouts
 
 

@@ -1,4 +1,4 @@
-"""Build everything a training run needs from a :class:`~stabledrl_mcore.config.RunConfig`.
+"""Build everything a training run needs from a :class:`~stabledrl_mcore.config.schema.RunConfig`.
 
 Distributed start-up, tokenizer, backbone (random init, a converted
 checkpoint, or a training checkpoint on resume), Megatron DDP, the Megatron
@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from stabledrl_mcore.config import RunConfig
+from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.tasks import GENERATED_TASKS, get_task
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.prompts import rollout_prompt_format
@@ -104,7 +104,7 @@ def _model_config(cfg: RunConfig, tokenizer):
         overrides.setdefault("vocab_size", tokenizer.vocab_size)
     unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(mcfg)}]
     if unknown:
-        from stabledrl_mcore.config import ConfigError
+        from stabledrl_mcore.config.schema import ConfigError
 
         raise ConfigError(f"model.overrides: unknown DLLMConfig field(s) {', '.join(unknown)}")
     return dataclasses.replace(mcfg, **overrides).validate()
@@ -112,7 +112,7 @@ def _model_config(cfg: RunConfig, tokenizer):
 
 def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     """The configured tokenizer, the checkpoint's, or a tiny one trained on the task (rank 0 trains)."""
-    from stabledrl_mcore.tokenizer import load_tokenizer, train_sentencepiece
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
     if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
         raise FileNotFoundError(f"model.checkpoint: {cfg.model.checkpoint} does not exist or is not a directory")
@@ -170,7 +170,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
 
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
-    from stabledrl_mcore.preflight import check_pipeline_options
+    from stabledrl_mcore.cli.preflight import check_pipeline_options
 
     check_pipeline_options(cfg)
     task = build_task(cfg)
@@ -183,7 +183,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
                          expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = _model_config(cfg, tokenizer)
-    from stabledrl_mcore.preflight import check_moe_options
+    from stabledrl_mcore.cli.preflight import check_moe_options
 
     check_moe_options(cfg, mcfg)
     bootstrap.validate_parallel_layout(
@@ -203,7 +203,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
     rows = cfg.rollout.generated_prompts // dp_size * cfg.rollout.group_size
     if rows % cfg.parallel.micro_batch_size:
-        from stabledrl_mcore.config import ConfigError
+        from stabledrl_mcore.config.schema import ConfigError
 
         raise ConfigError(f"each data-parallel rank holds {rows} sequences (prompts_per_step / DP x "
                           f"group_size), not a multiple of parallel.micro_batch_size "
@@ -249,7 +249,7 @@ def build_task(cfg: RunConfig):
     """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
     columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
     refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
-    from stabledrl_mcore.config import ConfigError
+    from stabledrl_mcore.config.schema import ConfigError
 
     r = cfg.rollout
     options = dict(r.task_options)

@@ -18,23 +18,23 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.checkpoint.history import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
-from stabledrl_mcore.checkpoint.resume import ResumePlan, check_model_config, plan_resume
+from stabledrl_mcore.engine.run_dir import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
+from stabledrl_mcore.engine.resume import ResumePlan, check_model_config, plan_resume
 from stabledrl_mcore.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
-from stabledrl_mcore.config import RunConfig, save_config, to_dict
-from stabledrl_mcore.metrics import create_logger, logger_options
+from stabledrl_mcore.config.schema import RunConfig, save_config, to_dict
+from stabledrl_mcore.engine.metrics import create_logger, logger_options
 from stabledrl_mcore.models.placement import model_device
 from stabledrl_mcore.parallel.bootstrap import any_rank
-from stabledrl_mcore.parallel.expert import expert_group, lockstep_dummy_rounds, phase_model, routing_statistics, summed_over_ranks
+from stabledrl_mcore.engine.expert import expert_group, lockstep_dummy_rounds, phase_model, routing_statistics, summed_over_ranks
 from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
-from stabledrl_mcore.rl.noise import RatioNoise
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
 from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
-from stabledrl_mcore.rl.save_schedule import SaveSchedule
+from stabledrl_mcore.engine.save_schedule import SaveSchedule
 from stabledrl_mcore.rl.setup import TrainingSetup, build_training, phase_generator, sync_reference
 from stabledrl_mcore.rl.step_metrics import step_metrics
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
-from stabledrl_mcore.rl.health import RunHealth
+from stabledrl_mcore.engine.health import RunHealth
 from stabledrl_mcore.rl.update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients, sync_gradients
 
 
@@ -240,7 +240,7 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """
     from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))

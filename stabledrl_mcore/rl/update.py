@@ -19,13 +19,13 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from stabledrl_mcore.diffusion.masking import MaskPlan
-from stabledrl_mcore.errors import RunFailed
+from stabledrl_mcore.common.errors import RunFailed
 from stabledrl_mcore.parallel.bootstrap import any_rank
 from stabledrl_mcore.models.moe import router_loss_scale
-from stabledrl_mcore.parallel.pipeline import is_pipelined, pipeline_forward_backward
+from stabledrl_mcore.engine.pipeline import is_pipelined, pipeline_forward_backward
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates, sequence_estimates_and_elbo, token_logp, token_logp_inputs
-from stabledrl_mcore.rl.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
-from stabledrl_mcore.rl.noise import RatioNoise
+from stabledrl_mcore.algorithms.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 

@@ -1,7 +1,7 @@
 """The config of ``stabledrl sft``: the run sections of ``train`` plus an ``sft`` data section.
 
 :class:`SFTConfig` reuses ``model``, ``parallel``, ``optim``, ``checkpoint`` and
-``logging`` of :mod:`stabledrl_mcore.config` (same fields, same meaning; one optimizer
+``logging`` of :mod:`stabledrl_mcore.config.schema` (same fields, same meaning; one optimizer
 update per step) and adds :class:`SFTSection`. Fields of those sections that only the
 RL loop reads are refused by name when set (:data:`RL_ONLY`), so nothing is accepted
 and ignored.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from stabledrl_mcore.config import CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection, ParallelSection, _choice, get_dotted, validate_logging_and_saving
+from stabledrl_mcore.config.schema import CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection, ParallelSection, _choice, get_dotted, validate_logging_and_saving
 
 CHAT_TEMPLATES = ("auto", "never")
 RL_ONLY = ("parallel.retain_update_graph",)

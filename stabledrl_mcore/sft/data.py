@@ -17,7 +17,7 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.sft.config import SFTSection
 
 

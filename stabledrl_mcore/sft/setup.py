@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
 
@@ -15,7 +15,7 @@ from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
 def sft_tokenizer(cfg: SFTConfig):
     """``model.tokenizer``, else the checkpoint's (also under ``hf/``), else (random init) a tiny
     sentencepiece tokenizer trained on the data into ``<run_dir>/tokenizer`` by rank 0."""
-    from stabledrl_mcore.tokenizer import load_tokenizer, train_sentencepiece
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
     path = cfg.model.tokenizer or cfg.model.checkpoint
     if path and not cfg.model.tokenizer and os.path.isdir(os.path.join(path, "hf")):
@@ -79,7 +79,7 @@ def build_sft(cfg: SFTConfig):
 
 def check_batch(cfg: SFTConfig, data_parallel: int) -> None:
     """``sft.batch_size`` splits over the data-parallel ranks and then into micro-batches."""
-    from stabledrl_mcore.config import ConfigError
+    from stabledrl_mcore.config.schema import ConfigError
 
     batch, micro = cfg.sft.batch_size, cfg.parallel.micro_batch_size
     if batch % data_parallel or (batch // data_parallel) % micro:

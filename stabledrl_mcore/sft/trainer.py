@@ -21,12 +21,12 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from stabledrl_mcore.checkpoint.history import checkpoint_root
-from stabledrl_mcore.config import save_config, to_dict
+from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.config.schema import save_config, to_dict
 from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
-from stabledrl_mcore.metrics import create_logger, logger_options
+from stabledrl_mcore.engine.metrics import create_logger, logger_options
 from stabledrl_mcore.models.placement import model_device
-from stabledrl_mcore.rl.save_schedule import SaveSchedule
+from stabledrl_mcore.engine.save_schedule import SaveSchedule
 from stabledrl_mcore.rl.setup import derive_seed, phase_generator
 from stabledrl_mcore.rl.update import SkippedUpdatesError, agree_ok, grads_finite, sync_gradients
 from stabledrl_mcore.sft.config import SFTConfig
@@ -188,7 +188,7 @@ def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of an SFT run from a config file plus dotted overrides; 75 = pre-empted
     (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
     from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-    from stabledrl_mcore.config import load_config
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import run_with_preemption_marker
 
     bind_checkpoint_writers()

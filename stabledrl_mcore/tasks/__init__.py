@@ -11,7 +11,7 @@ or [0, 2] with the ``anti_short_boxed`` option every task takes),
 from stabledrl_mcore.tasks.base import (BASE_TASK_OPTIONS, REWARD_RANGE, Example, Task, TaskProtocol,
                                         available_tasks, get_task, register_task)
 from stabledrl_mcore.tasks.countdown import CountdownTask, evaluate_expression, solve as solve_countdown
-from stabledrl_mcore.tasks.evaluation import (SHARD_MODES, evaluate_completions, shard_examples,
+from stabledrl_mcore.evaluation.scoring import (SHARD_MODES, evaluate_completions, shard_examples,
                                               shard_indices, write_jsonl)
 from stabledrl_mcore.tasks.extract import answer_tag, last_boxed, parse_number
 from stabledrl_mcore.tasks.math_equiv import math_equal

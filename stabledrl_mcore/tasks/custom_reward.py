@@ -39,7 +39,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from stabledrl_mcore.errors import UserError, one_line
+from stabledrl_mcore.common.errors import UserError, one_line
 from stabledrl_mcore.tasks.math_equiv import call_with_deadline, signals_available
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.common.errors import DataError
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 """Suffixes of the data files read here, in the order a folder of split files is searched."""

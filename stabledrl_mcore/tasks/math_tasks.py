@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.tasks.base import Example, Task, register_task
 from stabledrl_mcore.tasks.extract import answer_tag, boxed_then_tag, numbers_equal, parse_number
 from stabledrl_mcore.tasks.local_datasets import (answer_value, check_local, is_saved_dataset, load_rows,

@@ -161,7 +161,7 @@ def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] =
     """A checked :class:`PromptFormat`: the template holds ``{question}``; the chat template file
     exists, parses and renders a test conversation. A failure is one :class:`~..errors.UserError`
     line naming the field (``names``: system prompt, template, chat template) and the fix."""
-    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.common.errors import UserError
 
     template = QUESTION if template is None else template
     if not isinstance(template, str) or QUESTION not in template:
@@ -187,7 +187,7 @@ def rollout_prompt_format(rollout: Any) -> PromptFormat:
     """The checked :class:`PromptFormat` of a config's ``rollout`` section (train, preflight).
 
     ``prompt_style: compact`` prompts are the bare question: the prompt fields are refused there."""
-    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.common.errors import UserError
 
     given = {"rollout.system_prompt": rollout.system_prompt is not None,
              "rollout.prompt_template": rollout.prompt_template != QUESTION,
@@ -200,7 +200,7 @@ def rollout_prompt_format(rollout: Any) -> PromptFormat:
 
 
 def _read_template(path: str, name: str) -> str:
-    from stabledrl_mcore.errors import UserError
+    from stabledrl_mcore.common.errors import UserError
 
     try:
         with open(path, encoding="utf-8") as handle:

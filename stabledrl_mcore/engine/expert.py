@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from stabledrl_mcore.parallel.pipeline import ModelWrapper, pipelined
+from stabledrl_mcore.engine.pipeline import ModelWrapper, pipelined
 
 _DUMMIES = {"rounds": 0}
 

@@ -50,7 +50,7 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
     """``(config, overrides)`` of ``train`` and ``sft``: the file plus overrides, ``--resume`` /
     ``--overwrite`` as ``checkpoint.*`` overrides (the ranks get the same); ``--nproc`` checked; pre-emption handlers installed first (unless
     ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
-    from stabledrl_mcore.config import ConfigError, RunConfig, load_config
+    from stabledrl_mcore.config.schema import ConfigError, RunConfig, load_config
 
     if not args.print_config:
         from stabledrl_mcore.rl.trainer import install_preemption_handlers
@@ -64,13 +64,13 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from stabledrl_mcore.config import save_config, to_dict
-    from stabledrl_mcore.preflight import preflight
+    from stabledrl_mcore.config.schema import save_config, to_dict
+    from stabledrl_mcore.cli.preflight import preflight
 
     cfg, overrides = run_config_from_args(args)
     # every check that needs no model, before any rank starts; a plain `train` is one process
     report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
-    from stabledrl_mcore.checkpoint.resume import preflight as check_run_directory
+    from stabledrl_mcore.engine.resume import preflight as check_run_directory
 
     check_run_directory(cfg)  # a used run directory or a resume that cannot fit the config
     if args.print_config:
@@ -183,7 +183,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from stabledrl_mcore.errors import RunFailed, is_user_error, is_user_error_type, one_line
+    from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")

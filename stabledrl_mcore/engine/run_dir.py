@@ -26,7 +26,7 @@ import os
 import time
 from typing import List, Optional
 
-from stabledrl_mcore.config import ConfigError, RunConfig
+from stabledrl_mcore.config.schema import ConfigError, RunConfig
 from stabledrl_mcore.checkpoint.state import STEP_DIR, step_dir_name
 
 ATTIC = "attic"
@@ -154,7 +154,7 @@ def abandon_later_steps(root: str, step: int) -> Optional[str]:
 def continue_metrics(run_dir: str, step: int) -> Optional[str]:
     """Keep ``metrics.jsonl``'s lines of steps ``<= step`` (all of it moved aside for step < 0);
     returns the attic copy of the old file when lines were dropped."""
-    from stabledrl_mcore.metrics import keep_steps_through
+    from stabledrl_mcore.engine.metrics import keep_steps_through
 
     path = os.path.join(run_dir, METRICS_FILE)
     label = f"resumed-{_stamp()}-at-{step_dir_name(step)}" if step >= 0 else f"restarted-{_stamp()}"

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.rl.losses_common import Groups, Registry, check_group_index, check_tensor, work_dtype
+from stabledrl_mcore.algorithms.losses_common import Groups, Registry, check_group_index, check_tensor, work_dtype
 
 AdvantageFn = Callable[[Tensor, Groups, float], Tensor]
 _REGISTRY: Registry[AdvantageFn] = Registry("advantage mode")

@@ -37,7 +37,7 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   peak = activations + head (recompute: see above). Not modelled: the optimizer step's own temporaries
   (they do not coincide with activations) and allocator fragmentation beyond ``overhead``.
 
-Pipeline parallelism (``pp > 1``; :mod:`stabledrl_mcore.parallel.pipeline`). Every stage holds ``L/pp``
+Pipeline parallelism (``pp > 1``; :mod:`stabledrl_mcore.engine.pipeline`). Every stage holds ``L/pp``
 layers; the first adds the embedding, the last the LM head and the final norm (middle stages hold
 neither and fewer micro-batches, so the first or the last is the most loaded). The likelihood and the
 update pass every ``(draw, micro-batch)`` chunk as one pipeline micro-batch, ``m = num_mc * ceil(N/mb)``
@@ -82,7 +82,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from stabledrl_mcore.config import ConfigError
+from stabledrl_mcore.config.schema import ConfigError
 
 GIB = 1024 ** 3
 
@@ -506,7 +506,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """The ``stabledrl plan`` command: the requested layout in detail, then every layout."""
     spec = spec_from_args(args)
     if args.plot:
-        from stabledrl_mcore.plan_plot import check_plot_path
+        from stabledrl_mcore.bench.plan_plot import check_plot_path
 
         check_plot_path(args.plot)
     chosen = estimate(spec)
@@ -520,7 +520,7 @@ def run_plan(args: argparse.Namespace) -> int:
         write_json({"spec": dict(plain, model=args.model), "model_params": params, "chosen": chosen,
                     "layouts": rows}, args.json)
     if args.plot:
-        from stabledrl_mcore.plan_plot import plot_plan
+        from stabledrl_mcore.bench.plan_plot import plot_plan
 
         plot_plan(rows, spec.gpu_memory_gib, args.plot, title=format_plan(spec, chosen, rows).splitlines()[0],
                   requested=layout_key(chosen))

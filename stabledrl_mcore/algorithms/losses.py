@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.rl.losses_common import (
+from stabledrl_mcore.algorithms.losses_common import (
     KL_ESTIMATORS,
     Groups,
     Registry,
@@ -57,13 +57,13 @@ from stabledrl_mcore.rl.losses_common import (
     unknown_name_error,
     work_dtype,
 )
-from stabledrl_mcore.rl.losses_token import (  # noqa: F401  (re-exported)
+from stabledrl_mcore.algorithms.token_losses import (  # noqa: F401  (re-exported)
     available_token_policy_losses,
     get_token_policy_loss,
     register_token_policy_loss,
     token_policy_loss,
 )
-from stabledrl_mcore.rl.noise import RatioNoise
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 
 __all__ = [
     "LossTerms", "RatioNoise", "SequenceBatch", "available_policy_losses", "available_token_policy_losses",

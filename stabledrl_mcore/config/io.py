@@ -1,6 +1,6 @@
 """Typed configs from plain data: dataclass construction with checked keys and types, dotted overrides.
 
-Generic machinery behind :mod:`stabledrl_mcore.config` (which defines the sections):
+Generic machinery behind :mod:`stabledrl_mcore.config.schema` (which defines the sections):
 unknown keys name the closest valid ones, wrong types name the field and the expected
 type, and ``"a.b=value"`` overrides are parsed as YAML scalars or lists.
 """

@@ -57,7 +57,7 @@ def cli_prompt_format(args: argparse.Namespace):
 
 
 def _tokenizer(args):
-    from stabledrl_mcore.tokenizer import load_tokenizer
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
     path = args.tokenizer or (os.path.join(args.ckpt, "hf") if os.path.isdir(os.path.join(args.ckpt, "hf"))
                               else args.ckpt)
@@ -68,7 +68,7 @@ def _sampling(args, cfg):
     steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
     block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
     if args.cache != "none" and cfg.arch != "llada":
-        from stabledrl_mcore.errors import UserError
+        from stabledrl_mcore.common.errors import UserError
 
         raise UserError(f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
                         f"with its own KV cache of finished blocks (drop --cache)")
@@ -220,8 +220,8 @@ def summary_path(out: str) -> str:
 
 def _check_sampling_flags(args: argparse.Namespace) -> None:
     """``--n`` / ``--k`` / ``--temperature``, refused by name before any rank starts; sets ``args.k``."""
-    from stabledrl_mcore.errors import UserError
-    from stabledrl_mcore.tasks.at_k import check_ks, default_ks
+    from stabledrl_mcore.common.errors import UserError
+    from stabledrl_mcore.evaluation.at_k import check_ks, default_ks
 
     if args.n < 1:
         raise UserError(f"--n must be >= 1, got {args.n}")
@@ -241,7 +241,7 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
 
 def _eval_inputs(args: argparse.Namespace):
     """``(task, examples)`` of an eval, checked before any model is loaded; none is an error."""
-    from stabledrl_mcore.errors import DataError, UserError
+    from stabledrl_mcore.common.errors import DataError, UserError
     from stabledrl_mcore.tasks import GENERATED_TASKS, get_task
 
     if not os.path.isdir(args.ckpt):
@@ -274,7 +274,7 @@ def _eval_rank(options: dict) -> int:
     import torch
 
     from stabledrl_mcore.checkpoint.loader import read_config
-    from stabledrl_mcore.evaluation import evaluate_model
+    from stabledrl_mcore.evaluation.distributed import evaluate_model
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.rl.setup import load_initial_weights

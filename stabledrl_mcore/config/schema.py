@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
-from stabledrl_mcore.config_io import ConfigError, apply_overrides, from_dict, get_dotted, parse_override, to_dict
+from stabledrl_mcore.config.io import ConfigError, apply_overrides, from_dict, get_dotted, parse_override, to_dict
 
 
 @dataclass
@@ -436,7 +436,7 @@ class RunConfig:
                               f"{a.reference_sync_every}, {a.reference_mixup}")
         if (a.reference_sync_every or a.reference_mixup != 0.6) and a.kl_coef == 0:
             raise ConfigError("algo.reference_sync_every / reference_mixup need a reference: set algo.kl_coef > 0")
-        from stabledrl_mcore.rl.losses import available_policy_losses, available_token_policy_losses
+        from stabledrl_mcore.algorithms.losses import available_policy_losses, available_token_policy_losses
 
         sequence, token = available_policy_losses(), available_token_policy_losses()
         if a.loss not in sequence + token:
@@ -460,8 +460,8 @@ class RunConfig:
 
 def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> None:
     """``algo.loss_options`` must be keyword options of the loss function itself."""
-    from stabledrl_mcore.rl.losses import get_policy_loss, get_token_policy_loss
-    from stabledrl_mcore.rl.losses_common import option_names
+    from stabledrl_mcore.algorithms.losses import get_policy_loss, get_token_policy_loss
+    from stabledrl_mcore.algorithms.losses_common import option_names
 
     accepted = option_names((get_token_policy_loss if token else get_policy_loss)(loss), configurable=True)
     unknown = sorted(set(options) - set(accepted))

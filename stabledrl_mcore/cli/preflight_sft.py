@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from stabledrl_mcore.config import ConfigError
+from stabledrl_mcore.config.schema import ConfigError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_rows, render
@@ -18,9 +18,9 @@ from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_row
 
 def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
     """Validate ``cfg`` against the files it names and ``world_size`` (None = unknown); one-line summary."""
-    from stabledrl_mcore.checkpoint.resume import preflight as check_run_directory
+    from stabledrl_mcore.engine.resume import preflight as check_run_directory
     from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
-    from stabledrl_mcore.preflight import _check_logging, _check_tokenizer, model_shape
+    from stabledrl_mcore.cli.preflight import _check_logging, _check_tokenizer, model_shape
     from stabledrl_mcore.sft.setup import check_batch, check_data
 
     resume = cfg.checkpoint.resume
@@ -53,7 +53,7 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
 def _data(cfg: SFTConfig):
     """The encoded data with the run's tokenizer when it exists already; else the number of rows
     (each rendered as plain text: a random-init run trains its tokenizer at start-up)."""
-    from stabledrl_mcore.tokenizer import load_tokenizer
+    from stabledrl_mcore.tasks.tokenizer import load_tokenizer
     from stabledrl_mcore.sft.setup import sft_tokenizer
 
     trained = os.path.join(cfg.logging.run_dir, "tokenizer")
@@ -65,7 +65,7 @@ def _data(cfg: SFTConfig):
         render(row, where, cfg.sft, PlainText())
         count += 1
     if not count:
-        from stabledrl_mcore.errors import DataError
+        from stabledrl_mcore.common.errors import DataError
 
         raise DataError(f"sft.data_path={cfg.sft.data_path} holds no rows")
     return count

@@ -28,7 +28,7 @@ class DataError(UserError, ValueError):
 # Older error classes of the project whose messages are written for the user, by module. They
 # are looked up in ``sys.modules`` only: an error cannot come from a module that was never imported.
 _USER_ERROR_CLASSES = (
-    ("stabledrl_mcore.config_io", "ConfigError"),
+    ("stabledrl_mcore.config.io", "ConfigError"),
     ("stabledrl_mcore.parallel.bootstrap", "ParallelLayoutError"),
     ("stabledrl_mcore.models.presets", "ModelConfigError"),
     ("stabledrl_mcore.checkpoint.errors", "ConversionError"),

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from stabledrl_mcore.config import ConfigError, RunConfig, get_dotted
-from stabledrl_mcore.errors import DataError
+from stabledrl_mcore.config.schema import ConfigError, RunConfig, get_dotted
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 from stabledrl_mcore.tasks import GENERATED_TASKS
 from stabledrl_mcore.tasks.local_datasets import check_local
@@ -200,7 +200,7 @@ def _check_tokenizer(cfg: RunConfig) -> None:
 
 
 def _check_logging(cfg: RunConfig) -> None:
-    from stabledrl_mcore.metrics import tensorboard_available
+    from stabledrl_mcore.engine.metrics import tensorboard_available
 
     if cfg.logging.tensorboard and not tensorboard_available():
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "

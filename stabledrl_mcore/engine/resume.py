@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from stabledrl_mcore.config import ConfigError, RunConfig, to_dict
-from stabledrl_mcore.checkpoint.history import check_run_dir, checkpoint_root, resume_requested
+from stabledrl_mcore.config.schema import ConfigError, RunConfig, to_dict
+from stabledrl_mcore.engine.run_dir import check_run_dir, checkpoint_root, resume_requested
 from stabledrl_mcore.checkpoint.integrity import CheckpointError
 from stabledrl_mcore.checkpoint.state import TrainState, find_latest, read_train_state
 

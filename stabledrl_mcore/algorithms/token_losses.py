@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.rl.losses_common import (
+from stabledrl_mcore.algorithms.losses_common import (
     KL_ESTIMATORS,
     Groups,
     Registry,
@@ -34,7 +34,7 @@ from stabledrl_mcore.rl.losses_common import (
     unknown_name_error,
     work_dtype,
 )
-from stabledrl_mcore.rl.noise import RatioNoise
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def wandb_run_id(run_dir: str) -> str:
     with open(path) as handle:
         run_id = handle.read().strip()
     if not run_id or any(ch not in string.ascii_letters + string.digits + "-_" for ch in run_id):
-        from stabledrl_mcore.errors import UserError
+        from stabledrl_mcore.common.errors import UserError
 
         raise UserError(f"{path}: not a wandb run id ({run_id!r}); delete the file for a new wandb run")
     return run_id
@@ -175,7 +175,7 @@ def _start_tensorboard(run_dir: str, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        from stabledrl_mcore.errors import UserError
+        from stabledrl_mcore.common.errors import UserError
 
         raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
                         "(or set logging.tensorboard=false)") from None

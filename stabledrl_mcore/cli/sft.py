@@ -20,10 +20,10 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
-    from stabledrl_mcore.cli import _world_size, run_config_from_args
-    from stabledrl_mcore.config import to_dict
+    from stabledrl_mcore.cli.main import _world_size, run_config_from_args
+    from stabledrl_mcore.config.schema import to_dict
     from stabledrl_mcore.sft.config import SFTConfig
-    from stabledrl_mcore.sft.preflight import preflight_sft
+    from stabledrl_mcore.cli.preflight_sft import preflight_sft
 
     cfg, overrides = run_config_from_args(args, SFTConfig)
     summary = preflight_sft(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))

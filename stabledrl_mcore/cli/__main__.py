@@ -1,0 +1,5 @@
+"""``python -m stabledrl_mcore.cli ...`` (torchrun and srun start ranks this way)."""
+
+from stabledrl_mcore.cli.main import main
+
+raise SystemExit(main())
