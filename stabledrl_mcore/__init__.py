@@ -7,7 +7,7 @@ likelihood, sampling), ``rl`` (losses, advantages, rollout, trainer), ``tasks``,
 ``cli`` the ``stabledrl`` command.
 """
 
-__version__ = "0.1.0"
+from stabledrl_mcore.common.version import __version__  # noqa: F401  (the package API)
 
 
 def _quiet_cpu_warnings() -> None:

@@ -14,7 +14,7 @@ from stabledrl_mcore.bench.peak import gpu_peak_flops, measure_matmul_flops
 from stabledrl_mcore.bench.phases import PhaseResult, fill_flat_groups
 from stabledrl_mcore.bench.run import parse_phases, speedup
 from stabledrl_mcore.bench.scaling import efficiency
-from stabledrl_mcore.config.schema import ConfigError
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

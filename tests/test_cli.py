@@ -74,7 +74,7 @@ def test_overrides_may_follow_options(capsys):
 
 
 def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
-    from stabledrl_mcore.config.schema import ConfigError
+    from stabledrl_mcore.common.errors import ConfigError
 
     for argv in (["--debug", "train", "rollout.task=gsm9k", "--print-config"],
                  ["train", "rollout.task=gsm9k", "--print-config", "--debug"]):
@@ -88,7 +88,7 @@ def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.config.io.ConfigError", 2),
+@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.common.errors.ConfigError", 2),
                                               ("builtins.RuntimeError", 1)])
 def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(capsys, monkeypatch, first_type,
                                                                                 code):
@@ -113,7 +113,7 @@ def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(ca
 def test_a_run_that_trained_nothing_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
     """``SkippedUpdatesError`` (a run that cannot go on) reaches the console as one line, exit 1."""
     from stabledrl_mcore.rl import trainer
-    from stabledrl_mcore.rl.update import SkippedUpdatesError
+    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     def diverged(config, overrides=()):
         raise SkippedUpdatesError("every one of this run's 4 optimizer updates was skipped (loss is nan)")

@@ -3,7 +3,9 @@
 import pytest
 import yaml
 
-from stabledrl_mcore.config.schema import (ConfigError, RunConfig, load_config, save_config, to_dict)
+from stabledrl_mcore.config.schema import RunConfig, load_config, save_config
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.common.errors import ConfigError
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from stabledrl_mcore.cli.main import main
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import UserError
-from stabledrl_mcore.rl.setup import build_task
+from stabledrl_mcore.tasks.from_config import build_task
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tasks.custom_reward import CustomRewardTask, load_reward_fn
 

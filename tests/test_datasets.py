@@ -9,7 +9,8 @@ import datasets
 import pytest
 
 from stabledrl_mcore.cli.main import main
-from stabledrl_mcore.config.schema import ConfigError, load_config
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.cli.preflight import preflight
 from stabledrl_mcore.tasks import get_task

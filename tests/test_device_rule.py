@@ -187,7 +187,7 @@ class _SyncCounter(torch.overrides.TorchFunctionMode):
 
 def test_grads_finite_reduces_once_and_syncs_once(megatron_tp1, monkeypatch):
     from stabledrl_mcore.models import build_model, get_preset
-    from stabledrl_mcore.rl.update import grads_finite
+    from stabledrl_mcore.engine.gradients import grads_finite
 
     model = build_model(get_preset("llada-tiny"))
     params = list(model.parameters())

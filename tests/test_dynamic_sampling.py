@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from stabledrl_mcore.config.schema import ConfigError, load_config
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups, keep_groups, varied_groups
 from stabledrl_mcore.rl.rollout import RolloutBatch
@@ -184,7 +185,7 @@ def test_filtered_runs_log_the_kept_share_and_resume_exactly(inprocess, tmp_path
 def test_a_step_without_any_kept_group_is_no_update_and_such_a_run_fails(inprocess, tmp_path, capsys):
     from stabledrl_mcore.rl.setup import build_training
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.rl.update import SkippedUpdatesError
+    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     cfg = _config(tmp_path, **dict(FILTER, **{"rollout.task": "test_all_uniform", "rollout.prompts_per_step": 2}))
     s = build_training(cfg)

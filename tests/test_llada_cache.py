@@ -166,7 +166,8 @@ def test_threshold_decoding_follows_fast_dllm_step_for_step(cache):
 # ------------------------------------------------------------------ refusals for SDAR
 
 def test_cache_gap_needs_a_cache():
-    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.cache_gap_every=2 .*rollout.cache=prefix"):
         load_config(CONFIG, ["rollout.cache_gap_every=2"])
@@ -176,7 +177,8 @@ def test_cache_gap_needs_a_cache():
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     from stabledrl_mcore.cli.main import main
     from stabledrl_mcore.cli.commands import _sampling
-    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.common.errors import UserError
 
     with pytest.raises(ConfigError, match="rollout.cache must be one of"):

@@ -129,7 +129,8 @@ def test_wandb_fields_without_wandb_and_tensorboard_missing_are_refused_by_name(
     import pytest
 
     from stabledrl_mcore.engine import metrics
-    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.cli.preflight import _check_logging
 
     with pytest.raises(ConfigError, match="logging.wandb_tags has no effect with logging.wandb_mode=disabled"):

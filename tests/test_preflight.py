@@ -114,7 +114,7 @@ def test_print_config_passes_and_reports_what_it_checked(capsys, gsm8k_file, hf_
 def test_heldout_evaluation_reads_its_own_split_never_the_training_file(capsys, tmp_path, gsm8k_file):
     """``eval.split`` takes effect for file tasks: the held-out set is ``eval.data_path`` or the
     split's default file, not ``rollout.data_path`` (it used to evaluate on the training file)."""
-    from stabledrl_mcore.rl.heldout import heldout_examples
+    from stabledrl_mcore.tasks.from_config import heldout_examples
 
     test_file = tmp_path / "gsm8k_test.jsonl"
     test_file.write_text(_gsm8k_row("What is 9 - 4?", "9 - 4 = 5\n#### 5"))
@@ -178,7 +178,7 @@ def test_eval_refuses_an_empty_or_missing_file_before_loading_the_model(capsys, 
 # ------------------------------------------------------------------ item 8: checkpoints and layout
 
 def test_train_names_a_missing_checkpoint_not_its_tokenizer(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("stabledrl_mcore.rl.trainer.install_preemption_handlers", lambda: None)
+    monkeypatch.setattr("stabledrl_mcore.engine.preemption.install_preemption_handlers", lambda: None)
     missing = str(tmp_path / "llada-8b-instruct-mcore")
     line = _refused(capsys, "train", "--config", CONFIG, f"model.checkpoint={missing}", "steps=1",
                     f"logging.run_dir={tmp_path / 'run'}")

@@ -169,7 +169,7 @@ def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys
 
 def test_a_bench_rollout_mode_cannot_change_the_prompts():
     from stabledrl_mcore.bench.modes import parse_rollout_modes
-    from stabledrl_mcore.config.schema import ConfigError
+    from stabledrl_mcore.common.errors import ConfigError
 
     for field in ("system_prompt", "prompt_template", "chat_template"):
         with pytest.raises(ConfigError, match=f"rollout.{field} is fixed"):

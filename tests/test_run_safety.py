@@ -87,7 +87,8 @@ def _safety_worker(base, record_path):
     except ImportError:  # main (b5f6cc5) writes no manifest: the worker still runs every case there
         write_checksums = lambda path: None  # noqa: E731
     from stabledrl_mcore.checkpoint.state import find_latest, list_checkpoints, load_checkpoint
-    from stabledrl_mcore.rl.trainer import save_training_checkpoint, train
+    from stabledrl_mcore.rl.trainer import train
+    from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
 
     rec = {}
     run = os.path.join(base, "run")

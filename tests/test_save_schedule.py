@@ -118,7 +118,7 @@ def _agreement_worker(out_dir, rank, port, seconds_per_step):
 def test_every_rank_saves_when_rank0s_clock_says_so(tmp_path):
     import multiprocessing
 
-    from stabledrl_mcore.parallel.launch import free_port
+    from stabledrl_mcore.parallel.bootstrap import free_port
 
     # alone, rank 1 (100 s steps) would save after every step; rank 0 (40 s) after steps 2, 4, 6
     ctx, port = multiprocessing.get_context("spawn"), free_port()

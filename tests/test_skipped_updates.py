@@ -117,7 +117,7 @@ def _nan_loss_after(monkeypatch, applied_updates):
 
 
 def test_a_run_whose_every_update_was_skipped_fails_with_the_reason(tiny_run, tmp_path, monkeypatch, console):
-    from stabledrl_mcore.rl.update import SkippedUpdatesError
+    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     _nan_loss_after(monkeypatch, 0)
     run_dir = tmp_path / "nan"
@@ -130,8 +130,9 @@ def test_a_run_whose_every_update_was_skipped_fails_with_the_reason(tiny_run, tm
 
 
 def test_max_skipped_updates_ends_the_run_by_name(tiny_run, tmp_path, monkeypatch, console):
-    from stabledrl_mcore.config.schema import ConfigError, load_config
-    from stabledrl_mcore.rl.update import SkippedUpdatesError
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     _nan_loss_after(monkeypatch, 2)  # step 1 trains, then every update is skipped
     run_dir = tmp_path / "diverged"

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from stabledrl_mcore.tasks import (BASE_TASK_OPTIONS, CountdownTask, Example, Gsm8kTask, Math500Task, SudokuTask,
-                                   Task, anti_short_boxed_bonus, available_tasks, evaluate_completions, get_task)
+from stabledrl_mcore.tasks import BASE_TASK_OPTIONS, CountdownTask, Example, Gsm8kTask, Math500Task, SudokuTask, Task, anti_short_boxed_bonus, available_tasks, get_task
+from stabledrl_mcore.evaluation.scoring import evaluate_completions
 from stabledrl_mcore.tasks import base as task_base
 
 MB = 1 << 20

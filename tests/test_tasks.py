@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from stabledrl_mcore.tasks import (Example, available_tasks, build_prompt, count_solutions, evaluate_completions,
-                                   evaluate_expression, get_task, last_boxed, math_equal, parse_number,
-                                   shard_examples, shard_indices, solve_countdown, solve_sudoku, write_jsonl)
+from stabledrl_mcore.tasks import Example, available_tasks, build_prompt, count_solutions, evaluate_expression, get_task, last_boxed, math_equal, parse_number, solve_countdown, solve_sudoku
+from stabledrl_mcore.evaluation.scoring import shard_indices
+from stabledrl_mcore.evaluation.scoring import shard_examples
+from stabledrl_mcore.evaluation.scoring import evaluate_completions
+from stabledrl_mcore.evaluation.scoring import write_jsonl
 from stabledrl_mcore.tasks.extract import answer_tag
 from stabledrl_mcore.tasks.sudoku import all_grids, is_valid_grid, split_of
 

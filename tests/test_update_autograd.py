@@ -19,7 +19,8 @@ import json
 import pytest
 import torch
 
-from stabledrl_mcore.config.schema import ConfigError, load_config
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.rl.estimates import (LikelihoodSpec, all_token_logp, draw_plan, estimate, scored_region,
                                           sequence_estimates_and_elbo, token_logp)

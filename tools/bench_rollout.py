@@ -58,7 +58,7 @@ def _prompts(cfg, batch, length, device):
 def _task_prompts(args):
     """The first ``--batch`` test prompts of ``--task``, encoded with the checkpoint's tokenizer."""
     from stabledrl_mcore.cli.commands import _tokenizer
-    from stabledrl_mcore.rl.rollout import encode_prompts
+    from stabledrl_mcore.tasks.prompts import encode_prompts
     from stabledrl_mcore.tasks import get_task
 
     tokenizer = _tokenizer(argparse.Namespace(tokenizer=None, ckpt=args.ckpt))

@@ -198,7 +198,8 @@ def config_class(command: str):
 def check_command(argv: Sequence[str], root: str) -> List[str]:
     """Problems of one ``stabledrl`` argument list (empty when it parses and its config loads)."""
     from stabledrl_mcore.cli.main import main as cli
-    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.config.io import apply_overrides, from_dict
 
     argv = [t for t in argv if t != "--debug"]
@@ -340,7 +341,8 @@ def check_paths(text: str, path: str, root: str = ROOT) -> List[Finding]:
 def check_yaml(text: str, path: str, root: str = ROOT) -> List[Finding]:
     import yaml
 
-    from stabledrl_mcore.config.schema import ConfigError, load_config
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.common.errors import ConfigError
 
     findings = []
     for block in fenced_blocks(text):

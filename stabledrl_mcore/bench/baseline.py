@@ -96,7 +96,7 @@ class BaselineStep:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **extra).logits
 
     def _generator(self, k: int) -> torch.Generator:
-        from stabledrl_mcore.rl.setup import derive_seed
+        from stabledrl_mcore.engine.seeding import derive_seed
 
         return torch.Generator().manual_seed(derive_seed(self.cfg.parallel.seed, "baseline", k))
 
@@ -183,7 +183,8 @@ class BaselineStep:
 
     def generate(self):
         """Rollouts of the same prompts as ours (``RolloutBatch``), micro-batch by micro-batch."""
-        from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos, encode_prompts
+        from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos
+        from stabledrl_mcore.tasks.prompts import encode_prompts
 
         s, r = self.ours.s, self.cfg.rollout
         examples = s.prompts.for_step(0)
@@ -246,11 +247,12 @@ class BaselineStep:
 
     def _plan(self, batch, spec):
         """The masks of the step: the same draws as ours (identical work on both sides)."""
-        from stabledrl_mcore.rl.trainer import _chunk_generators, _first_chunk
+        from stabledrl_mcore.engine.seeding import chunk_generators
+        from stabledrl_mcore.engine.seeding import first_chunk
         from stabledrl_mcore.rl.estimates import draw_plan
 
-        return draw_plan(batch, spec, _chunk_generators(self.cfg, 0)("masks"),
-                         micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=_first_chunk(self.ours.s))
+        return draw_plan(batch, spec, chunk_generators(self.cfg, 0)("masks"),
+                         micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=first_chunk(self.ours.s))
 
     def likelihood(self, name: str) -> float:
         from stabledrl_mcore.rl.estimates import sequence_estimates

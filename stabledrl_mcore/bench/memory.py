@@ -74,7 +74,8 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
     from stabledrl_mcore.engine.expert import phase_model
-    from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
+    from stabledrl_mcore.rl.update import accumulate_gradients
+    from stabledrl_mcore.engine.gradients import sync_gradients
 
     peaks = []
     coef = batch.plan.scored.float()
@@ -91,7 +92,8 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
 
 
 def _run(cfg, seq_len: int, prompt_len: int, iterations: int):
-    from stabledrl_mcore.rl.setup import build_training, phase_generator
+    from stabledrl_mcore.rl.setup import build_training
+    from stabledrl_mcore.engine.seeding import phase_generator
     from stabledrl_mcore.rl.trainer import likelihood_spec
     from stabledrl_mcore.rl.estimates import draw_plan
 

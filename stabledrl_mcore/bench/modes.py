@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from stabledrl_mcore.config.schema import ConfigError, RunConfig
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.common.errors import ConfigError
 
 # rollout fields the training set-up reads once (prompt stream, task): a mode cannot change them
 SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step",
@@ -54,7 +55,7 @@ def parse_rollout_modes(specs: Sequence[str]) -> List[Tuple[str, List[str]]]:
 def mode_configs(config: Optional[str], overrides: Sequence[str], modes: Sequence[Tuple[str, List[str]]], *,
                  keep_tokenizer_vocab: bool = False) -> Dict[str, RunConfig]:
     """Each mode's full config (validated: a misspelt field is refused by name)."""
-    from stabledrl_mcore.bench.run import bench_config
+    from stabledrl_mcore.bench.phases import bench_config
 
     out = {}
     for name, extra in modes:
@@ -118,7 +119,7 @@ class RolloutMode:
 
     def accuracy(self) -> Dict[str, Any]:
         """Greedy held-out accuracy with this mode's decoding settings (one completion per example)."""
-        from stabledrl_mcore.rl.heldout import heldout_examples
+        from stabledrl_mcore.tasks.from_config import heldout_examples
         from stabledrl_mcore.rl.rollout import score_rollouts
         from stabledrl_mcore.rl.trainer import rollout_phase
         from stabledrl_mcore.evaluation.scoring import shard_examples

@@ -223,20 +223,22 @@ class StableDRLPhases:
     def likelihood(self, name: str) -> float:
         from stabledrl_mcore.models.placement import model_device
         from stabledrl_mcore.engine.expert import phase_model
-        from stabledrl_mcore.rl.trainer import _chunk_generators, _first_chunk
+        from stabledrl_mcore.engine.seeding import chunk_generators
+        from stabledrl_mcore.engine.seeding import first_chunk
         from stabledrl_mcore.rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
         with phase_model(self.s.model) as model:
             old_policy_likelihood(model, batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
-                                  chunk_generator=_chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
-                                  first_chunk=_first_chunk(self.s))
+                                  chunk_generator=chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
+                                  first_chunk=first_chunk(self.s))
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
         from stabledrl_mcore.engine.expert import phase_model
-        from stabledrl_mcore.rl.update import accumulate_gradients, sync_gradients
+        from stabledrl_mcore.rl.update import accumulate_gradients
+        from stabledrl_mcore.engine.gradients import sync_gradients
 
         self.s.ddp.zero_grad_buffer()
         with phase_model(self.s.ddp, backward=True) as ddp:
@@ -273,3 +275,18 @@ def phase_jobs(runner, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
              "likelihood_full": lambda: runner.likelihood("likelihood_full"),
              "likelihood_staircase": lambda: runner.likelihood("likelihood_staircase")}
     return {p: table[p] for p in phases}
+
+
+def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokenizer_vocab: bool = False) -> RunConfig:
+    """The run config of a benchmark: the given one, keeping the preset's vocabulary by default
+    (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
+    cfg = load_config(config, list(overrides))
+    if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
+        from stabledrl_mcore.models import get_preset
+        from stabledrl_mcore.models.presets import ModelConfigError
+
+        try:
+            cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
+        except ModelConfigError as err:
+            raise ConfigError(f"model.preset: {err}") from None
+    return cfg

@@ -82,7 +82,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from stabledrl_mcore.config.schema import ConfigError
+from stabledrl_mcore.common.errors import ConfigError
 
 GIB = 1024 ** 3
 

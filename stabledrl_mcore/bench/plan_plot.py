@@ -31,7 +31,7 @@ def memory_components(row: Dict[str, Any]) -> List[Tuple[str, float]]:
 
 def check_plot_path(path: str) -> None:
     """Refuse a ``--plot`` path that is not a ``.png`` in an existing folder (before any estimate)."""
-    from stabledrl_mcore.config.schema import ConfigError
+    from stabledrl_mcore.common.errors import ConfigError
 
     if not path.lower().endswith(".png"):
         raise ConfigError(f"--plot {path}: give a .png file name")

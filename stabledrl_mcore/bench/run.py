@@ -27,6 +27,8 @@ tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-
 
 from __future__ import annotations
 
+from stabledrl_mcore.bench.phases import bench_config
+
 import argparse
 import gc
 import os
@@ -36,7 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.config.schema import ConfigError, RunConfig, load_config, to_dict
+from stabledrl_mcore.config.schema import RunConfig, load_config
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.bench.phases import PHASES, StableDRLPhases, VocabGuard, log, measure
 
 
@@ -76,21 +80,6 @@ def parse_phases(text: str, allowed: Sequence[str] = PHASES) -> List[str]:
     if bad or not names:
         raise ConfigError(f"unknown bench phase(s) {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}")
     return [p for p in allowed if p in names]
-
-
-def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokenizer_vocab: bool = False) -> RunConfig:
-    """The run config of a benchmark: the given one, keeping the preset's vocabulary by default
-    (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
-    cfg = load_config(config, list(overrides))
-    if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
-        from stabledrl_mcore.models import get_preset
-        from stabledrl_mcore.models.presets import ModelConfigError
-
-        try:
-            cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
-        except ModelConfigError as err:
-            raise ConfigError(f"model.preset: {err}") from None
-    return cfg
 
 
 def _load() -> Optional[List[float]]:

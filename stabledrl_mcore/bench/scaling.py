@@ -34,7 +34,8 @@ import torch
 def _rank_main(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], warmup: int,
                repeats: int, out_path: str, keep_tokenizer_vocab: bool) -> None:
     """One rank of a scaling run (module level, so ``spawn`` can import it)."""
-    from stabledrl_mcore.bench.run import bench_config, bench_in_process
+    from stabledrl_mcore.bench.run import bench_in_process
+    from stabledrl_mcore.bench.phases import bench_config
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
     result = bench_in_process(cfg, phases, warmup=warmup, repeats=repeats, baseline=False, measure_peak=False)
@@ -48,7 +49,7 @@ def run_ranks(config: Optional[str], overrides: Sequence[str], phases: Sequence[
               timeout: float = 3600.0) -> Dict[str, Any]:
     """The benchmark on ``ranks`` local data-parallel ranks, ``prompts_per_step`` scaled by ``ranks``."""
     from stabledrl_mcore.parallel.launch import spawn
-    from stabledrl_mcore.bench.run import bench_config
+    from stabledrl_mcore.bench.phases import bench_config
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
     extra = [f"rollout.prompts_per_step={cfg.rollout.prompts_per_step * ranks}"]

@@ -124,7 +124,7 @@ def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: boo
                  layout: Dict[str, int], source: Dict[str, Any],
                  padded_vocab: Optional[int] = None) -> None:
     """Write ``model_config.json`` then the marker (last: its presence means complete)."""
-    from stabledrl_mcore import __version__
+    from stabledrl_mcore.common.version import __version__
 
     write_json(os.path.join(out_dir, MODEL_CONFIG), cfg.to_dict())
     write_json(os.path.join(out_dir, MARKER), {

@@ -108,8 +108,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from stabledrl_mcore.checkpoint.loader import load_model
     from stabledrl_mcore.diffusion import generate
     from stabledrl_mcore.models.placement import eval_mode, model_device
-    from stabledrl_mcore.rl.rollout import encode_prompts
-    from stabledrl_mcore.tasks import write_jsonl
+    from stabledrl_mcore.tasks.prompts import encode_prompts
+    from stabledrl_mcore.evaluation.scoring import write_jsonl
 
     prompts: List[str] = list(args.prompt or [])
     if args.prompts:
@@ -277,8 +277,8 @@ def _eval_rank(options: dict) -> int:
     from stabledrl_mcore.evaluation.distributed import evaluate_model
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.rl.setup import load_initial_weights
-    from stabledrl_mcore.tasks import write_jsonl
+    from stabledrl_mcore.engine.model_setup import load_initial_weights
+    from stabledrl_mcore.evaluation.scoring import write_jsonl
 
     args = argparse.Namespace(**options)
     if args.threads:

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
-from stabledrl_mcore import __version__
+from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -50,10 +50,11 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
     """``(config, overrides)`` of ``train`` and ``sft``: the file plus overrides, ``--resume`` /
     ``--overwrite`` as ``checkpoint.*`` overrides (the ranks get the same); ``--nproc`` checked; pre-emption handlers installed first (unless
     ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
-    from stabledrl_mcore.config.schema import ConfigError, RunConfig, load_config
+    from stabledrl_mcore.config.schema import RunConfig, load_config
+    from stabledrl_mcore.common.errors import ConfigError
 
     if not args.print_config:
-        from stabledrl_mcore.rl.trainer import install_preemption_handlers
+        from stabledrl_mcore.engine.preemption import install_preemption_handlers
 
         install_preemption_handlers()
     if args.nproc is not None and args.nproc < 1:
@@ -64,7 +65,8 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from stabledrl_mcore.config.schema import save_config, to_dict
+    from stabledrl_mcore.config.schema import save_config
+    from stabledrl_mcore.config.io import to_dict
     from stabledrl_mcore.cli.preflight import preflight
 
     cfg, overrides = run_config_from_args(args)
@@ -84,7 +86,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1:
         from stabledrl_mcore.parallel.launch import exit_status, spawn
 
-        from stabledrl_mcore.rl.trainer import EXIT_PREEMPTED, train_rank
+        from stabledrl_mcore.rl.trainer import train_rank
+        from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 
         # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
         return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),

@@ -12,16 +12,23 @@ with one line naming the field and the fix.
 
 from __future__ import annotations
 
+from stabledrl_mcore.config.checks import check_layout
+
+from stabledrl_mcore.config.checks import check_model_options
+
+from stabledrl_mcore.config.checks import check_pipeline_options
+
 import dataclasses
 import difflib
 import glob
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from stabledrl_mcore.config.schema import ConfigError, RunConfig, get_dotted
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.config.io import get_dotted
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 from stabledrl_mcore.tasks import GENERATED_TASKS
@@ -52,33 +59,6 @@ class PreflightReport:
         return f"preflight ok: {self.model}; {layout}; {data}"
 
 
-def check_pipeline_options(cfg: RunConfig) -> None:
-    """Options a pipelined or expert-parallel run cannot honour, refused by name (also checked on
-    every rank)."""
-    p = cfg.parallel
-    if p.pipeline_parallel > 1 and p.retain_update_graph:
-        raise ConfigError(f"parallel.retain_update_graph=true keeps each micro-batch's autograd graph for "
-                          f"the update, which Megatron's pipeline schedules cannot reuse: set it to false "
-                          f"with parallel.pipeline_parallel={p.pipeline_parallel}")
-    if p.expert_parallel > 1 and p.pipeline_parallel > 1:
-        raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.pipeline_parallel="
-                          f"{p.pipeline_parallel}: expert parallelism runs with PP=1 (each stage's "
-                          f"experts would need its own all-to-all lockstep); set one of them to 1")
-    if p.expert_parallel > 1 and p.retain_update_graph:
-        raise ConfigError(f"parallel.retain_update_graph=true with parallel.expert_parallel={p.expert_parallel}: "
-                          f"a kept graph's backward all-to-all cannot be matched by the other expert ranks; "
-                          f"set it to false")
-
-
-def check_moe_options(cfg: RunConfig, mcfg) -> None:
-    """Mixture-of-experts settings the run cannot honour, refused by name (every rank checks)."""
-    p = cfg.parallel
-    if mcfg.is_moe and p.pipeline_parallel > 1 and (mcfg.moe_aux_loss_coeff or mcfg.moe_z_loss_coeff):
-        raise ConfigError(f"model.overrides moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel="
-                          f"{p.pipeline_parallel}: Megatron's schedules would sum the router losses over "
-                          f"micro-batches where the PP=1 update averages them; set them to 0 or PP to 1")
-
-
 def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
     """Validate ``cfg`` against the files it names and the job's ``world_size`` (None = unknown).
 
@@ -90,23 +70,17 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     if resume not in ("none", "auto") and not os.path.isdir(resume):
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
-    check_moe_options(cfg, mcfg)
+    check_model_options(cfg, mcfg, description)
     _check_tokenizer(cfg)
     _check_logging(cfg)
     try:
-        data_parallel = _check_layout(cfg, mcfg, world_size)
+        data_parallel = check_layout(cfg, mcfg, world_size)
     except ParallelLayoutError as err:
         p = cfg.parallel
         experts = (f", parallel.expert_parallel={p.expert_parallel}" if p.expert_parallel > 1
                    or p.expert_tensor_parallel else "")
         raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
                                   f"{p.pipeline_parallel}{experts} on {description}: {err}") from None
-    if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
-        raise ConfigError(f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; "
-                          f"{description} has no block_size")
-    if cfg.rollout.cache != "none" and mcfg.arch != "llada":
-        raise ConfigError(f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
-                          f"decodes with its own KV cache of finished blocks: set rollout.cache=none")
     for name in ("rollout.data_path", "eval.data_path"):  # local files only, refused by the field's name
         if get_dotted(cfg, name):
             check_local(get_dotted(cfg, name), name)
@@ -207,41 +181,9 @@ def _check_logging(cfg: RunConfig) -> None:
                           "(or set logging.tensorboard=false)")
 
 
-def _check_layout(cfg: RunConfig, mcfg, world_size: Optional[int]) -> Optional[int]:
-    """The layout against the model's shape, and against ``world_size`` when it is known."""
-    from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
-
-    p = cfg.parallel
-    known = world_size is not None
-    # an unknown world is checked as the smallest one the layout fits (the expert grid included)
-    smallest = p.pipeline_parallel * math.lcm(max(p.tensor_parallel, 1), max(
-        (p.expert_tensor_parallel or p.tensor_parallel) * p.expert_parallel, 1))
-    data_parallel = validate_parallel_layout(
-        world_size if known else smallest, p.tensor_parallel,
-        p.pipeline_parallel, num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
-        num_query_groups=mcfg.num_query_groups, expert_parallel=p.expert_parallel,
-        expert_tensor_parallel=p.expert_tensor_parallel, num_experts=mcfg.num_experts or 0)
-    if not known:
-        return None
-    r = cfg.rollout
-    if r.prompts_per_step % data_parallel:
-        raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the "
-                          f"data-parallel size {data_parallel} (world {world_size} / TP {p.tensor_parallel} "
-                          f"/ PP {p.pipeline_parallel})")
-    if r.generated_prompts % data_parallel:
-        raise ConfigError(f"rollout.oversample_prompts ({r.oversample_prompts}) must be divisible by the "
-                          f"data-parallel size {data_parallel}")
-    rows = r.generated_prompts // data_parallel * r.group_size
-    if rows % p.micro_batch_size:
-        raise ConfigError(f"each data-parallel rank holds {rows} sequences (rollout.prompts_per_step / DP x "
-                          f"rollout.group_size = {r.generated_prompts} / {data_parallel} x {r.group_size}), "
-                          f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})")
-    return data_parallel
-
-
 def _task(cfg: RunConfig):
     """The run's task as every rank builds it (``rollout.reward_fn`` is imported here once)."""
-    from stabledrl_mcore.rl.setup import build_task
+    from stabledrl_mcore.tasks.from_config import build_task
 
     try:
         return build_task(cfg)  # also checks the prompt template / chat template file renders
@@ -254,8 +196,8 @@ def _task(cfg: RunConfig):
 def _load(cfg: RunConfig, task, split: str) -> list:
     """The examples of ``split`` as training (``train``) or held-out evaluation would load them
     (a generated task draws a few: generating the run's thousands belongs to the run)."""
-    from stabledrl_mcore.rl.heldout import heldout_examples
-    from stabledrl_mcore.rl.setup import load_train_examples
+    from stabledrl_mcore.tasks.from_config import heldout_examples
+    from stabledrl_mcore.tasks.from_config import load_train_examples
 
     generated = cfg.rollout.task in GENERATED_TASKS
     what = "training" if split == "train" else f"eval.split={split}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from stabledrl_mcore.config.schema import ConfigError
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_rows, render

@@ -21,7 +21,7 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
     from stabledrl_mcore.cli.main import _world_size, run_config_from_args
-    from stabledrl_mcore.config.schema import to_dict
+    from stabledrl_mcore.config.io import to_dict
     from stabledrl_mcore.sft.config import SFTConfig
     from stabledrl_mcore.cli.preflight_sft import preflight_sft
 
@@ -38,7 +38,7 @@ def run_sft(args: argparse.Namespace) -> int:
 
     if args.nproc is not None and args.nproc > 1:
         from stabledrl_mcore.parallel.launch import exit_status, spawn
-        from stabledrl_mcore.rl.trainer import EXIT_PREEMPTED
+        from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 
         return exit_status(spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))

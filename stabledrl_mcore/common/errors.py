@@ -68,3 +68,7 @@ def one_line(err: BaseException) -> str:
     """The message of ``err`` on a single line (continuation lines joined with '; ')."""
     text = str(err) or type(err).__name__
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used as written."""

@@ -7,6 +7,8 @@ type, and ``"a.b=value"`` overrides are parsed as YAML scalars or lists.
 
 from __future__ import annotations
 
+from stabledrl_mcore.common.errors import ConfigError
+
 import dataclasses
 import difflib
 import types
@@ -14,10 +16,6 @@ import typing
 from typing import Any, Dict, List, Sequence, Tuple
 
 import yaml
-
-
-class ConfigError(ValueError):
-    """The configuration cannot be used as written."""
 
 
 def _type_name(tp: Any) -> str:

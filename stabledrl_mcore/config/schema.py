@@ -9,7 +9,14 @@ name the field and the expected type.
 
 from __future__ import annotations
 
-import difflib
+from stabledrl_mcore.config.io import to_dict
+
+from stabledrl_mcore.config.io import from_dict
+
+from stabledrl_mcore.config.io import apply_overrides
+
+from stabledrl_mcore.common.errors import ConfigError
+
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -17,7 +24,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
-from stabledrl_mcore.config.io import ConfigError, apply_overrides, from_dict, get_dotted, parse_override, to_dict
+from stabledrl_mcore.config.io import apply_overrides, from_dict, to_dict
+from stabledrl_mcore.config.checks import validate_run_config
 
 
 @dataclass
@@ -343,154 +351,8 @@ class RunConfig:
     """Optimizer steps to run."""
 
     def validate(self) -> "RunConfig":
-        """Check values that types alone cannot; raise :class:`ConfigError`."""
-        _choice("model.dtype", self.model.dtype, ("fp32", "bf16"))
-        _choice("parallel.backend", self.parallel.backend, ("auto", "nccl", "gloo"))
-        _choice("optim.name", self.optim.name, ("adam", "sgd"))
-        _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
-        _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        self._validate_logging_and_saving()
-        _choice("algo.advantage", self.algo.advantage, ("center", "zscore", "leave_one_out"))
-        _choice("rollout.prompt_style", self.rollout.prompt_style, ("chat", "compact"))
-        _choice("rollout.cache", self.rollout.cache, ("none", "prefix", "dual"))
-        if self.rollout.cache_gap_every < 0 or self.rollout.cache_gap_every and self.rollout.cache == "none":
-            raise ConfigError(f"rollout.cache_gap_every={self.rollout.cache_gap_every} measures the cached "
-                              f"sampler's gap to exact decoding: needs a value >= 0 and rollout.cache=prefix|dual")
-        from stabledrl_mcore.tasks import available_tasks
-
-        _choice("rollout.task", self.rollout.task, available_tasks())
-        _choice("algo.likelihood", self.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
-        self._validate_algorithm()
-        if self.algo.ratio_noise is not None:
-            _choice("algo.ratio_noise", self.algo.ratio_noise, ("lognormal", "student_t"))
-        for name in ("parallel.tensor_parallel", "parallel.pipeline_parallel",
-                     "parallel.micro_batch_size", "rollout.prompts_per_step", "rollout.group_size",
-                     "rollout.gen_length", "rollout.steps", "rollout.block_length",
-                     "algo.inner_iterations", "algo.num_mc", "checkpoint.keep_last",
-                     "eval.num_examples", "eval.micro_batch_size"):
-            if get_dotted(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {get_dotted(self, name)}")
-        if self.algo.coupled_masks and (self.algo.num_mc % 2 or self.algo.likelihood == "mean_field"):
-            raise ConfigError(f"algo.coupled_masks needs an even algo.num_mc (got {self.algo.num_mc}) "
-                              f"and a masked estimator, not {self.algo.likelihood!r}")
-        if not 0.0 < self.algo.eps < 1.0:
-            raise ConfigError(f"algo.eps must be in (0, 1), got {self.algo.eps}")
-        if self.optim.distributed and self.optim.name != "adam":
-            raise ConfigError(f"optim.distributed=true needs optim.name=adam (Megatron's distributed "
-                              f"optimizer wraps Adam only); set optim.distributed=false for "
-                              f"{self.optim.name!r}")
-        if self.optim.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
-        self._validate_dynamic_sampling()
-        if self.steps < 0 or self.checkpoint.save_every < 0 or self.eval.every < 0:
-            raise ConfigError("steps, checkpoint.save_every and eval.every must be >= 0")
-        return self
-
-
-    def _validate_logging_and_saving(self) -> None:
-        validate_logging_and_saving(self.logging, self.checkpoint)
-
-    def _validate_dynamic_sampling(self) -> None:
-        """``rollout.filter_uniform_groups`` / ``rollout.oversample_prompts``, refused by name."""
-        r = self.rollout
-        if r.oversample_prompts < 0:
-            raise ConfigError(f"rollout.oversample_prompts must be >= 0, got {r.oversample_prompts}")
-        if r.oversample_prompts and not r.filter_uniform_groups:
-            raise ConfigError("rollout.oversample_prompts needs rollout.filter_uniform_groups=true (without the "
-                              "filter the extra prompts would be generated and never trained on)")
-        if r.filter_uniform_groups and self.algo.kl_coef > 0:
-            raise ConfigError(f"rollout.filter_uniform_groups drops groups whose policy gradient is 0, but with "
-                              f"algo.kl_coef={self.algo.kl_coef} they still carry the KL gradient: set "
-                              f"algo.kl_coef=0 (as DAPO) or rollout.filter_uniform_groups=false")
-
-    def _validate_algorithm(self) -> None:
-        """Combinations of ``algo.*`` fields that cannot work, refused by name."""
-        a = self.algo
-        _choice("algo.mask_sampling", a.mask_sampling, ("fresh", "replay", "per_iteration"))
-        _choice("algo.mask_scheme", a.mask_scheme, ("uniform", "block_random"))
-        _choice("algo.post_eos", a.post_eos, ("visible", "mask_and_skip", "score"))
-        _choice("algo.normalize_by", a.normalize_by, ("completion", "generation"))
-        _choice("algo.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
-        if a.mask_scheme != "uniform" and a.likelihood not in ("elbo", "spg"):
-            raise ConfigError(f"algo.mask_scheme={a.mask_scheme} applies to the elbo/spg likelihoods, not "
-                              f"{a.likelihood!r} (mean_field masks the whole completion, staircase per block)")
-        if a.coupled_masks and a.mask_scheme != "uniform":
-            raise ConfigError("algo.coupled_masks needs algo.mask_scheme=uniform")
-        if not 0.0 <= a.prefix_mask_prob < 1.0:
-            raise ConfigError(f"algo.prefix_mask_prob must be in [0, 1), got {a.prefix_mask_prob}")
-        if a.prefix_mask_prob and a.likelihood == "staircase":
-            raise ConfigError("algo.prefix_mask_prob is not defined for the staircase likelihood")
-        if a.spg_beta <= 0 or not 0.0 <= a.spg_omega <= 1.0:
-            raise ConfigError(f"algo.spg_beta must be > 0 and algo.spg_omega in [0, 1], got "
-                              f"{a.spg_beta}, {a.spg_omega}")
-        if (a.spg_beta, a.spg_omega) != (1.5, 0.5) and a.likelihood != "spg":
-            raise ConfigError("algo.spg_beta / algo.spg_omega shape SPG's bound: set algo.likelihood=spg")
-        if a.kl_coef < 0:
-            raise ConfigError(f"algo.kl_coef must be >= 0, got {a.kl_coef}")
-        if a.max_skipped_updates is not None and a.max_skipped_updates < 0:
-            raise ConfigError(f"algo.max_skipped_updates must be >= 0 or null (no limit), got {a.max_skipped_updates}")
-        if a.kl_estimator != "k3" and a.kl_coef == 0:
-            raise ConfigError("algo.kl_estimator has no effect with algo.kl_coef=0")
-        if a.reference_sync_every < 0 or not 0.0 < a.reference_mixup <= 1.0:
-            raise ConfigError(f"algo.reference_sync_every must be >= 0 and algo.reference_mixup in (0, 1], got "
-                              f"{a.reference_sync_every}, {a.reference_mixup}")
-        if (a.reference_sync_every or a.reference_mixup != 0.6) and a.kl_coef == 0:
-            raise ConfigError("algo.reference_sync_every / reference_mixup need a reference: set algo.kl_coef > 0")
-        from stabledrl_mcore.algorithms.losses import available_policy_losses, available_token_policy_losses
-
-        sequence, token = available_policy_losses(), available_token_policy_losses()
-        if a.loss not in sequence + token:
-            close = difflib.get_close_matches(a.loss, sequence + token, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"algo.loss: unknown loss {a.loss!r}{hint} (choose from "
-                              f"{', '.join(sequence + token)})")
-        if a.loss in token and a.likelihood != "mean_field":
-            raise ConfigError(f"algo.loss={a.loss} is token level: it needs algo.likelihood=mean_field "
-                              f"(per-token log-probs of the fully masked completion), not {a.likelihood!r}")
-        if a.loss in token and (a.normalize_by != "completion" or not a.length_normalize):
-            raise ConfigError(f"algo.length_normalize / algo.normalize_by shape sequence estimates; the token-level "
-                              f"loss {a.loss!r} aggregates tokens itself (see algo.loss_options)")
-        if a.loss in ("spg", "stabledrl_released") and a.eps != 0.2:
-            raise ConfigError(f"algo.eps has no effect with algo.loss={a.loss} (it does not clip the ratio"
-                              + ("; its cap is algo.loss_options.log_weight_cap)" if a.loss != "spg" else ")"))
-        if a.loss == "spg" and a.ratio_noise is not None:
-            raise ConfigError("algo.ratio_noise has no effect with algo.loss=spg (no importance ratio)")
-        _check_loss_options(a.loss, a.loss_options, token=a.loss in token)
-
-
-def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> None:
-    """``algo.loss_options`` must be keyword options of the loss function itself."""
-    from stabledrl_mcore.algorithms.losses import get_policy_loss, get_token_policy_loss
-    from stabledrl_mcore.algorithms.losses_common import option_names
-
-    accepted = option_names((get_token_policy_loss if token else get_policy_loss)(loss), configurable=True)
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ConfigError(f"algo.loss_options: {', '.join(unknown)} not an option of loss {loss!r} "
-                          f"(its options: {', '.join(accepted) or 'none'})")
-
-
-def _choice(name: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), list(allowed), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}{hint}")
-
-
-def validate_logging_and_saving(lg: "LoggingSection", ck: "CheckpointSection") -> None:
-    """wandb fields without wandb, and checkpoint timing fields, refused by name (train and sft)."""
-    given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
-             if getattr(lg, n)]
-    if given and lg.wandb_mode == "disabled":
-        raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
-                          f"logging.wandb_mode=disabled: set "
-                          f"logging.wandb_mode=offline or online, or drop them")
-    if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
-        raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
-    if ck.save_every_minutes < 0:
-        raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
-    if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
-        raise ConfigError(f"checkpoint.preemption_lead_s must be > 0 seconds or null, got {ck.preemption_lead_s}")
+        """Check values that types alone cannot (:func:`~stabledrl_mcore.config.checks.validate_run_config`)."""
+        return validate_run_config(self)
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from stabledrl_mcore.rl.update import SkippedUpdatesError
+from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
 NO_SIGNAL_STEPS = 5
 """Consecutive steps without any group whose rewards differ before the no-signal warning."""

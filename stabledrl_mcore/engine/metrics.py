@@ -24,6 +24,8 @@ import string
 import sys
 import time
 from typing import Any, Dict, Iterable, Optional, Sequence, TextIO
+from stabledrl_mcore.config.schema import RunConfig
+import torch
 
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
@@ -236,3 +238,11 @@ def read_metrics(path: str) -> list:
     """Records of a metrics JSONL file (for plots and tests)."""
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def progress_bar(cfg: RunConfig, start: int, end: int):
+    from tqdm import tqdm
+
+    rank0 = torch.distributed.get_rank() == 0
+    return tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                disable=not (cfg.logging.progress and rank0))

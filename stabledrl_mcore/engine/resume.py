@@ -22,10 +22,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from stabledrl_mcore.config.schema import ConfigError, RunConfig, to_dict
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.engine.run_dir import check_run_dir, checkpoint_root, resume_requested
 from stabledrl_mcore.checkpoint.integrity import CheckpointError
 from stabledrl_mcore.checkpoint.state import TrainState, find_latest, read_train_state
+from stabledrl_mcore.engine.run_dir import abandon_later_steps
+from stabledrl_mcore.engine.run_dir import continue_metrics
+from stabledrl_mcore.checkpoint.state import load_checkpoint
+from stabledrl_mcore.engine.run_dir import prepare_run_dir
+import torch
 
 FROZEN = ("model.preset", "model.checkpoint", "model.tokenizer", "model.dtype", "model.overrides",
           "optim.name", "optim.distributed")
@@ -181,3 +188,47 @@ def preflight(cfg: RunConfig) -> Optional[ResumePlan]:
     it before any rank starts; :func:`~..rl.trainer.train` repeats it."""
     check_run_dir(cfg)
     return plan_resume(cfg)
+
+
+def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
+    """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
+    model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
+    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
+    moved = prepare_run_dir(cfg, resume, rank=rank)
+    notes = [f"--overwrite: the earlier run in {cfg.logging.run_dir} was moved aside (run files to {moved}, "
+             f"checkpoints to {checkpoint_root(cfg)}/overwritten-*)"] if moved else []
+    return plan_resume(cfg, resume), notes
+
+
+def restore_training_state(s, root: str, plan: Optional[ResumePlan], *, extra_modules=None):
+    """Load the plan's checkpoint with the current config's hyper-parameters and LR schedule (its
+    progress from the checkpoint); on rank 0 move the abandoned history aside. Returns
+    ``(start step, messages for the console)``."""
+    rank0 = torch.distributed.get_rank() == 0
+    if plan is None:
+        moved = continue_metrics(s.cfg.logging.run_dir, -1) if rank0 else None  # --resume auto, no checkpoint
+        return 0, [f"no checkpoint to resume: starting at step 0 (old metrics moved to {moved})"] if moved else []
+    check_model_config(plan.path, s.model.dllm_config.to_dict())
+    fresh = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in s.optimizer.param_groups]
+    state = load_checkpoint(plan.path, s.model, optimizer=s.optimizer, extra_modules=extra_modules)
+    for group, hyper in zip(s.optimizer.param_groups, fresh):
+        group.update(hyper)  # lr bounds, betas, weight decay: the current config's
+    if state.scheduler:  # the current schedule, advanced to the checkpoint's progress
+        s.scheduler.step(increment=int(state.scheduler["num_steps"]))
+    notes = [f"resumed from {plan.path} at step {state.step}"]
+    if plan.changes:
+        notes.append(f"config changed since that checkpoint (now in effect): {plan.describe_changes()}")
+    if plan.complete:
+        notes.append(f"run already complete: {plan.path} is at steps={plan.steps}; nothing to train "
+                     f"(raise steps to continue)")
+    if rank0:
+        aside = abandon_later_steps(root, state.step)
+        if aside:
+            notes.append(f"later checkpoints of the abandoned history moved to {aside}")
+        moved = continue_metrics(s.cfg.logging.run_dir, state.step)
+        if moved:
+            notes.append(f"metrics.jsonl now ends at step {state.step} (the old file is kept at {moved})")
+    torch.distributed.barrier()
+    return state.step, notes

@@ -26,7 +26,8 @@ import os
 import time
 from typing import List, Optional
 
-from stabledrl_mcore.config.schema import ConfigError, RunConfig
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.checkpoint.state import STEP_DIR, step_dir_name
 
 ATTIC = "attic"

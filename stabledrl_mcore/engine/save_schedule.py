@@ -106,3 +106,19 @@ def _write_json(path: str, data: dict) -> None:
         json.dump(data, handle)
         handle.write("\n")
     os.replace(part, path)
+
+
+def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
+    import yaml
+
+    state = TrainState(step=step, data_position=s.prompts.position(step),
+                       scheduler=s.scheduler.state_dict(), world_size=torch.distributed.get_world_size(),
+                       tensor_parallel=s.cfg.parallel.tensor_parallel,
+                       pipeline_parallel=s.cfg.parallel.pipeline_parallel)
+    model_config = json.dumps(s.model.dllm_config.to_dict(), indent=2, sort_keys=True)
+    assets = {"hf": s.tokenizer.path} if s.tokenizer.path else None
+    return save_checkpoint(root, state, s.model.sharded_state_dict, optimizer=s.optimizer,
+                           config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
+                           keep_last=s.cfg.checkpoint.keep_last,
+                           extra_files={"model_config.json": model_config}, assets=assets,
+                           extra_modules=_synced_reference(s))

@@ -23,7 +23,7 @@ import torch
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.engine.expert import finish_forwards
-from stabledrl_mcore.rl.rollout import encode_prompts
+from stabledrl_mcore.tasks.prompts import encode_prompts
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, sample_metrics, summarize
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices

@@ -110,7 +110,7 @@ def run_sft(out: str, tokenizer, task, labelled: List[Example], validation: List
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.evaluation.distributed import evaluate_model
     from stabledrl_mcore.sft import SFTConfig, train_sft
-    from stabledrl_mcore.tasks import write_jsonl
+    from stabledrl_mcore.evaluation.scoring import write_jsonl
 
     data_path = os.path.join(out, "sft_data.jsonl")
     write_jsonl(data_path, sft_rows(task, labelled))

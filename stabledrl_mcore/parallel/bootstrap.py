@@ -26,7 +26,7 @@ from typing import List, Optional
 
 import torch
 
-from stabledrl_mcore.parallel.launch import free_port
+import socket
 
 
 class ParallelLayoutError(ValueError):
@@ -281,3 +281,10 @@ def any_rank(flag, group=None) -> bool:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(value.item() > 0)
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

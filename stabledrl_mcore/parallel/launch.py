@@ -14,13 +14,14 @@ return e.g. 75 after a pre-emption); :func:`spawn` returns them.
 
 from __future__ import annotations
 
+from stabledrl_mcore.parallel.bootstrap import free_port
+
 import json
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -46,13 +47,6 @@ class WorkerFailed(RuntimeError):
         super().__init__(first_error)
         self.first_error, self.details, self.first_type = first_error, details, first_type
         self.exit_codes = list(exit_codes)
-
-
-def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def die_with_parent(parent_pid: int) -> bool:

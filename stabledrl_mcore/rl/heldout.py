@@ -9,21 +9,11 @@ after the last step.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from stabledrl_mcore.tasks.from_config import heldout_examples
+
+from typing import Callable, Dict, Optional
 
 from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.tasks import GENERATED_TASKS
-from stabledrl_mcore.tasks.base import Example
-
-
-def heldout_examples(cfg: RunConfig, task) -> List[Example]:
-    """``eval.num_examples`` examples of ``eval.split`` (generated with ``eval.seed``, or read from
-    ``eval.data_path`` / the task's default file of that split)."""
-    e = cfg.eval
-    if cfg.rollout.task in GENERATED_TASKS:
-        return task.load(e.split, n=e.num_examples, seed=e.seed)
-    kwargs = {"path": e.data_path} if e.data_path else {}  # held out: never the training file
-    return task.load(e.split, limit=e.num_examples, **kwargs)
 
 
 def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable[[object], Dict[str, float]]]:

@@ -7,8 +7,10 @@ step is a pure function of (weights, step number, seed) and resume is exact.
 
 from __future__ import annotations
 
+from stabledrl_mcore.tasks.prompts import encode_prompts
+
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -72,22 +74,6 @@ class RolloutBatch:
             completions=[self.completions[i] for i in host], references=[self.references[i] for i in host],
             rewards=pick(self.rewards), correct=pick(self.correct), advantages=pick(self.advantages),
             reward_errors=self.reward_errors, source=self, source_rows=rows, gradient_scale=gradient_scale)
-
-
-def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None,
-                   device: Union[str, torch.device] = "cpu"):
-    """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])`` on ``device``
-    (padded on the host, copied once)."""
-    encoded = [tokenizer.encode(t) for t in texts]
-    if max_len is not None:
-        encoded = [e[-max_len:] for e in encoded]
-    width = max(len(e) for e in encoded)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long,
-                       device=device).reshape(len(encoded), width)
-    valid = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded],
-                         dtype=torch.bool, device=device).reshape(len(encoded), width)
-    return ids, valid
 
 
 def completion_mask_until_eos(completion: torch.Tensor, eos_id: int) -> torch.Tensor:

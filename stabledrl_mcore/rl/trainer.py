@@ -11,6 +11,27 @@ each data-parallel rank takes its own prompts, tensor-parallel ranks share them.
 
 from __future__ import annotations
 
+from stabledrl_mcore.engine.model_setup import synced_reference
+
+from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
+
+from stabledrl_mcore.engine.metrics import progress_bar
+
+from stabledrl_mcore.engine.resume import restore_training_state
+
+from stabledrl_mcore.engine.resume import prepare_start
+
+from stabledrl_mcore.engine.preemption import run_with_preemption_marker
+
+from stabledrl_mcore.engine.preemption import preemption_agreed
+
+from stabledrl_mcore.engine.preemption import install_preemption_handlers
+
+
+from stabledrl_mcore.engine.seeding import chunk_generators
+
+from stabledrl_mcore.engine.seeding import first_chunk
+
 import json
 import time
 from contextlib import contextmanager
@@ -18,51 +39,29 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.engine.run_dir import abandon_later_steps, checkpoint_root, continue_metrics, prepare_run_dir
-from stabledrl_mcore.engine.resume import ResumePlan, check_model_config, plan_resume
-from stabledrl_mcore.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
-from stabledrl_mcore.config.schema import RunConfig, save_config, to_dict
+from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
+from stabledrl_mcore.config.schema import RunConfig, save_config
+from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.engine.metrics import create_logger, logger_options
 from stabledrl_mcore.models.placement import model_device
-from stabledrl_mcore.parallel.bootstrap import any_rank
 from stabledrl_mcore.engine.expert import expert_group, lockstep_dummy_rounds, phase_model, routing_statistics, summed_over_ranks
 from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
 from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
 from stabledrl_mcore.engine.save_schedule import SaveSchedule
-from stabledrl_mcore.rl.setup import TrainingSetup, build_training, phase_generator, sync_reference
+from stabledrl_mcore.rl.setup import TrainingSetup, build_training
+from stabledrl_mcore.engine.model_setup import sync_reference
+from stabledrl_mcore.engine.seeding import phase_generator
 from stabledrl_mcore.rl.step_metrics import step_metrics
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
 from stabledrl_mcore.engine.health import RunHealth
-from stabledrl_mcore.rl.update import accumulate_gradients, agree_ok, agreed_reason, grads_finite, loss_coefficients, sync_gradients
-
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
-
-
-_PREEMPTION = {"caught": False, "installed": False}
-
-
-def install_preemption_handlers() -> None:
-    """Catch SIGUSR1/SIGTERM from now on (call early: a signal during start-up is kept too)."""
-    import signal
-    import threading
-
-    if _PREEMPTION["installed"] or threading.current_thread() is not threading.main_thread():
-        return
-    for name in ("SIGUSR1", "SIGTERM"):
-        signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
-    _PREEMPTION["installed"] = True
-    from stabledrl_mcore.parallel.launch import take_held_signals
-
-    if take_held_signals():  # forwarded by the --nproc launcher while this rank was starting
-        _PREEMPTION["caught"] = True
-
-
-def preemption_agreed() -> bool:
-    """True on every rank once any rank caught a pre-emption signal."""
-    return any_rank(_PREEMPTION["caught"])
+from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
+from stabledrl_mcore.engine.gradients import agree_ok
+from stabledrl_mcore.engine.gradients import agreed_reason
+from stabledrl_mcore.engine.gradients import grads_finite
+from stabledrl_mcore.engine.gradients import sync_gradients
 
 
 class PhaseTimer:
@@ -105,7 +104,7 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
             old, plan, current, retained = iteration_inputs(
                 model, batch, spec, inner,
                 sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
-                chunk_generator=_chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=_first_chunk(s))
+                chunk_generator=chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=first_chunk(s))
         if s.reference is not None and plan is not ref_plan:
             with phase_model(s.reference) as reference:
                 ref = all_token_logp(reference, batch, plan, spec, micro_batch=micro, mask_id=mask_id)
@@ -170,7 +169,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     plan, moved_aside = prepare_start(cfg, resume)
     s = setup or build_training(cfg)
     ckpt_root = checkpoint_root(cfg)
-    start, notes = _maybe_resume(s, ckpt_root, plan)
+    start, notes = restore_training_state(s, ckpt_root, plan, extra_modules=synced_reference(s))
     notes = moved_aside + notes
     spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
     logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
@@ -181,7 +180,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
         for note in notes:
             logger.info(note)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = _progress(cfg, start, end)
+    bar = progress_bar(cfg, start, end)
     install_preemption_handlers()
     evaluate = make_heldout_evaluator(cfg, s.task, s.tokenizer)
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
@@ -227,9 +226,6 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     return s
 
 
-PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by a pre-emption
-
-
 def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of a run from a config file plus dotted overrides; 75 = pre-empted (checkpoint written).
 
@@ -245,30 +241,6 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))
     return run_with_preemption_marker(cfg.logging.run_dir, lambda: train(cfg))
-
-
-def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
-    """``run()`` (a training loop returning its set-up); 0, or :data:`EXIT_PREEMPTED` with rank 0
-    leaving ``<run_dir>/PREEMPTED`` (an earlier launch's marker is removed first)."""
-    import os
-
-    marker = os.path.join(run_dir, PREEMPTED_MARKER)
-    try:
-        os.remove(marker)  # every rank may try: the first one wins
-    except FileNotFoundError:
-        pass
-    if not run().preempted:
-        return 0
-    if torch.distributed.get_rank() == 0:
-        with open(marker, "w") as handle:
-            handle.write(json.dumps({"exit_status": EXIT_PREEMPTED, "time": time.time()}) + "\n")
-    return EXIT_PREEMPTED
-
-
-def _first_chunk(s: TrainingSetup) -> int:
-    """Global index of this rank's first micro-batch (so draws do not depend on the DP split)."""
-    rows = s.cfg.rollout.generated_prompts // s.dp_size * s.cfg.rollout.group_size
-    return s.dp_rank * rows // s.cfg.parallel.micro_batch_size
 
 
 def filter_phase(s: TrainingSetup, batch, timer: PhaseTimer):
@@ -299,96 +271,19 @@ def rollout_phase(s: TrainingSetup, step: int):
             model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
             gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
             threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
-            chunk_generator=_chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
-            first_chunk=_first_chunk(s), cache=r.cache,
+            chunk_generator=chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
+            first_chunk=first_chunk(s), cache=r.cache,
             measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0)
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
     """Phase 3: masks drawn and the old policy scored (per iteration with ``per_iteration``)."""
-    chunks = _chunk_generators(s.cfg, step, model_device(s.model))
+    chunks = chunk_generators(s.cfg, step, model_device(s.model))
     with phase_model(s.model) as model:
         return old_policy_likelihood(model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
                                      mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
-                                     first_chunk=_first_chunk(s), sampling=s.cfg.algo.mask_sampling,
+                                     first_chunk=first_chunk(s), sampling=s.cfg.algo.mask_sampling,
                                      iteration_generators=lambda k: chunks(f"masks/iter{k}"),
                                      iterations=s.cfg.algo.inner_iterations)
 
 
-def _progress(cfg: RunConfig, start: int, end: int):
-    from tqdm import tqdm
-
-    rank0 = torch.distributed.get_rank() == 0
-    return tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
-                disable=not (cfg.logging.progress and rank0))
-
-
-def _chunk_generators(cfg: RunConfig, step: int, device="cpu"):
-    """``chunks(phase)(k)``: the generator (on ``device``) of global micro-batch ``k`` of ``phase``
-    at ``step``."""
-    return lambda phase: (lambda k: phase_generator(cfg.parallel.seed, step, k, phase, device))
-
-
-def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
-    import yaml
-
-    state = TrainState(step=step, data_position=s.prompts.position(step),
-                       scheduler=s.scheduler.state_dict(), world_size=torch.distributed.get_world_size(),
-                       tensor_parallel=s.cfg.parallel.tensor_parallel,
-                       pipeline_parallel=s.cfg.parallel.pipeline_parallel)
-    model_config = json.dumps(s.model.dllm_config.to_dict(), indent=2, sort_keys=True)
-    assets = {"hf": s.tokenizer.path} if s.tokenizer.path else None
-    return save_checkpoint(root, state, s.model.sharded_state_dict, optimizer=s.optimizer,
-                           config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
-                           keep_last=s.cfg.checkpoint.keep_last,
-                           extra_files={"model_config.json": model_config}, assets=assets,
-                           extra_modules=_synced_reference(s))
-
-
-def _synced_reference(s: TrainingSetup) -> Optional[Dict[str, Any]]:
-    """The reference policy when it changes during training (so checkpoints must carry it)."""
-    return {"reference": s.reference} if s.reference is not None and s.cfg.algo.reference_sync_every else None
-
-
-def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
-    """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
-    model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
-    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
-    moved = prepare_run_dir(cfg, resume, rank=rank)
-    notes = [f"--overwrite: the earlier run in {cfg.logging.run_dir} was moved aside (run files to {moved}, "
-             f"checkpoints to {checkpoint_root(cfg)}/overwritten-*)"] if moved else []
-    return plan_resume(cfg, resume), notes
-
-
-def _maybe_resume(s: TrainingSetup, root: str, plan: Optional[ResumePlan]):
-    """Load the plan's checkpoint with the current config's hyper-parameters and LR schedule (its
-    progress from the checkpoint); on rank 0 move the abandoned history aside. Returns
-    ``(start step, messages for the console)``."""
-    rank0 = torch.distributed.get_rank() == 0
-    if plan is None:
-        moved = continue_metrics(s.cfg.logging.run_dir, -1) if rank0 else None  # --resume auto, no checkpoint
-        return 0, [f"no checkpoint to resume: starting at step 0 (old metrics moved to {moved})"] if moved else []
-    check_model_config(plan.path, s.model.dllm_config.to_dict())
-    fresh = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in s.optimizer.param_groups]
-    state = load_checkpoint(plan.path, s.model, optimizer=s.optimizer, extra_modules=_synced_reference(s))
-    for group, hyper in zip(s.optimizer.param_groups, fresh):
-        group.update(hyper)  # lr bounds, betas, weight decay: the current config's
-    if state.scheduler:  # the current schedule, advanced to the checkpoint's progress
-        s.scheduler.step(increment=int(state.scheduler["num_steps"]))
-    notes = [f"resumed from {plan.path} at step {state.step}"]
-    if plan.changes:
-        notes.append(f"config changed since that checkpoint (now in effect): {plan.describe_changes()}")
-    if plan.complete:
-        notes.append(f"run already complete: {plan.path} is at steps={plan.steps}; nothing to train "
-                     f"(raise steps to continue)")
-    if rank0:
-        aside = abandon_later_steps(root, state.step)
-        if aside:
-            notes.append(f"later checkpoints of the abandoned history moved to {aside}")
-        moved = continue_metrics(s.cfg.logging.run_dir, state.step)
-        if moved:
-            notes.append(f"metrics.jsonl now ends at step {state.step} (the old file is kept at {moved})")
-    torch.distributed.barrier()
-    return state.step, notes

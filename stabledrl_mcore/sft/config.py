@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from stabledrl_mcore.config.schema import CheckpointSection, ConfigError, LoggingSection, ModelSection, OptimizerSection, ParallelSection, _choice, get_dotted, validate_logging_and_saving
+from stabledrl_mcore.config.schema import CheckpointSection, LoggingSection, ModelSection, OptimizerSection, ParallelSection
+from stabledrl_mcore.config.io import get_dotted
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.checks import validate_logging_and_saving
+from stabledrl_mcore.config.checks import choice
 
 CHAT_TEMPLATES = ("auto", "never")
 RL_ONLY = ("parallel.retain_update_graph",)
@@ -67,12 +71,12 @@ class SFTConfig:
 
     def validate(self) -> "SFTConfig":
         """Check values that types alone cannot; raise :class:`ConfigError`."""
-        _choice("model.dtype", self.model.dtype, ("fp32", "bf16"))
-        _choice("parallel.backend", self.parallel.backend, ("auto", "nccl", "gloo"))
-        _choice("optim.name", self.optim.name, ("adam", "sgd"))
-        _choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
-        _choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
-        _choice("sft.chat_template", self.sft.chat_template, CHAT_TEMPLATES)
+        choice("model.dtype", self.model.dtype, ("fp32", "bf16"))
+        choice("parallel.backend", self.parallel.backend, ("auto", "nccl", "gloo"))
+        choice("optim.name", self.optim.name, ("adam", "sgd"))
+        choice("optim.decay_style", self.optim.decay_style, ("constant", "linear", "cosine"))
+        choice("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online", "disabled"))
+        choice("sft.chat_template", self.sft.chat_template, CHAT_TEMPLATES)
         if not self.sft.data_path:
             raise ConfigError("sft.data_path is required: a JSONL or parquet file of prompt/response or "
                               "messages rows (or a datasets.save_to_disk folder)")

@@ -10,6 +10,10 @@ import torch
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
+from typing import Any
+from typing import Optional
+from dataclasses import dataclass
+from stabledrl_mcore.engine.seeding import derive_seed
 
 
 def sft_tokenizer(cfg: SFTConfig):
@@ -50,8 +54,11 @@ def build_sft(cfg: SFTConfig):
 
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.rl.setup import _model_config, build_optimizer, load_initial_weights
-    from stabledrl_mcore.sft.trainer import RowStream, SFTSetup
+    from stabledrl_mcore.engine.model_setup import load_initial_weights
+    from stabledrl_mcore.engine.model_setup import model_config
+    from stabledrl_mcore.engine.optimizer import build_optimizer
+    from stabledrl_mcore.sft.setup import SFTSetup
+    from stabledrl_mcore.sft.setup import RowStream
 
     p = cfg.parallel
     if p.threads:
@@ -60,7 +67,7 @@ def build_sft(cfg: SFTConfig):
                          backend=None if p.backend == "auto" else p.backend)
     tokenizer = sft_tokenizer(cfg)
     data = load_sft_data(cfg.sft, tokenizer)
-    mcfg = _model_config(cfg, tokenizer)
+    mcfg = model_config(cfg, tokenizer)
     check_data(data, mcfg, "the model")
     bootstrap.validate_parallel_layout(torch.distributed.get_world_size(), p.tensor_parallel, 1,
                                        num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
@@ -79,10 +86,53 @@ def build_sft(cfg: SFTConfig):
 
 def check_batch(cfg: SFTConfig, data_parallel: int) -> None:
     """``sft.batch_size`` splits over the data-parallel ranks and then into micro-batches."""
-    from stabledrl_mcore.config.schema import ConfigError
+    from stabledrl_mcore.common.errors import ConfigError
 
     batch, micro = cfg.sft.batch_size, cfg.parallel.micro_batch_size
     if batch % data_parallel or (batch // data_parallel) % micro:
         raise ConfigError(f"sft.batch_size={batch} must split into {data_parallel} data-parallel rank(s) of "
                           f"whole parallel.micro_batch_size={micro} micro-batches (batch_size / DP a multiple "
                           f"of micro_batch_size)")
+
+
+class RowStream:
+    """Rows of step ``s``: a seeded permutation per epoch, ``batch_size`` per step, split over DP ranks."""
+
+    def __init__(self, num_rows: int, batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def position(self, step: int) -> int:
+        """Index of the first row of ``step`` in the endless stream (saved in checkpoints)."""
+        return step * self.batch_size
+
+    def for_step(self, step: int) -> torch.Tensor:
+        local = self.batch_size // self.dp_size
+        start = self.position(step) + self.dp_rank * local
+        epochs = {}
+        rows = []
+        for index in range(start, start + local):
+            epoch, offset = divmod(index, self.num_rows)
+            if epoch not in epochs:
+                g = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "sft-rows", epoch))
+                epochs[epoch] = torch.randperm(self.num_rows, generator=g)
+            rows.append(int(epochs[epoch][offset]))
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class SFTSetup:
+    cfg: SFTConfig
+    model: Any
+    ddp: Any
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    data: SFTData
+    prompts: RowStream  # the name train's checkpoint code reads (data position)
+    dp_rank: int
+    dp_size: int
+    block_size: Optional[int]  # SDAR: the staircase layout; None: LLaDA's bidirectional forward
+    reference: Any = None  # no KL reference in SFT (train's checkpoint code asks)
+    preempted: bool = False
+    stopped_early: bool = False

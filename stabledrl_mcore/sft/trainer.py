@@ -14,68 +14,29 @@ micro-batch index), so the data-parallel split does not change the run and a res
 
 from __future__ import annotations
 
+from stabledrl_mcore.sft.setup import SFTSetup
+
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from stabledrl_mcore.engine.run_dir import checkpoint_root
-from stabledrl_mcore.config.schema import save_config, to_dict
+from stabledrl_mcore.config.schema import save_config
+from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
 from stabledrl_mcore.engine.metrics import create_logger, logger_options
 from stabledrl_mcore.models.placement import model_device
 from stabledrl_mcore.engine.save_schedule import SaveSchedule
-from stabledrl_mcore.rl.setup import derive_seed, phase_generator
-from stabledrl_mcore.rl.update import SkippedUpdatesError, agree_ok, grads_finite, sync_gradients
+from stabledrl_mcore.engine.seeding import phase_generator
+from stabledrl_mcore.engine.gradients import agree_ok
+from stabledrl_mcore.engine.gradients import grads_finite
+from stabledrl_mcore.engine.gradients import sync_gradients
+from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 from stabledrl_mcore.sft.config import SFTConfig
-from stabledrl_mcore.sft.data import SFTData
 
 Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
-
-
-class RowStream:
-    """Rows of step ``s``: a seeded permutation per epoch, ``batch_size`` per step, split over DP ranks."""
-
-    def __init__(self, num_rows: int, batch_size: int, dp_rank: int, dp_size: int, seed: int):
-        self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-
-    def position(self, step: int) -> int:
-        """Index of the first row of ``step`` in the endless stream (saved in checkpoints)."""
-        return step * self.batch_size
-
-    def for_step(self, step: int) -> torch.Tensor:
-        local = self.batch_size // self.dp_size
-        start = self.position(step) + self.dp_rank * local
-        epochs = {}
-        rows = []
-        for index in range(start, start + local):
-            epoch, offset = divmod(index, self.num_rows)
-            if epoch not in epochs:
-                g = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "sft-rows", epoch))
-                epochs[epoch] = torch.randperm(self.num_rows, generator=g)
-            rows.append(int(epochs[epoch][offset]))
-        return torch.tensor(rows, dtype=torch.long)
-
-
-@dataclass
-class SFTSetup:
-    cfg: SFTConfig
-    model: Any
-    ddp: Any
-    optimizer: Any
-    scheduler: Any
-    tokenizer: Any
-    data: SFTData
-    prompts: RowStream  # the name train's checkpoint code reads (data position)
-    dp_rank: int
-    dp_size: int
-    block_size: Optional[int]  # SDAR: the staircase layout; None: LLaDA's bidirectional forward
-    reference: Any = None  # no KL reference in SFT (train's checkpoint code asks)
-    preempted: bool = False
-    stopped_early: bool = False
 
 
 def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional[Callable[[Dict], bool]] = None,
@@ -84,13 +45,18 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
     from DP-reduced metrics); ``stop_after`` ends early (tests)."""
-    from stabledrl_mcore.rl.trainer import _maybe_resume, _progress, install_preemption_handlers, preemption_agreed, prepare_start, save_training_checkpoint
+    from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
+    from stabledrl_mcore.engine.metrics import progress_bar
+    from stabledrl_mcore.engine.resume import restore_training_state
+    from stabledrl_mcore.engine.resume import prepare_start
+    from stabledrl_mcore.engine.preemption import preemption_agreed
+    from stabledrl_mcore.engine.preemption import install_preemption_handlers
     from stabledrl_mcore.sft.setup import build_sft
 
     plan, notes = prepare_start(cfg)
     s = build_sft(cfg)
     root = checkpoint_root(cfg)
-    start, resumed = _maybe_resume(s, root, plan)
+    start, resumed = restore_training_state(s, root, plan)
     logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
                            console_keys=("loss", "grad_norm", "lr", "step_s"))
     if torch.distributed.get_rank() == 0:
@@ -100,7 +66,7 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     install_preemption_handlers()
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
-    health, bar = SkipLimit(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0), _progress(cfg, start, end)
+    health, bar = SkipLimit(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0), progress_bar(cfg, start, end)
     with logger:
         for step in range(start, end):
             began = time.perf_counter()
@@ -189,7 +155,7 @@ def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
     from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
     from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.rl.trainer import run_with_preemption_marker
+    from stabledrl_mcore.engine.preemption import run_with_preemption_marker
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)

@@ -4,15 +4,13 @@
 ``get_task(name)`` returns a task with ``load(split, ...)``, ``prompt(example,
 tokenizer)``, ``reward(completion, reference) -> float in reward_range`` ([0, 1],
 or [0, 2] with the ``anti_short_boxed`` option every task takes),
-``extract_answer(completion)`` and ``is_correct``. ``evaluate_completions``,
-``shard_examples`` and ``write_jsonl`` are the library side of evaluation.
+``extract_answer(completion)`` and ``is_correct``. Scoring completions and pass@k live in
+:mod:`stabledrl_mcore.evaluation`.
 """
 
-from stabledrl_mcore.tasks.base import (BASE_TASK_OPTIONS, REWARD_RANGE, Example, Task, TaskProtocol,
+from stabledrl_mcore.tasks.base import (BASE_TASK_OPTIONS, GENERATED_TASKS, REWARD_RANGE, Example, Task, TaskProtocol,
                                         available_tasks, get_task, register_task)
 from stabledrl_mcore.tasks.countdown import CountdownTask, evaluate_expression, solve as solve_countdown
-from stabledrl_mcore.evaluation.scoring import (SHARD_MODES, evaluate_completions, shard_examples,
-                                              shard_indices, write_jsonl)
 from stabledrl_mcore.tasks.extract import answer_tag, last_boxed, parse_number
 from stabledrl_mcore.tasks.math_equiv import math_equal
 from stabledrl_mcore.tasks.math_tasks import Gsm8kTask, Math500Task, resolve_data_root
@@ -22,14 +20,12 @@ from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, PromptFormat, build_pro
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions, solve as solve_sudoku
 
-GENERATED_TASKS = ("countdown", "sudoku")
-"""Tasks whose examples are generated (``load(split, n=..., seed=...)``) rather than read from files."""
 
 __all__ = [
     "BASE_TASK_OPTIONS", "GENERATED_TASKS", "REWARD_RANGE", "Example", "Task", "TaskProtocol", "available_tasks",
     "get_task", "register_task",
     "CountdownTask", "evaluate_expression", "solve_countdown",
-    "SHARD_MODES", "evaluate_completions", "shard_examples", "shard_indices", "write_jsonl",
+
     "answer_tag", "last_boxed", "parse_number", "math_equal",
     "Gsm8kTask", "Math500Task", "resolve_data_root", "Aime2024Task", "Aime2025Task", "QaTask",
     "SYSTEM_PROMPT", "PromptFormat", "build_prompt", "prompt_format", "anti_short_boxed_bonus",

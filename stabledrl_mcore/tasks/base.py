@@ -267,3 +267,5 @@ def get_task(name: str, *, prompt_style: str = "chat", **kwargs: Any) -> Task:
                                   min_ratio=base.get("anti_short_boxed_min_ratio",
                                                      task.anti_short_boxed_min_ratio))
     return task
+GENERATED_TASKS = ("countdown", "sudoku")
+"""Tasks that generate their examples (no data files, no ``prompt_key`` / ``answer_key``)."""

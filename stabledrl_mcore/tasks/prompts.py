@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+from typing import Union
+import torch
 
 MATH_SYSTEM_PROMPT = (
     "You are a careful math solver. Think step by step, showing your reasoning "
@@ -218,3 +220,19 @@ def _read_template(path: str, name: str) -> str:
     except jinja2.TemplateSyntaxError as err:
         raise UserError(f"{name}: {path}: line {err.lineno}: {err.message} (not a valid Jinja template)") from None
     return text
+
+
+def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None,
+                   device: Union[str, torch.device] = "cpu"):
+    """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])`` on ``device``
+    (padded on the host, copied once)."""
+    encoded = [tokenizer.encode(t) for t in texts]
+    if max_len is not None:
+        encoded = [e[-max_len:] for e in encoded]
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long,
+                       device=device).reshape(len(encoded), width)
+    valid = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded],
+                         dtype=torch.bool, device=device).reshape(len(encoded), width)
+    return ids, valid

@@ -1,0 +1,62 @@
+"""A run's task and its data, built from the run config's rollout / eval sections (train, eval and the preflight build them the same way)."""
+
+from __future__ import annotations
+from stabledrl_mcore.tasks.base import GENERATED_TASKS, Example
+from typing import List
+from typing import Optional
+from stabledrl_mcore.tasks.base import get_task
+from stabledrl_mcore.tasks.prompts import rollout_prompt_format
+
+
+def build_task(cfg):
+    """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
+    columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
+    refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
+    from stabledrl_mcore.common.errors import ConfigError
+
+    r = cfg.rollout
+    options = dict(r.task_options)
+    for name in ("prompt_key", "answer_key"):
+        value = getattr(r, name)
+        if value is None:
+            continue
+        if r.task in GENERATED_TASKS:
+            raise ConfigError(f"rollout.{name}={value}: task {r.task} generates its examples (no data columns); "
+                              f"it applies to file-backed tasks such as qa, gsm8k, math500, aime2024")
+        if name in options:
+            raise ConfigError(f"rollout.{name} and rollout.task_options.{name} both set: keep rollout.{name}")
+        options[name] = value
+    if not r.reward_timeout_s > 0:
+        raise ConfigError(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
+    if r.reward_timeout_s != type(r).reward_timeout_s and not r.reward_fn:
+        raise ConfigError("rollout.reward_timeout_s limits rollout.reward_fn calls: set rollout.reward_fn too")
+    task = get_task(r.task, prompt_style=r.prompt_style, **options)
+    task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
+    if r.reward_fn:
+        from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
+
+        shaping = [k for k in TASK_REWARD_OPTIONS if k in options]
+        if shaping:
+            raise ConfigError(f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
+                              f"rollout.reward_fn replaces: drop one of them")
+        task = CustomRewardTask(task, load_reward_fn(r.reward_fn), spec=r.reward_fn, timeout_s=r.reward_timeout_s)
+    return task
+
+
+def load_train_examples(cfg, task, *, sample: Optional[int] = None) -> List[Example]:
+    """The training examples of ``cfg`` (a generated task draws ``sample`` of them when given)."""
+    kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
+    if cfg.rollout.task in GENERATED_TASKS:
+        kwargs["n"] = sample or max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
+    seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
+    return task.load(cfg.rollout.split, seed=seed, **kwargs)
+
+
+def heldout_examples(cfg, task) -> List[Example]:
+    """``eval.num_examples`` examples of ``eval.split`` (generated with ``eval.seed``, or read from
+    ``eval.data_path`` / the task's default file of that split)."""
+    e = cfg.eval
+    if cfg.rollout.task in GENERATED_TASKS:
+        return task.load(e.split, n=e.num_examples, seed=e.seed)
+    kwargs = {"path": e.data_path} if e.data_path else {}  # held out: never the training file
+    return task.load(e.split, limit=e.num_examples, **kwargs)
