@@ -1,33 +1,23 @@
 """stabledrl_mcore: StableDRL post-training of diffusion language models on Megatron-Core.
 
-Subpackages: ``models`` (specs, attention, presets), ``diffusion`` (masking,
-likelihood, sampling), ``rl`` (losses, advantages, rollout, trainer), ``tasks``,
-``checkpoint`` (mapping tables, converters, training state), ``parallel``
-(bootstrap, CPU layer). ``config`` holds the typed run configuration and
-``cli`` the ``stabledrl`` command.
+The layers, bottom up (docs/architecture.md; tests/test_layers.py keeps them): ``common``,
+``parallel``, ``algorithms``, ``tasks``, ``config``, ``models``, ``diffusion``, ``checkpoint``,
+``engine``, ``evaluation``, ``rl``, ``sft``, ``bench``, ``experiments``, ``cli``.
 """
 
+import importlib
+
+import stabledrl_mcore.common.quiet  # noqa: F401  (before anything imports megatron-core)
 from stabledrl_mcore.common.version import __version__  # noqa: F401  (the package API)
 
-
-def _quiet_cpu_warnings() -> None:
-    """megatron-core warns at import that TE/apex are absent (expected on CPU), and its
-    checkpoint loader uses torch.distributed.checkpoint APIs that torch marks deprecated;
-    neither is actionable for a user, so both are silenced."""
-    import warnings
-
-    for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
-        warnings.filterwarnings("ignore", message=text, category=UserWarning)
-    for text in ("`load_state_dict` is deprecated", "Please use DTensor instead"):
-        warnings.filterwarnings("ignore", message=text, category=FutureWarning)
+_LAZY = {"load_model": "stabledrl_mcore.checkpoint.loader"}
+"""Top-level names loaded on first use, so ``import stabledrl_mcore`` (and ``stabledrl --help``)
+does not load torch and megatron-core."""
 
 
-_quiet_cpu_warnings()
-
-
-def load_model(*args, **kwargs):
-    """HF directory or converted checkpoint -> single-process logits module
-    (see :func:`stabledrl_mcore.checkpoint.loader.load_model`)."""
-    from stabledrl_mcore.checkpoint.loader import load_model as _load_model
-
-    return _load_model(*args, **kwargs)
+def __getattr__(name: str):
+    """``stabledrl_mcore.load_model``: HF directory or converted checkpoint -> single-process logits
+    module (:func:`stabledrl_mcore.checkpoint.loader.load_model`)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stabledrl_mcore' has no attribute {name!r}")

@@ -98,7 +98,7 @@ def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_
 
 
 def test_eval_writes_to_the_working_directory_and_never_over_a_file(checkpoints, tmp_path, monkeypatch, capsys):
-    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli import eval as eval_cmd
     from stabledrl_mcore.cli.main import main
 
     ckpt = checkpoints["sdar"]
@@ -113,7 +113,7 @@ def test_eval_writes_to_the_working_directory_and_never_over_a_file(checkpoints,
     assert records[0]["question"] in records[0]["prompt"]  # the exact text the model saw, template included
     capsys.readouterr()
     loaded = []
-    monkeypatch.setattr(commands, "_eval_rank", lambda options: loaded.append(options) or 0)
+    monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: loaded.append(options) or 0)
     assert main(args) == 2 and not loaded  # refused before any rank (or model) starts
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err

@@ -117,7 +117,7 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
 
 
 def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch, capsys):
-    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli import eval as eval_cmd
     from stabledrl_mcore.cli.main import main
 
     path = tiny[0]
@@ -138,7 +138,7 @@ def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch,
     assert "eval inputs ok: 3 sudoku/test examples x 2 samples" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "checked.jsonl")
     # refused by name before any rank starts, one line each
-    monkeypatch.setattr(commands, "_eval_rank", lambda options: pytest.fail("a rank started"))
+    monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: pytest.fail("a rank started"))
     for extra, needle in ((["--n", "4", "--temperature", "0"], "--temperature"),
                           (["--n", "2", "--k", "4", "--overwrite"], "--k"),
                           (["--n", "0", "--overwrite"], "--n")):

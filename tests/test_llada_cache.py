@@ -176,7 +176,7 @@ def test_cache_gap_needs_a_cache():
 
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     from stabledrl_mcore.cli.main import main
-    from stabledrl_mcore.cli.commands import _sampling
+    from stabledrl_mcore.cli.args import sampling_options
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.common.errors import UserError
@@ -190,8 +190,8 @@ def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     args = type("Args", (), dict(steps=None, block_length=None, gen_length=8, temperature=0.0, threshold=None,
                                  cache="prefix"))()
     with pytest.raises(UserError, match="--cache prefix is LLaDA's"):
-        _sampling(args, ToyDLLMConfig(arch="sdar"))
-    assert _sampling(args, ToyDLLMConfig(arch="llada"))["cache"] == "prefix"
+        sampling_options(args, ToyDLLMConfig(arch="sdar"))
+    assert sampling_options(args, ToyDLLMConfig(arch="llada"))["cache"] == "prefix"
     assert main(["train", "--config", CONFIG, "model.preset=sdar-tiny", "rollout.cache=dual",
                  "--print-config"]) == 2
     line = capsys.readouterr().err.strip()

@@ -58,7 +58,7 @@ def test_the_file_renders_as_the_tokenizers_own_template_would():
 
 
 def test_train_eval_and_generate_render_the_same_prompt(tmp_path, monkeypatch):
-    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli import args as commands
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl import setup
     from stabledrl_mcore.tasks.prompts import rollout_prompt_format
@@ -99,7 +99,7 @@ class _NoTemplate:
     ("{{ messages[5]['content'] }}", "does not render"),
 ])
 def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, capsys, monkeypatch, text, needle):
-    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli import eval as eval_cmd
     from stabledrl_mcore.cli.main import main
 
     bad = _write(tmp_path, "bad.jinja", text)
@@ -107,7 +107,7 @@ def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, ca
                  "--print-config"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rollout.chat_template" in err and bad in err and needle in err, err
-    monkeypatch.setattr(commands, "_eval_rank", lambda options: pytest.fail("a rank started"))
+    monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: pytest.fail("a rank started"))
     monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
@@ -155,14 +155,14 @@ def test_generate_takes_the_prompt_flags(tmp_path):
 def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys):
     import argparse
 
-    from stabledrl_mcore.cli import commands
+    from stabledrl_mcore.cli import eval as eval_cmd
 
     (tmp_path / "config.yaml").write_text("rollout:\n  task: gsm8k\n  system_prompt: SYS\n"
                                           "  prompt_template: 'Q: {question}'\n  chat_template: null\n")
     args = argparse.Namespace(ckpt=str(tmp_path), task="gsm8k")
-    commands._note_training_prompts(args, prompt_format("SYS", "Q: {question}"))
+    eval_cmd._note_training_prompts(args, prompt_format("SYS", "Q: {question}"))
     assert capsys.readouterr().err == ""  # the same prompts: nothing to say
-    commands._note_training_prompts(args, PromptFormat())
+    eval_cmd._note_training_prompts(args, PromptFormat())
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--system-prompt 'SYS' --prompt-template 'Q: {question}'" in err, err
 

@@ -208,7 +208,7 @@ def _sft_worker(tmp, out):
 def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.sft import SFTConfig
-    from stabledrl_mcore.cli.preflight_sft import preflight_sft
+    from stabledrl_mcore.cli.preflight import preflight_sft
 
     monkeypatch.chdir(ROOT)
     cfg = load_config("examples/sft/tiny_cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"], cls=SFTConfig)

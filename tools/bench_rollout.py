@@ -57,11 +57,11 @@ def _prompts(cfg, batch, length, device):
 
 def _task_prompts(args):
     """The first ``--batch`` test prompts of ``--task``, encoded with the checkpoint's tokenizer."""
-    from stabledrl_mcore.cli.commands import _tokenizer
+    from stabledrl_mcore.cli.args import cli_tokenizer
     from stabledrl_mcore.tasks.prompts import encode_prompts
     from stabledrl_mcore.tasks import get_task
 
-    tokenizer = _tokenizer(argparse.Namespace(tokenizer=None, ckpt=args.ckpt))
+    tokenizer = cli_tokenizer(argparse.Namespace(tokenizer=None, ckpt=args.ckpt))
     task = get_task(args.task, prompt_style=args.prompt_style)
     examples = task.load("test", n=args.batch, seed=0)
     return encode_prompts(tokenizer, [task.prompt(ex, tokenizer) for ex in examples], device=args.device)

@@ -33,6 +33,17 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
+from stabledrl_mcore.engine.seeding import derive_seed
+from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos
+from stabledrl_mcore.tasks.prompts import encode_prompts
+from stabledrl_mcore.engine.seeding import chunk_generators
+from stabledrl_mcore.engine.seeding import first_chunk
+from stabledrl_mcore.rl.estimates import draw_plan
+from stabledrl_mcore.rl.estimates import sequence_estimates
+from stabledrl_mcore.algorithms.losses import sequence_policy_loss
+from stabledrl_mcore.rl.rollout import score_rollouts
+from stabledrl_mcore.bench.phases import fill_flat_groups
+from stabledrl_mcore.bench.phases import phase_jobs
 
 
 def hf_model(cfg, dtype: torch.dtype = torch.float32):
@@ -96,7 +107,6 @@ class BaselineStep:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **extra).logits
 
     def _generator(self, k: int) -> torch.Generator:
-        from stabledrl_mcore.engine.seeding import derive_seed
 
         return torch.Generator().manual_seed(derive_seed(self.cfg.parallel.seed, "baseline", k))
 
@@ -183,8 +193,6 @@ class BaselineStep:
 
     def generate(self):
         """Rollouts of the same prompts as ours (``RolloutBatch``), micro-batch by micro-batch."""
-        from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos
-        from stabledrl_mcore.tasks.prompts import encode_prompts
 
         s, r = self.ours.s, self.cfg.rollout
         examples = s.prompts.for_step(0)
@@ -247,15 +255,11 @@ class BaselineStep:
 
     def _plan(self, batch, spec):
         """The masks of the step: the same draws as ours (identical work on both sides)."""
-        from stabledrl_mcore.engine.seeding import chunk_generators
-        from stabledrl_mcore.engine.seeding import first_chunk
-        from stabledrl_mcore.rl.estimates import draw_plan
 
         return draw_plan(batch, spec, chunk_generators(self.cfg, 0)("masks"),
                          micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=first_chunk(self.ours.s))
 
     def likelihood(self, name: str) -> float:
-        from stabledrl_mcore.rl.estimates import sequence_estimates
 
         spec = self.ours.specs[name]
         batch = dataclasses.replace(self.ours.batch)
@@ -266,8 +270,6 @@ class BaselineStep:
 
     # ------------------------------------------------------------------ update
     def _loss(self, batch, spec) -> torch.Tensor:
-        from stabledrl_mcore.algorithms.losses import sequence_policy_loss
-        from stabledrl_mcore.rl.estimates import sequence_estimates
 
         tok = self.all_token_logp(batch, batch.plan, spec)
         logp = sequence_estimates(tok, batch.plan, batch, spec)
@@ -293,9 +295,6 @@ class BaselineStep:
         return 0.0
 
     def step(self) -> float:
-        from stabledrl_mcore.rl.rollout import score_rollouts
-        from stabledrl_mcore.rl.estimates import sequence_estimates
-        from stabledrl_mcore.bench.phases import fill_flat_groups
 
         spec = self.ours.spec
         batch = score_rollouts(self.generate(), self.ours.s.task, advantage=self.cfg.algo.advantage)
@@ -310,6 +309,5 @@ class BaselineStep:
         return float(batch.sequences.numel())
 
     def jobs(self, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
-        from stabledrl_mcore.bench.phases import phase_jobs
 
         return phase_jobs(self, phases)

@@ -43,6 +43,24 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from stabledrl_mcore.models import default_device
+from stabledrl_mcore.models import get_preset
+from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+from stabledrl_mcore.models import build_model
+from stabledrl_mcore.models.specs import te_unavailable_reason
+from stabledrl_mcore.models import AttentionLayout, staircase_position_ids
+import gc
+from stabledrl_mcore.bench.memory import _reset_peak, _status
+from stabledrl_mcore.diffusion.likelihood import gather_log_probs
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.rl.trainer import train
+from stabledrl_mcore.tasks.base import Task
+from stabledrl_mcore.parallel.launch import spawn
+from stabledrl_mcore.bench.peak import describe
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.bench.peak import _cpu_name
+import argparse
+from stabledrl_mcore.bench.report import write_json
 
 BF16_REL_TOL = 3e-2
 """Logit agreement of two bf16 kernels: max abs difference over max abs logit."""
@@ -86,7 +104,6 @@ CPU = Sizes(presets={"llada": "llada-tiny", "sdar": "sdar-tiny"}, layers=2, seq=
 
 
 def _device() -> torch.device:
-    from stabledrl_mcore.models import default_device
 
     return default_device()
 
@@ -108,7 +125,6 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _shaped(preset: str, layers: int):
-    from stabledrl_mcore.models import get_preset
 
     return get_preset(preset, num_layers=layers, init_std=0.02)
 
@@ -126,8 +142,6 @@ def _left_padded_ids(cfg, batch: int, length: int, generator: torch.Generator, d
 def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
     """Per arch: max rel |dlogit| of the local spec vs ``build_model(**other)``, same weights
     (saved from the local model, loaded into the other: the specs share checkpoint keys)."""
-    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
-    from stabledrl_mcore.models import build_model
 
     out = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -148,7 +162,6 @@ def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
 def check_te_vs_local(sizes: Sizes) -> Dict[str, Any]:
     """TE vs local spec; without TE the same transfer and comparison against Megatron's stock
     local layer (so the check's own path runs everywhere), reported as skipped."""
-    from stabledrl_mcore.models.specs import te_unavailable_reason
 
     reason = te_unavailable_reason()
     if reason:
@@ -178,7 +191,6 @@ def _forward_backward(model, ids, layout, positions, backend: str, backward: boo
 
 def check_flex_vs_sdpa(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     """Forward and backward on GPU; forward only on CPU, where torch has no flex backward."""
-    from stabledrl_mcore.models import AttentionLayout, build_model, staircase_position_ids
 
     cfg = _shaped(sizes.presets["sdar"], sizes.layers)
     model = build_model(cfg, params_dtype=torch.bfloat16).train()
@@ -216,7 +228,6 @@ def _size(num_bytes: float) -> str:
 
 def _peak_bytes(fn: Callable[[], None]) -> int:
     """Peak memory of ``fn``: CUDA allocator peak on GPU, resident-set high-water mark on CPU."""
-    import gc
 
     gc.collect()
     if torch.cuda.is_available():
@@ -226,7 +237,6 @@ def _peak_bytes(fn: Callable[[], None]) -> int:
         fn()
         _sync()
         return torch.cuda.max_memory_allocated() - base
-    from stabledrl_mcore.bench.memory import _reset_peak, _status
 
     _reset_peak()
     base = _status("VmRSS")
@@ -236,8 +246,6 @@ def _peak_bytes(fn: Callable[[], None]) -> int:
 
 def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     """Forward + backward on GPU; on CPU the forward alone (torch has no flex backward there)."""
-    from stabledrl_mcore.diffusion.likelihood import gather_log_probs
-    from stabledrl_mcore.models import AttentionLayout, build_model, staircase_position_ids
 
     cfg = _shaped(sizes.presets["sdar"], sizes.layers)
     model = build_model(cfg, params_dtype=torch.bfloat16).train()
@@ -278,9 +286,6 @@ def probe_reward(task, completion: str, reference) -> float:
 
 def _train_rank(config: str, overrides: List[str], out_json: str) -> None:
     """One rank of the training check (module level: ``parallel.launch.spawn`` starts it)."""
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks.base import Task
 
     Task.reward = probe_reward
     setup = train(load_config(config, overrides))
@@ -301,7 +306,6 @@ def _metrics(run_dir: str) -> List[Dict[str, Any]]:
 
 
 def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
-    from stabledrl_mcore.parallel.launch import spawn
 
     preset = "llada-tiny" if arch == "llada" else "sdar-tiny"
     extra = [f"model.preset={preset}", "model.dtype=bf16", "model.recompute=true", "optim.distributed=true",
@@ -336,7 +340,6 @@ def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
 
 
 def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
-    from stabledrl_mcore.bench.peak import describe
 
     preset = sizes.presets[arch]
     run_dir = os.path.join(workdir, f"bench_{arch}")
@@ -368,7 +371,6 @@ def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
 def run_checks(*, cpu: bool, workdir: Optional[str] = None,
                only: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run every check (or ``only`` those); returns the JSON-ready result."""
-    from stabledrl_mcore.parallel import bootstrap
 
     if not cpu and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: run with --cpu for the CPU variant")
@@ -415,7 +417,6 @@ def run_checks(*, cpu: bool, workdir: Optional[str] = None,
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    from stabledrl_mcore.bench.peak import _cpu_name
 
     return _cpu_name()
 
@@ -443,7 +444,6 @@ def format_table(result: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
 
     parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the shrunk CPU variant (what CI runs)")
@@ -458,7 +458,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu_check: error: {err}", file=sys.stderr)
         return 2
     print(format_table(result), flush=True)
-    from stabledrl_mcore.bench.report import write_json
 
     write_json(result, args.json)
     print(f"wrote {args.json}")

@@ -36,6 +36,18 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from stabledrl_mcore.rl.rollout import RolloutBatch
+from stabledrl_mcore.engine.expert import phase_model
+from stabledrl_mcore.rl.update import accumulate_gradients
+from stabledrl_mcore.engine.gradients import sync_gradients
+from stabledrl_mcore.rl.setup import build_training
+from stabledrl_mcore.engine.seeding import phase_generator
+from stabledrl_mcore.rl.trainer import likelihood_spec
+from stabledrl_mcore.rl.estimates import draw_plan
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.parallel import bootstrap
+import tempfile
+from stabledrl_mcore.parallel.launch import spawn
 
 MMAP_THRESHOLD = 65536
 
@@ -59,7 +71,6 @@ def _reset_peak() -> bool:
 
 def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: torch.Generator):
     """A rollout batch of ``prompts_per_step x group_size`` random sequences (advantages +-1)."""
-    from stabledrl_mcore.rl.rollout import RolloutBatch
 
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     seqs = torch.randint(5, vocab - 1, (n, seq_len), generator=generator)
@@ -73,9 +84,6 @@ def synthetic_batch(cfg, vocab: int, seq_len: int, prompt_len: int, generator: t
 
 
 def _update(s, batch, spec, iterations: int) -> List[int]:
-    from stabledrl_mcore.engine.expert import phase_model
-    from stabledrl_mcore.rl.update import accumulate_gradients
-    from stabledrl_mcore.engine.gradients import sync_gradients
 
     peaks = []
     coef = batch.plan.scored.float()
@@ -92,10 +100,6 @@ def _update(s, batch, spec, iterations: int) -> List[int]:
 
 
 def _run(cfg, seq_len: int, prompt_len: int, iterations: int):
-    from stabledrl_mcore.rl.setup import build_training
-    from stabledrl_mcore.engine.seeding import phase_generator
-    from stabledrl_mcore.rl.trainer import likelihood_spec
-    from stabledrl_mcore.rl.estimates import draw_plan
 
     s = build_training(cfg)
     after_build = _status("VmRSS")
@@ -113,8 +117,6 @@ def measure(config: Optional[str], overrides: Sequence[str], *, seq_len: int, pr
     """Peak RSS growth (bytes) of building + ``iterations`` updates; call in a fresh process."""
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.parallel import bootstrap
 
     torch.set_num_threads(1)
     cfg = load_config(config, list(overrides))
@@ -151,10 +153,7 @@ def measure_ranks(config: Optional[str], overrides: Sequence[str], *, seq_len: i
                   iterations: int = 2, timeout: float = 600.0) -> Dict[str, object]:
     """:func:`measure` on every model-parallel rank of ``config`` (local processes, gloo);
     ``{"ranks": [record of rank 0, ...]}``, or one record when the layout has a single rank."""
-    import tempfile
 
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.parallel.launch import spawn
 
     cfg = load_config(config, list(overrides))
     world = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
@@ -196,9 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from stabledrl_mcore.bench.memory import measure_ranks as by_rank  # picklable ranks under ``-m``
 
-    print(json.dumps(by_rank(args.config, args.overrides, seq_len=args.seq_len, prompt_len=args.prompt_len,
+    print(json.dumps(measure_ranks(args.config, args.overrides, seq_len=args.seq_len, prompt_len=args.prompt_len,
                              iterations=args.iterations)))
 
 

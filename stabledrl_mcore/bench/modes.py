@@ -22,6 +22,12 @@ import torch
 
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.bench.phases import bench_config
+from stabledrl_mcore.rl.trainer import rollout_phase
+from stabledrl_mcore.tasks.from_config import heldout_examples
+from stabledrl_mcore.rl.rollout import score_rollouts
+from stabledrl_mcore.evaluation.scoring import shard_examples
+from stabledrl_mcore.bench.phases import _reduce
 
 # rollout fields the training set-up reads once (prompt stream, task): a mode cannot change them
 SETUP_FIELDS = ("task", "data_path", "data_seed", "prompt_style", "task_options", "prompts_per_step",
@@ -55,7 +61,6 @@ def parse_rollout_modes(specs: Sequence[str]) -> List[Tuple[str, List[str]]]:
 def mode_configs(config: Optional[str], overrides: Sequence[str], modes: Sequence[Tuple[str, List[str]]], *,
                  keep_tokenizer_vocab: bool = False) -> Dict[str, RunConfig]:
     """Each mode's full config (validated: a misspelt field is refused by name)."""
-    from stabledrl_mcore.bench.phases import bench_config
 
     out = {}
     for name, extra in modes:
@@ -109,7 +114,6 @@ class RolloutMode:
         self.completions = 0
 
     def rollout(self) -> float:
-        from stabledrl_mcore.rl.trainer import rollout_phase
 
         with _RowCounter(self.s.model) as counter:
             batch = rollout_phase(self.s, 0)
@@ -119,11 +123,6 @@ class RolloutMode:
 
     def accuracy(self) -> Dict[str, Any]:
         """Greedy held-out accuracy with this mode's decoding settings (one completion per example)."""
-        from stabledrl_mcore.tasks.from_config import heldout_examples
-        from stabledrl_mcore.rl.rollout import score_rollouts
-        from stabledrl_mcore.rl.trainer import rollout_phase
-        from stabledrl_mcore.evaluation.scoring import shard_examples
-        from stabledrl_mcore.bench.phases import _reduce
 
         cfg = self.s.cfg
         held_out = heldout_examples(cfg, self.s.task)

@@ -26,6 +26,7 @@ import time
 from typing import Dict, Optional, Sequence, Union
 
 import torch
+import platform
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no 2:4 sparsity), from the vendors' data sheets.
 # Longer names first: the first substring match wins.
@@ -169,6 +170,5 @@ def _cpu_name() -> str:
                     return "CPU: " + line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return "CPU: " + (platform.processor() or platform.machine())

@@ -31,6 +31,24 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from stabledrl_mcore.parallel.bootstrap import comm_device
+from stabledrl_mcore.engine.pipeline import CLOCK
+from stabledrl_mcore.rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
+from stabledrl_mcore.rl.rollout import score_rollouts
+from stabledrl_mcore.rl.estimates import LikelihoodSpec
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.engine.expert import phase_model
+from stabledrl_mcore.engine.seeding import chunk_generators
+from stabledrl_mcore.engine.seeding import first_chunk
+from stabledrl_mcore.rl.estimates import old_policy_likelihood
+from stabledrl_mcore.rl.update import accumulate_gradients
+from stabledrl_mcore.engine.gradients import sync_gradients
+from stabledrl_mcore.rl.trainer import PhaseTimer, filter_phase, policy_update
+from stabledrl_mcore.models import get_preset
+from stabledrl_mcore.models.presets import ModelConfigError
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.config.schema import load_config
 
 PHASES = ("rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer", "step")
 
@@ -80,7 +98,6 @@ def _dist() -> bool:
 def _reduce(values: List[float], op) -> List[float]:
     if not _dist() or not values:
         return values
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(t, op=op)
@@ -109,7 +126,6 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
     Every job returns its local token count; tokens are summed over ranks and
     each repetition's time is the slowest rank's.
     """
-    from stabledrl_mcore.engine.pipeline import CLOCK
 
     names = list(jobs)
     results = {n: PhaseResult(n) for n in names}
@@ -190,9 +206,6 @@ class StableDRLPhases:
     """
 
     def __init__(self, setup):
-        from stabledrl_mcore.rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
-        from stabledrl_mcore.rl.rollout import score_rollouts
-        from stabledrl_mcore.rl.estimates import LikelihoodSpec
 
         s = self.s = setup
         cfg = s.cfg
@@ -215,17 +228,11 @@ class StableDRLPhases:
         return int(self.batch.sequences.numel())
 
     def rollout(self) -> float:
-        from stabledrl_mcore.rl.trainer import rollout_phase
 
         batch = rollout_phase(self.s, 0)
         return float(batch.size * (batch.sequences.shape[1] - batch.prompt_len))
 
     def likelihood(self, name: str) -> float:
-        from stabledrl_mcore.models.placement import model_device
-        from stabledrl_mcore.engine.expert import phase_model
-        from stabledrl_mcore.engine.seeding import chunk_generators
-        from stabledrl_mcore.engine.seeding import first_chunk
-        from stabledrl_mcore.rl.estimates import old_policy_likelihood
 
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
@@ -236,9 +243,6 @@ class StableDRLPhases:
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
-        from stabledrl_mcore.engine.expert import phase_model
-        from stabledrl_mcore.rl.update import accumulate_gradients
-        from stabledrl_mcore.engine.gradients import sync_gradients
 
         self.s.ddp.zero_grad_buffer()
         with phase_model(self.s.ddp, backward=True) as ddp:
@@ -251,8 +255,6 @@ class StableDRLPhases:
         return 0.0
 
     def step(self) -> float:
-        from stabledrl_mcore.rl.rollout import score_rollouts
-        from stabledrl_mcore.rl.trainer import PhaseTimer, filter_phase, old_logp_phase, policy_update, rollout_phase
 
         s = self.s
         batch = rollout_phase(s, 0)
@@ -282,8 +284,6 @@ def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokeni
     (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
     cfg = load_config(config, list(overrides))
     if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
-        from stabledrl_mcore.models import get_preset
-        from stabledrl_mcore.models.presets import ModelConfigError
 
         try:
             cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size

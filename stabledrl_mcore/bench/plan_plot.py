@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Sequence, Tuple
+from stabledrl_mcore.common.errors import ConfigError
+import textwrap
 
 GIB = 1024 ** 3
 
@@ -31,7 +33,6 @@ def memory_components(row: Dict[str, Any]) -> List[Tuple[str, float]]:
 
 def check_plot_path(path: str) -> None:
     """Refuse a ``--plot`` path that is not a ``.png`` in an existing folder (before any estimate)."""
-    from stabledrl_mcore.common.errors import ConfigError
 
     if not path.lower().endswith(".png"):
         raise ConfigError(f"--plot {path}: give a .png file name")
@@ -72,7 +73,6 @@ def plot_plan(rows: Sequence[Dict[str, Any]], gpu_memory_gib: float, out_png: st
     ax.set_ylabel("GiB per GPU (most loaded stage)")
     ax.set_ylim(0, max([gpu_memory_gib * 1.15] + [b * 1.05 for b in bottoms]))
     if title:
-        import textwrap
 
         ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     handles, labels = ax.get_legend_handles_labels()  # the stack's order, top first

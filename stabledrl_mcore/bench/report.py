@@ -8,6 +8,7 @@ import tempfile
 from typing import Any, Dict, Optional
 
 from stabledrl_mcore.bench.peak import describe
+from stabledrl_mcore.bench.modes import format_modes
 
 
 def _num(value: Optional[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -78,7 +79,6 @@ def format_table(result: Dict[str, Any]) -> str:
             row += (f"{_num(b and b['median_s'], fmt='{:.3f}'):>12}{_num(b and b['tokens_per_s']):>12}"
                     f"{_num(speed.get(name), fmt='{:.2f}x'):>9}{_num(speed_cpu.get(name), fmt='{:.2f}x'):>8}")
         lines.append(row)
-    from stabledrl_mcore.bench.modes import format_modes
 
     lines += format_modes(result)
     lines.append("")

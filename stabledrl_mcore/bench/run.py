@@ -27,9 +27,7 @@ tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-
 
 from __future__ import annotations
 
-from stabledrl_mcore.bench.phases import bench_config
 
-import argparse
 import gc
 import os
 import socket
@@ -38,38 +36,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.config.schema import RunConfig, load_config
+from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.bench.phases import PHASES, StableDRLPhases, VocabGuard, log, measure
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML run config (see examples/configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides, e.g. model.preset=llada-100m rollout.gen_length=32")
-    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON here")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs per phase (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="timed runs per phase (default 3)")
-    parser.add_argument("--phases", default="all", metavar="LIST",
-                        help=f"comma-separated subset of {','.join(PHASES)} (default all)")
-    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the side-by-side plain-PyTorch baseline (default: only in a one-process run)")
-    parser.add_argument("--dp-scaling", action="store_true",
-                        help="also run 2 local data-parallel ranks and report weak-scaling efficiency")
-    parser.add_argument("--scaling-phases", default="step", metavar="LIST",
-                        help="phases measured at 1 and 2 ranks (default: step)")
-    parser.add_argument("--peak-tflops", type=float, default=None, metavar="X",
-                        help="peak to take MFU against (TFLOP/s, for the model's dtype), e.g. for a GPU missing from "
-                             "the table (default: rated bf16 peak of a bf16 model on a known GPU, else the "
-                             "matmul rate of the model's dtype measured in the run)")
-    parser.add_argument("--rollout-mode", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="also time the rollout with these rollout.* overrides (repeatable; 'NAME:' alone is "
-                             "the config as given), e.g. --rollout-mode exact: --rollout-mode "
-                             "fast:rollout.threshold=0.9,rollout.steps=2; reports tokens/s, forwards per "
-                             "completion (NFE) and, with model.checkpoint, greedy held-out accuracy per mode")
-    parser.add_argument("--keep-tokenizer-vocab", action="store_true",
-                        help="size the embedding to the tokenizer (default: keep the preset's vocabulary)")
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.rl.setup import build_training
+from stabledrl_mcore.bench.flops import FlopCounter, matmul_params
+from stabledrl_mcore.bench.peak import device_peak
+from stabledrl_mcore.bench.modes import RolloutMode
+from stabledrl_mcore.algorithms.losses import available_token_policy_losses
+from stabledrl_mcore.engine.pipeline import timed_stage_forward
+from stabledrl_mcore.bench.baseline import BaselineStep
+from stabledrl_mcore.bench.modes import summarize_modes
 
 
 def parse_phases(text: str, allowed: Sequence[str] = PHASES) -> List[str]:
@@ -100,10 +79,6 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     Returns the result dict (the same on every rank); everything built is freed
     and the process group destroyed before returning.
     """
-    from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.rl.setup import build_training
-    from stabledrl_mcore.bench.flops import FlopCounter, matmul_params
-    from stabledrl_mcore.bench.peak import device_peak
 
     load_before = _load()
     log(f"building {cfg.model.preset} ({cfg.model.dtype}) and the training set-up")
@@ -117,7 +92,6 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
     ours = base = None
     try:
         world = torch.distributed.get_world_size()
-        from stabledrl_mcore.algorithms.losses import available_token_policy_losses
 
         token_loss = cfg.algo.loss in available_token_policy_losses()
         if baseline and token_loss:
@@ -131,11 +105,9 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
         if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
-            from stabledrl_mcore.engine.pipeline import timed_stage_forward
 
             timed_stage_forward(s.model)
         if baseline:
-            from stabledrl_mcore.bench.baseline import BaselineStep
 
             log("building the baseline (transformers model, torch AdamW)")
             base = BaselineStep(ours)
@@ -166,7 +138,6 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
                         matmul_params(dcfg), with_baseline=base is not None)
         if mode_out:
-            from stabledrl_mcore.bench.modes import summarize_modes
 
             modes, mode_results, accuracy = mode_out
             base_rollout = (mode_results["baseline/rollout"].summary(peak_flops, mp)
@@ -183,7 +154,6 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
 
 def _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter, warmup, repeats):
     """Time each rollout mode (interleaved, with the baseline's rollout); greedy accuracy with a checkpoint."""
-    from stabledrl_mcore.bench.modes import RolloutMode
 
     modes = [RolloutMode(s, name, mcfg, overrides) for name, (overrides, mcfg) in rollout_modes.items()]
     jobs = {f"rollout[{m.name}]": m.rollout for m in modes}
@@ -279,44 +249,3 @@ def speedup(ours: Dict[str, Any], base: Dict[str, Any]) -> Optional[float]:
     return None
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """The ``stabledrl bench`` command."""
-    from stabledrl_mcore.bench.report import format_table, write_json
-
-    phases = parse_phases(args.phases)
-    if args.warmup < 0 or args.repeats < 1:
-        raise ConfigError(f"--warmup must be >= 0 and --repeats >= 1 (got {args.warmup}, {args.repeats})")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise ConfigError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
-    scaling_phases = parse_phases(args.scaling_phases) if args.dp_scaling else []
-    cfg = bench_config(args.config, args.overrides, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
-    rollout_modes = None
-    if args.rollout_mode:
-        from stabledrl_mcore.bench.modes import mode_configs, parse_rollout_modes
-
-        parsed = parse_rollout_modes(args.rollout_mode)
-        configs = mode_configs(args.config, args.overrides, parsed, keep_tokenizer_vocab=args.keep_tokenizer_vocab)
-        rollout_modes = {name: (overrides, configs[name]) for name, overrides in parsed}
-    if cfg.parallel.threads:
-        torch.set_num_threads(cfg.parallel.threads)
-    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
-
-    launch = detect_launch_env()
-    if args.dp_scaling and launch.world_size > 1:
-        raise ConfigError("--dp-scaling starts its own local ranks: run it as one process, not under torchrun/srun")
-    result = bench_in_process(cfg, phases, warmup=args.warmup, repeats=args.repeats, baseline=args.baseline,
-                              peak_tflops=args.peak_tflops, rollout_modes=rollout_modes)
-    if launch.rank != 0:
-        return 0
-    if args.dp_scaling:
-        from stabledrl_mcore.bench.scaling import weak_scaling
-
-        result["scaling"] = weak_scaling(args.config, list(args.overrides), scaling_phases, warmup=args.warmup,
-                                         repeats=args.repeats, reference=result,
-                                         keep_tokenizer_vocab=args.keep_tokenizer_vocab)
-        result["weak_scaling_efficiency"] = result["scaling"]["headline"]
-    print(format_table(result), flush=True)
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}", flush=True)
-    return 0

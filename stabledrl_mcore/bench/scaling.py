@@ -29,13 +29,17 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from stabledrl_mcore.bench.run import bench_in_process
+from stabledrl_mcore.bench.phases import bench_config
+from stabledrl_mcore.parallel.launch import spawn
+import multiprocessing as mp
+import statistics
+from stabledrl_mcore.bench.phases import log
 
 
 def _rank_main(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], warmup: int,
                repeats: int, out_path: str, keep_tokenizer_vocab: bool) -> None:
     """One rank of a scaling run (module level, so ``spawn`` can import it)."""
-    from stabledrl_mcore.bench.run import bench_in_process
-    from stabledrl_mcore.bench.phases import bench_config
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
     result = bench_in_process(cfg, phases, warmup=warmup, repeats=repeats, baseline=False, measure_peak=False)
@@ -48,8 +52,6 @@ def run_ranks(config: Optional[str], overrides: Sequence[str], phases: Sequence[
               warmup: int, repeats: int, keep_tokenizer_vocab: bool = False,
               timeout: float = 3600.0) -> Dict[str, Any]:
     """The benchmark on ``ranks`` local data-parallel ranks, ``prompts_per_step`` scaled by ``ranks``."""
-    from stabledrl_mcore.parallel.launch import spawn
-    from stabledrl_mcore.bench.phases import bench_config
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
     extra = [f"rollout.prompts_per_step={cfg.rollout.prompts_per_step * ranks}"]
@@ -119,8 +121,6 @@ def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, second
     "per_process_flops", "rounds", "per_round"}``; processes are joined, or
     killed by PID after ``timeout``.
     """
-    import multiprocessing as mp
-    import statistics
 
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(ranks), ctx.Queue()
@@ -149,7 +149,6 @@ def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[s
                  repeats: int, reference: Optional[Dict[str, Any]] = None,
                  keep_tokenizer_vocab: bool = False) -> Dict[str, Any]:
     """1 vs 2 data-parallel ranks; ``reference`` = a 1-rank result that may already hold the phases."""
-    from stabledrl_mcore.bench.phases import log
 
     have = reference and reference["layout"]["world_size"] == 1 and all(p in reference["phases"] for p in phases)
     if have:

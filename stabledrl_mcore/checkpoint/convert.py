@@ -33,11 +33,8 @@ Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--toleranc
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Callable, Optional
 
@@ -50,6 +47,10 @@ from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import DTYPES, HF_ASSETS, attach, build_shell, copy_assets, discard_output, ensure_single_process, expanded_sharded_state_dict, finalize_output, iter_full_tensors, prepare_output, read_checkpoint_info, write_json, write_marker
 from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
+from tqdm import tqdm
+from stabledrl_mcore.models import available_presets, get_preset
+from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.parallel import bootstrap
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -93,7 +94,6 @@ def _fault_injection_pause() -> None:
 
 def _by_group(items, total: int, desc: str, enabled: bool):
     """Pass ``(group, ...)`` items through, with a tqdm bar advancing once per group."""
-    from tqdm import tqdm
 
     with tqdm(total=total, desc=desc, unit="group", disable=not enabled, file=sys.stderr) as bar:
         current = None
@@ -147,7 +147,6 @@ def resolve_model_choice(model: Optional[str]):
     Returns ``(arch or None, preset name or None)``; a preset also fixes the shape
     the checkpoint must have (:func:`check_preset_shape`).
     """
-    from stabledrl_mcore.models import available_presets, get_preset
 
     if model is None or model in hfc.MODEL_TYPES.values():
         return model, None
@@ -160,7 +159,6 @@ def resolve_model_choice(model: Optional[str]):
 
 def check_preset_shape(cfg, preset: str) -> None:
     """The checkpoint has the shape of ``preset`` (else a one-line error naming the fields)."""
-    from stabledrl_mcore.models import get_preset
 
     want = get_preset(preset)
     wrong = [f"{f} {getattr(cfg, f)} (preset {getattr(want, f)})" for f in SHAPE_FIELDS
@@ -186,7 +184,6 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     """
     from megatron.core import dist_checkpointing
 
-    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
 
     raw = hfc.read_hf_config(hf_dir)
     expected_arch, preset = resolve_model_choice(model)
@@ -229,7 +226,6 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     finally:
         discard_output(tmp)  # nothing left once finalized; the unfinished output on any failure
         if owns_megatron:
-            from stabledrl_mcore.parallel import bootstrap
 
             bootstrap.destroy()
 
@@ -289,111 +285,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
             writer.abort()
         discard_output(tmp)
         if owns_megatron:
-            from stabledrl_mcore.parallel import bootstrap
 
             bootstrap.destroy()
 
 
-# ------------------------------------------------------------------ command line
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count."""
-    units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
-    low = text.strip().lower()
-    for suffix in sorted(units, key=len, reverse=True):
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * units[suffix])
-    return int(low)
-
-
-def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``hf-to-mcore`` / ``mcore-to-hf`` subcommands to ``parser``."""
-    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
-    sub.required = True
-    a = sub.add_parser("hf-to-mcore", help="Hugging Face directory -> Megatron torch_dist checkpoint")
-    a.add_argument("--model", required=True, metavar="ARCH|PRESET",
-                   help="llada or sdar (any shape), or a preset such as llada-8b / sdar-8b "
-                        "(the checkpoint must then have the preset's shape)")
-    a.add_argument("--hf-dir", required=True, metavar="DIR")
-    a.add_argument("--tp", type=int, default=1, help="suggested tensor parallel size (checked, recorded)")
-    a.add_argument("--pp", type=int, default=1, help="suggested pipeline parallel size (checked, recorded)")
-    a.add_argument("--ep", type=int, default=1,
-                   help="suggested expert parallel size of an MoE model (checked, recorded)")
-    a.add_argument("--vocab-multiple", type=int, default=1, metavar="K",
-                   help="pad vocab rows to a multiple of K x TP (make_vocab_size_divisible_by)")
-    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> Hugging Face safetensors directory")
-    b.add_argument("--ckpt", required=True, metavar="DIR")
-    b.add_argument("--hf-assets", metavar="DIR", help="config/tokenizer source (default: <ckpt>/hf)")
-    b.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
-                   metavar="SIZE", help="largest safetensors shard, e.g. 5GB (default)")
-    for p in (a, b):
-        p.add_argument("--out", required=True, metavar="DIR")
-        p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="weight dtype of the output (auto = as stored)")
-        p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-        p.add_argument("--verify", action="store_true",
-                       help="compare logits of an independent reference with the converted model")
-        p.add_argument("--reference", choices=("public", "remote"), default="public",
-                       help="public transformers classes (default) or the upstream remote code")
-        p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
-        p.add_argument("--allow-nonfinite", action="store_true",
-                       help="convert weights holding NaN/inf (refused by default, naming the tensor)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    """Run a parsed ``convert`` command; returns the exit status."""
-    import warnings
-
-    # torch.distributed.checkpoint deprecation notices raised inside megatron: noise for users
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")
-    dtype = None if args.dtype == "auto" else args.dtype
-    common = dict(dtype=dtype, overwrite=args.overwrite, progress=not args.no_progress,
-                  allow_nonfinite=args.allow_nonfinite,
-                  before_commit=_verifier(args) if args.verify else None)
-    restore = _exit_on_sigterm()
-    try:
-        if args.direction == "hf-to-mcore":
-            out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp, ep=args.ep,
-                              vocab_multiple=args.vocab_multiple, **common)
-        else:
-            out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets,
-                              max_shard_bytes=args.max_shard_size, **common)
-        print(f"wrote {out}")
-        return 0
-    except VerificationFailed as err:
-        print(f"stabledrl convert: error: {err}", file=sys.stderr)
-        return 1
-    except ConversionError as err:
-        print(f"stabledrl convert: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        restore()
-
-
-def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
-    """``--verify`` as a check of the finished temporary output (raises :class:`VerificationFailed`)."""
-    def check(tmp: str) -> None:
-        from stabledrl_mcore.checkpoint.verify import verify
-
-        hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
-        diff = verify(hf_dir, ckpt, reference=args.reference)
-        ok = diff <= args.tolerance
-        print(f"verify: max abs logit difference {diff:.3e} "
-              f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
-        if not ok:
-            raise VerificationFailed(f"--verify: max abs logit difference {diff:.3e} is above --tolerance "
-                                     f"{args.tolerance:g}; nothing was written to {os.path.abspath(args.out)}")
-
-    return check
-
-
-def _exit_on_sigterm() -> Callable[[], None]:
-    """SIGTERM ends the conversion like Ctrl-C (its temporary output removed); returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    return lambda: signal.signal(signal.SIGTERM, previous)

@@ -40,6 +40,11 @@ import torch
 
 from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.common.version import __version__
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
+from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
+import numpy as np
 
 MARKER = "stabledrl_model.json"
 MODEL_CONFIG = "model_config.json"
@@ -124,7 +129,6 @@ def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: boo
                  layout: Dict[str, int], source: Dict[str, Any],
                  padded_vocab: Optional[int] = None) -> None:
     """Write ``model_config.json`` then the marker (last: its presence means complete)."""
-    from stabledrl_mcore.common.version import __version__
 
     write_json(os.path.join(out_dir, MODEL_CONFIG), cfg.to_dict())
     write_json(os.path.join(out_dir, MARKER), {
@@ -294,22 +298,13 @@ def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, t
 # ------------------------------------------------------------------ single process
 @contextlib.contextmanager
 def _rng_preserved():
-    states: List[Any] = [random.getstate(), torch.get_rng_state()]
-    try:
-        import numpy as np
-
-        states.append(np.random.get_state())
-    except ImportError:  # pragma: no cover
-        pass
+    states: List[Any] = [random.getstate(), torch.get_rng_state(), np.random.get_state()]
     try:
         yield
     finally:
         random.setstate(states[0])
         torch.set_rng_state(states[1])
-        if len(states) > 2:
-            import numpy as np
-
-            np.random.set_state(states[2])
+        np.random.set_state(states[2])
 
 
 def ensure_single_process() -> bool:
@@ -319,7 +314,6 @@ def ensure_single_process() -> bool:
     """
     from megatron.core import parallel_state
 
-    from stabledrl_mcore.parallel import bootstrap
 
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != 1
@@ -338,7 +332,6 @@ def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
     (so they cost address space, not memory). Local layer spec (same checkpoint keys as TE), on
     the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`); an MoE
     model holds all its experts (EP=1: local expert index = global one)."""
-    from stabledrl_mcore.models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 
     config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1), dtype,
@@ -433,7 +426,6 @@ def load_model_weights(model, path: str) -> None:
     do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters."""
     from megatron.core import dist_checkpointing
 
-    from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
 
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)

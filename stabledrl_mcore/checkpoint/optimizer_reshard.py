@@ -27,10 +27,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD
+from stabledrl_mcore.checkpoint.optimizer_state import _distributed_class, inner_optimizers
+from stabledrl_mcore.checkpoint.optimizer_state import _loaded_parts
+from stabledrl_mcore.checkpoint.optimizer_state import _all_gather
+from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError
+from stabledrl_mcore.checkpoint.optimizer_state import load_optimizer_state, prepare_for_checkpoint
 
 
 def _distributed(optimizer):
-    from stabledrl_mcore.checkpoint.optimizer_state import _distributed_class, inner_optimizers
 
     cls = _distributed_class()
     return [(index, opt) for index, opt in enumerate(inner_optimizers(optimizer))
@@ -63,7 +67,6 @@ def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
 def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_state_dict) -> Optional[dict]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from stabledrl_mcore.checkpoint.optimizer_state import _loaded_parts
 
     names = parameter_names(model_sharded_state_dict)
     parts = _loaded_parts(optimizer, optimizer_sharded_state_dict)
@@ -99,7 +102,6 @@ def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_stat
 
 def bucket_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_state_dict) -> Optional[dict]:
     """Every model-parallel rank's bucket map (collective), or None if a rank cannot name a parameter."""
-    from stabledrl_mcore.checkpoint.optimizer_state import _all_gather
 
     merged: Dict[str, Any] = {}
     for part in _all_gather(_local_map(optimizer, model_sharded_state_dict, optimizer_sharded_state_dict)):
@@ -166,7 +168,6 @@ def _local_plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any]
 
 def plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any], path: str):
     """What each rank reads at a layout change; raises the first rank's problem on every rank."""
-    from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError, _all_gather
 
     local, problem = _local_plan(optimizer, model_sharded_state_dict, saved, path)
     problems = [p for p in _all_gather(problem) if p]
@@ -232,7 +233,6 @@ def load(optimizer, local_plan, saved: Dict[str, Any], path: str) -> None:
     """Read this rank's ranges of the old bucket tensors and the old common state into ``optimizer``."""
     from megatron.core import dist_checkpointing
 
-    from stabledrl_mcore.checkpoint.optimizer_state import inner_optimizers, load_optimizer_state, prepare_for_checkpoint
 
     prepare_for_checkpoint(optimizer)
     # requests of parts of the saved state (every rank the same objects, sub-ranges of tensors):

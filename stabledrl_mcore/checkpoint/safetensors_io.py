@@ -28,6 +28,7 @@ from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -122,7 +123,6 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, backed by a memory map of its file (freed when dropped)."""
-        from safetensors import safe_open
 
         if name not in self._entries:
             raise ConversionError(f"tensor {name!r} is missing from {self.root}")

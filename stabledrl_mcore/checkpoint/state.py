@@ -57,6 +57,8 @@ import torch
 from stabledrl_mcore.checkpoint import optimizer_reshard, optimizer_state
 from stabledrl_mcore.checkpoint.integrity import CheckpointError, check_finite, load_rng_file, save_rng_file, verify_checksums, write_checksums
 from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
+import numpy as np
+import time
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
@@ -126,12 +128,7 @@ def capture_rng_state() -> Dict[str, Any]:
 
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -143,7 +140,6 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
 
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
@@ -266,7 +262,6 @@ def _fault_injection_pause() -> None:
     """Tests set ``STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT`` (seconds) to kill a save mid-way."""
     pause = float(os.environ.get("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT", "0") or 0)
     if pause > 0:
-        import time
 
         time.sleep(pause)
 

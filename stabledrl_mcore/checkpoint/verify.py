@@ -28,6 +28,7 @@ from stabledrl_mcore.models import DLLMConfig, block_causal_mask
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.checkpoint.loader import load_model, read_config
 
 # LLaDA (OLMo names) -> LlamaForCausalLM names; SDAR already uses Qwen3's.
 LLADA_TO_LLAMA = [
@@ -142,7 +143,6 @@ def verify(hf_dir: str, ckpt: str, *, reference: str = "public", seq_len: int = 
            batch: int = 2, seed: int = 0, ours: Optional[torch.nn.Module] = None) -> float:
     """Max abs logit difference between the reference (on ``hf_dir``) and
     :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint)."""
-    from stabledrl_mcore.checkpoint.loader import load_model, read_config
 
     cfg = read_config(hf_dir)
     ours = ours if ours is not None else load_model(ckpt, dtype=torch.float32)

@@ -1,5 +1,5 @@
-"""The ``stabledrl`` command: one module per sub-command, the parser and error handling in ``main``."""
+"""The ``stabledrl`` command: one module per sub-command; the parser and error handling in ``main``."""
 
-from stabledrl_mcore.cli.main import build_parser, main, parse_args, run_config_from_args
+from stabledrl_mcore.cli.main import build_parser, main, parse_args
 
-__all__ = ["build_parser", "main", "parse_args", "run_config_from_args"]
+__all__ = ["build_parser", "main", "parse_args"]

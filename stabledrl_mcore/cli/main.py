@@ -11,11 +11,13 @@ starts; ``KEY=VALUE`` overrides may stand anywhere on the line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
 from typing import Callable, Dict, Optional, Sequence
 
+from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
 from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
@@ -29,87 +31,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML run config (see examples/configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2")
+COMMANDS = (
+    # name, help, module under stabledrl_mcore.cli with add_<name>_arguments(parser) and run_<name>(args)
+    ("train", "run StableDRL training (torchrun/srun for many ranks)", "train"),
+    ("convert", "convert checkpoints between Hugging Face and Megatron", "convert"),
+    ("generate", "generate completions from a checkpoint", "generate"),
+    ("eval", "evaluate a checkpoint on a task (sharded over ranks)", "eval"),
+    ("sft", "masked-diffusion SFT on JSONL/parquet conversations (LLaDA recipe, SDAR staircase)", "sft"),
+    ("stress", "GRPO vs StableDRL with and without ratio noise (stability experiment)", "stress"),
+    ("bench", "measure per-phase throughput and MFU (and a baseline, weak scaling)", "bench"),
+    ("plan", "estimate per-GPU memory and throughput of a layout", "plan"),
+)
+"""The sub-commands. Only the chosen one's module is imported (``importlib``), so ``stabledrl --help``
+and a bad flag answer without loading torch and Megatron; the modules are the top layer and may
+import anything below (tests/test_layers.py)."""
 
 
-def _world_size(nproc: Optional[int], default: Optional[int]) -> Optional[int]:
-    """Ranks of the job: ``--nproc``, else the launcher's (torchrun, srun, sbatch), else ``default``."""
-    if nproc is not None:
-        return nproc
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return default
+def _command_module(module: str):
+    return importlib.import_module(f"stabledrl_mcore.cli.{module}")
 
 
-def run_config_from_args(args: argparse.Namespace, cls=None):
-    """``(config, overrides)`` of ``train`` and ``sft``: the file plus overrides, ``--resume`` /
-    ``--overwrite`` as ``checkpoint.*`` overrides (the ranks get the same); ``--nproc`` checked; pre-emption handlers installed first (unless
-    ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
-    from stabledrl_mcore.config.schema import RunConfig, load_config
-    from stabledrl_mcore.common.errors import ConfigError
-
-    if not args.print_config:
-        from stabledrl_mcore.engine.preemption import install_preemption_handlers
-
-        install_preemption_handlers()
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-    overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
-    return load_config(args.config, overrides, cls=cls or RunConfig), overrides
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    from stabledrl_mcore.config.schema import save_config
-    from stabledrl_mcore.config.io import to_dict
-    from stabledrl_mcore.cli.preflight import preflight
-
-    cfg, overrides = run_config_from_args(args)
-    # every check that needs no model, before any rank starts; a plain `train` is one process
-    report = preflight(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
-    from stabledrl_mcore.engine.resume import preflight as check_run_directory
-
-    check_run_directory(cfg)  # a used run directory or a resume that cannot fit the config
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-        print(f"# {report.summary()}")
-        if args.save_config:
-            save_config(cfg, args.save_config)
-        return 0
-    if args.nproc is not None and args.nproc > 1:
-        from stabledrl_mcore.parallel.launch import exit_status, spawn
-
-        from stabledrl_mcore.rl.trainer import train_rank
-        from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
-
-        # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
-        return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
-                                 threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
-    from stabledrl_mcore.rl.trainer import train_rank
-
-    return train_rank(args.config, overrides)
-
-
-def _not_available(name: str) -> int:
-    print(f"stabledrl: error: '{name}' is not available in this version yet", file=sys.stderr)
-    return EXIT_USAGE
-
-
-def _lazy(module: str, name: str) -> Callable:
-    """Import ``module.name`` only when called (so ``stabledrl --help`` stays fast)."""
-    def call(*args, **kwargs):
-        import importlib
-
-        return getattr(importlib.import_module(module, __package__), name)(*args, **kwargs)
-
-    return call
+def _handler(name: str, module: str) -> Callable:
+    return lambda args: getattr(_command_module(module), f"run_{name}")(args)
 
 
 def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -> argparse.ArgumentParser:
@@ -120,41 +63,11 @@ def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -
                         help="show the full traceback of an error (anywhere on the line; or STABLEDRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-
-    train = sub.add_parser("train", help="run StableDRL training (torchrun/srun for many ranks)")
-    _add_config_args(train)
-    train.add_argument("--resume", default=None, metavar="auto|none|PATH",
-                       help="resume from the newest complete checkpoint (auto) or PATH")
-    train.add_argument("--overwrite", action="store_true",
-                       help="start afresh in a run directory that holds an earlier run (moved aside, "
-                            "never deleted)")
-    train.add_argument("--nproc", type=int, default=None, metavar="N",
-                       help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead")
-    train.add_argument("--print-config", action="store_true",
-                       help="validate and print the resolved config, then exit")
-    train.add_argument("--save-config", metavar="PATH", help="with --print-config: also write it")
-    train.set_defaults(handler=handlers["train"])
-
-    for name, help_text, add_arguments, handler in (
-            ("convert", "convert checkpoints between Hugging Face and Megatron",
-             _lazy(".checkpoint.convert", "add_convert_arguments"),
-             _lazy(".checkpoint.convert", "run_convert")),
-            ("generate", "generate completions from a checkpoint",
-             _lazy(".commands", "add_generate_arguments"), _lazy(".commands", "run_generate")),
-            ("eval", "evaluate a checkpoint on a task (sharded over ranks)",
-             _lazy(".commands", "add_eval_arguments"), _lazy(".commands", "run_eval")),
-            ("sft", "masked-diffusion SFT on JSONL/parquet conversations (LLaDA recipe, SDAR staircase)",
-             _lazy(".sft.command", "add_sft_arguments"), _lazy(".sft.command", "run_sft")),
-            ("stress", "GRPO vs StableDRL with and without ratio noise (stability experiment)",
-             _lazy(".commands", "add_stress_arguments"), _lazy(".commands", "run_stress")),
-            ("bench", "measure per-phase throughput and MFU (and a baseline, weak scaling)",
-             _lazy(".bench.run", "add_bench_arguments"), _lazy(".bench.run", "run_bench")),
-            ("plan", "estimate per-GPU memory and throughput of a layout",
-             _lazy(".plan", "add_plan_arguments"), _lazy(".plan", "run_plan"))):
+    for name, help_text, module in COMMANDS:
         cmd = sub.add_parser(name, help=help_text)
-        if add_arguments is not None and name == chosen:  # only the chosen command's flags
-            add_arguments(cmd)
-        cmd.set_defaults(handler=handlers.get(name, handler or (lambda _a, n=name: _not_available(n))))
+        if name == chosen:  # only the chosen command's flags
+            getattr(_command_module(module), f"add_{name}_arguments")(cmd)
+        cmd.set_defaults(handler=handlers.get(name) or _handler(name, module))
     return parser
 
 
@@ -175,7 +88,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
 
 def build_parser(chosen: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser ``main`` uses, with the flags of subcommand ``chosen`` (others: names only)."""
-    return _build_parser({"train": _cmd_train}, chosen)
+    return _build_parser({}, chosen)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -186,7 +99,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
-    from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")

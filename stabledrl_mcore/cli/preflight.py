@@ -33,6 +33,26 @@ from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 from stabledrl_mcore.tasks import GENERATED_TASKS
 from stabledrl_mcore.tasks.local_datasets import check_local
+from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
+from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
+from stabledrl_mcore.engine.metrics import tensorboard_available
+from stabledrl_mcore.tasks.from_config import build_task
+from stabledrl_mcore.tasks.from_config import heldout_examples
+from stabledrl_mcore.tasks.from_config import load_train_examples
+from stabledrl_mcore.checkpoint import hf_config
+from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.sft.data import PlainText
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.sft.data import SFTData
+from stabledrl_mcore.sft.setup import check_batch
+from stabledrl_mcore.sft.setup import check_data
+from stabledrl_mcore.sft.data import load_sft_data
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer
+from stabledrl_mcore.sft.data import read_rows
+from stabledrl_mcore.sft.data import render
+from stabledrl_mcore.sft.setup import sft_tokenizer
+from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
+from stabledrl_mcore.engine.resume import check_resume
 
 _TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
 _GENERATED_SAMPLE = 8  # generated tasks: a few examples prove the options work; the run draws its own
@@ -98,7 +118,6 @@ def model_shape(cfg: RunConfig):
 
     Token ids of a random-init model come from its tokenizer at build time; they are not checked here.
     """
-    from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
 
     if cfg.model.preset not in available_presets():
         close = difflib.get_close_matches(cfg.model.preset, available_presets(), n=1)
@@ -130,8 +149,6 @@ def model_shape(cfg: RunConfig):
 def checkpoint_config(path: str):
     """The :class:`DLLMConfig` of an HF directory, a converted or a training checkpoint; a missing
     or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``."""
-    from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
-    from stabledrl_mcore.models import DLLMConfig
 
     if not os.path.exists(path):
         raise ConfigError(f"model.checkpoint: {path} does not exist (give an HF model directory, a "
@@ -145,8 +162,6 @@ def checkpoint_config(path: str):
         with open(os.path.join(path, MODEL_CONFIG)) as handle:  # a training checkpoint
             return DLLMConfig.from_dict(json.load(handle))
     if os.path.isfile(os.path.join(path, "config.json")):
-        from stabledrl_mcore.checkpoint import hf_config
-        from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 
         SafetensorsReader(path)  # headers only: a missing or truncated weight file fails here
         return hf_config.hf_to_dllm_config(hf_config.read_hf_config(path), source_dir=path)
@@ -174,7 +189,6 @@ def _check_tokenizer(cfg: RunConfig) -> None:
 
 
 def _check_logging(cfg: RunConfig) -> None:
-    from stabledrl_mcore.engine.metrics import tensorboard_available
 
     if cfg.logging.tensorboard and not tensorboard_available():
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
@@ -183,7 +197,6 @@ def _check_logging(cfg: RunConfig) -> None:
 
 def _task(cfg: RunConfig):
     """The run's task as every rank builds it (``rollout.reward_fn`` is imported here once)."""
-    from stabledrl_mcore.tasks.from_config import build_task
 
     try:
         return build_task(cfg)  # also checks the prompt template / chat template file renders
@@ -196,8 +209,6 @@ def _task(cfg: RunConfig):
 def _load(cfg: RunConfig, task, split: str) -> list:
     """The examples of ``split`` as training (``train``) or held-out evaluation would load them
     (a generated task draws a few: generating the run's thousands belongs to the run)."""
-    from stabledrl_mcore.tasks.from_config import heldout_examples
-    from stabledrl_mcore.tasks.from_config import load_train_examples
 
     generated = cfg.rollout.task in GENERATED_TASKS
     what = "training" if split == "train" else f"eval.split={split}"
@@ -216,3 +227,51 @@ def _load(cfg: RunConfig, task, split: str) -> list:
         source = f"rollout.data_path={cfg.rollout.data_path}" if cfg.rollout.data_path else f"task {task.name}"
         raise DataError(f"{source}: the {what} data holds no examples")
     return examples
+
+
+def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
+    """Validate ``cfg`` against the files it names and ``world_size`` (None = unknown); one-line summary."""
+
+    resume = cfg.checkpoint.resume
+    if resume not in ("none", "auto") and not os.path.isdir(resume):
+        raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
+    mcfg, description = model_shape(cfg)
+    _check_tokenizer(cfg)
+    _check_logging(cfg)
+    p = cfg.parallel
+    try:
+        data_parallel = validate_parallel_layout(
+            world_size or p.tensor_parallel, p.tensor_parallel, 1, num_layers=mcfg.num_layers,
+            num_attention_heads=mcfg.num_attention_heads, num_query_groups=mcfg.num_query_groups)
+    except ParallelLayoutError as err:
+        raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel} on {description}: {err}") from None
+    if world_size is not None:
+        check_batch(cfg, data_parallel)
+    data = _sft_data(cfg)
+    if isinstance(data, SFTData):
+        if cfg.model.checkpoint:  # a random-init model's vocabulary is its tokenizer's
+            check_data(data, mcfg, description)
+        rows = f"{len(data)} rows of {data.ids.shape[1]} tokens, {int(data.answer.sum())} answer tokens"
+    else:
+        rows = f"{data} rows"
+    check_resume(cfg)
+    layout = f"data-parallel {data_parallel}" if world_size is not None else "world size unknown"
+    return f"preflight ok: {description}; {layout}; sft data {cfg.sft.data_path}: {rows}"
+
+
+def _sft_data(cfg: SFTConfig):
+    """The encoded data with the run's tokenizer when it exists already; else the number of rows
+    (each rendered as plain text: a random-init run trains its tokenizer at start-up)."""
+
+    trained = os.path.join(cfg.logging.run_dir, "tokenizer")
+    if cfg.model.tokenizer or cfg.model.checkpoint or os.path.isdir(trained):
+        tokenizer = sft_tokenizer(cfg) if (cfg.model.tokenizer or cfg.model.checkpoint) else load_tokenizer(trained)
+        return load_sft_data(cfg.sft, tokenizer)
+    count = 0
+    for where, row in read_rows(cfg.sft):
+        render(row, where, cfg.sft, PlainText())
+        count += 1
+    if not count:
+
+        raise DataError(f"sft.data_path={cfg.sft.data_path} holds no rows")
+    return count

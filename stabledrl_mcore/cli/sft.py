@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from stabledrl_mcore.cli.args import run_config_from_args
+from stabledrl_mcore.cli.args import world_size
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.cli.preflight import preflight_sft
+from stabledrl_mcore.sft.trainer import sft_rank
+import yaml
+from stabledrl_mcore.parallel.launch import exit_status, spawn
+from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,25 +29,17 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
-    from stabledrl_mcore.cli.main import _world_size, run_config_from_args
-    from stabledrl_mcore.config.io import to_dict
-    from stabledrl_mcore.sft.config import SFTConfig
-    from stabledrl_mcore.cli.preflight_sft import preflight_sft
 
     cfg, overrides = run_config_from_args(args, SFTConfig)
-    summary = preflight_sft(cfg, world_size=_world_size(args.nproc, None if args.print_config else 1))
+    summary = preflight_sft(cfg, world_size=world_size(args.nproc, None if args.print_config else 1))
     if args.print_config:
-        import yaml
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         print(f"# {summary}")
         return 0
     print(summary, flush=True)
-    from stabledrl_mcore.sft.trainer import sft_rank
 
     if args.nproc is not None and args.nproc > 1:
-        from stabledrl_mcore.parallel.launch import exit_status, spawn
-        from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 
         return exit_status(spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))

@@ -24,7 +24,6 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
-from stabledrl_mcore.config.io import apply_overrides, from_dict, to_dict
 from stabledrl_mcore.config.checks import validate_run_config
 
 

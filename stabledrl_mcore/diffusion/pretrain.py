@@ -20,6 +20,7 @@ import torch
 
 from stabledrl_mcore.diffusion.likelihood import draw_log_probs, model_forward_logp
 from stabledrl_mcore.diffusion.masking import MaskPlan, build_plan
+from stabledrl_mcore.diffusion.staircase import staircase_forward_logp
 
 
 def sft_mask_plan(answer_mask: torch.Tensor, *, generator: torch.Generator, eps: float = 1e-3,
@@ -44,7 +45,6 @@ def sft_sequence_losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, *, 
     if block_size is not None:
         if attention_mask is not None:
             raise ValueError("the staircase layout builds its own attention mask")
-        from stabledrl_mcore.diffusion.staircase import staircase_forward_logp
 
         forward = staircase_forward_logp(model, block_size)
     else:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from stabledrl_mcore.diffusion.masking import uniform
+from tqdm.auto import tqdm
 
 
 def num_transfer_tokens(masked_count: Tensor, steps: int) -> Tensor:
@@ -129,7 +130,6 @@ def fill_after_eos(x: Tensor, start: int, eos_id: int) -> Tensor:
 
 def progress_bar(total: int, progress: Optional[bool], desc: str):
     """tqdm bar; ``progress=None`` shows it for long runs on an interactive rank 0."""
-    from tqdm.auto import tqdm
 
     if progress is None:
         rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \

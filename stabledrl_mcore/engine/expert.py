@@ -25,6 +25,10 @@ from typing import Iterator, Optional
 import torch
 
 from stabledrl_mcore.engine.pipeline import ModelWrapper, pipelined
+from stabledrl_mcore.parallel.bootstrap import comm_device
+from stabledrl_mcore.models.moe import RoutingRecorder
+from stabledrl_mcore.diffusion.likelihood import dllm_config
+from stabledrl_mcore.models.moe import router_loss_scale, routing_recorders_paused
 
 _DUMMIES = {"rounds": 0}
 
@@ -37,7 +41,6 @@ def lockstep_dummy_rounds() -> int:
 
 def summed_over_ranks(value: float) -> float:
     """``value`` summed over every rank of the job (one all-reduce)."""
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     total = torch.tensor([float(value)], dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(total)
@@ -56,7 +59,6 @@ def expert_group():
 
 def _announce(real: bool, group) -> bool:
     """All-reduce MAX of this rank's announcement; True if any rank of ``group`` runs a real forward."""
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     flag = torch.tensor([1 if real else 0], dtype=torch.int32, device=comm_device())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -85,8 +87,6 @@ class LockstepModel(ModelWrapper):
     def _dummy_round(self) -> None:
         from megatron.core import parallel_state as ps
 
-        from stabledrl_mcore.diffusion.likelihood import dllm_config
-        from stabledrl_mcore.models.moe import router_loss_scale, routing_recorders_paused
 
         cfg = dllm_config(self.module)  # through Megatron DDP in the update
         device = next(self.module.parameters()).device
@@ -143,7 +143,6 @@ def routing_statistics(model: torch.nn.Module, into: dict, *, enabled: bool = Tr
         return
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.models.moe import RoutingRecorder
 
     with RoutingRecorder(model) as recorder:
         yield

@@ -26,6 +26,10 @@ import time
 from typing import Any, Dict, Iterable, Optional, Sequence, TextIO
 from stabledrl_mcore.config.schema import RunConfig
 import torch
+import importlib.util
+import shutil
+from tqdm import tqdm
+from stabledrl_mcore.common.errors import UserError
 
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
@@ -113,12 +117,7 @@ class MetricsLogger(NullLogger):
             self.info(" | ".join(parts))
 
     def info(self, message: str) -> None:
-        try:
-            from tqdm import tqdm
-
-            tqdm.write(message, file=self._stream or sys.stdout)
-        except ImportError:  # pragma: no cover
-            print(message, file=self._stream or sys.stdout, flush=True)
+        tqdm.write(message, file=self._stream or sys.stdout)
 
     def close(self) -> None:
         if self._wandb is not None:
@@ -165,7 +164,6 @@ def wandb_run_id(run_dir: str) -> str:
     with open(path) as handle:
         run_id = handle.read().strip()
     if not run_id or any(ch not in string.ascii_letters + string.digits + "-_" for ch in run_id):
-        from stabledrl_mcore.common.errors import UserError
 
         raise UserError(f"{path}: not a wandb run id ({run_id!r}); delete the file for a new wandb run")
     return run_id
@@ -177,8 +175,6 @@ def _start_tensorboard(run_dir: str, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        from stabledrl_mcore.common.errors import UserError
-
         raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
                         "(or set logging.tensorboard=false)") from None
     log_dir = os.path.join(run_dir, TENSORBOARD_DIR)
@@ -187,7 +183,6 @@ def _start_tensorboard(run_dir: str, start_step: int):
 
 
 def tensorboard_available() -> bool:
-    import importlib.util
 
     return importlib.util.find_spec("tensorboard") is not None
 
@@ -195,7 +190,6 @@ def tensorboard_available() -> bool:
 def create_logger(run_dir: str, *, rank: Optional[int] = None, **kwargs) -> NullLogger:
     """A :class:`MetricsLogger` on rank 0, a :class:`NullLogger` elsewhere."""
     if rank is None:
-        import torch
 
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return MetricsLogger(run_dir, **kwargs) if rank == 0 else NullLogger()
@@ -206,7 +200,6 @@ def keep_steps_through(path: str, step: int, attic: str) -> Optional[str]:
     ``step`` repeats them), losslessly: the old file is first copied to ``attic`` (returned),
     then the kept lines replace it atomically. Unreadable lines (a write cut by a kill) are
     dropped too. Nothing happens (None) when every line is kept."""
-    import shutil
 
     if not os.path.isfile(path):
         return None
@@ -241,7 +234,6 @@ def read_metrics(path: str) -> list:
 
 
 def progress_bar(cfg: RunConfig, start: int, end: int):
-    from tqdm import tqdm
 
     rank0 = torch.distributed.get_rank() == 0
     return tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,

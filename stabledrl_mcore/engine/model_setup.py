@@ -5,14 +5,21 @@ from stabledrl_mcore.config.schema import RunConfig
 import dataclasses
 import os
 import torch
+from stabledrl_mcore.models import get_preset
+from stabledrl_mcore.models import build_model
+from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights
+from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
+from stabledrl_mcore.checkpoint.loader import read_config
+from stabledrl_mcore.common.errors import ConfigError
+from typing import Any
+from typing import Dict
+from typing import Optional
 
 
 def model_config(cfg: RunConfig, tokenizer):
     """The preset (random init) or the checkpoint's own config, with ``model.overrides`` applied."""
-    from stabledrl_mcore.models import get_preset
 
     if cfg.model.checkpoint:
-        from stabledrl_mcore.checkpoint.loader import read_config
 
         mcfg = read_config(cfg.model.checkpoint)
     else:
@@ -24,7 +31,6 @@ def model_config(cfg: RunConfig, tokenizer):
         overrides.setdefault("vocab_size", tokenizer.vocab_size)
     unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(mcfg)}]
     if unknown:
-        from stabledrl_mcore.common.errors import ConfigError
 
         raise ConfigError(f"model.overrides: unknown DLLMConfig field(s) {', '.join(unknown)}")
     return dataclasses.replace(mcfg, **overrides).validate()
@@ -35,7 +41,6 @@ def reference_policy(model, mcfg, dtype):
     dtype, in eval mode: the reference of the KL penalty. A resume rebuilds it the same way
     (from ``model.checkpoint`` or the seeded initialisation) before the run's own weights load.
     """
-    from stabledrl_mcore.models import build_model
 
     reference = build_model(mcfg, params_dtype=dtype, device=next(model.parameters()).device)
     reference.load_state_dict(model.state_dict())
@@ -52,8 +57,6 @@ def sync_reference(reference, model, mixup: float) -> None:
 
 def load_initial_weights(model, path: str) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP)."""
-    from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights
-    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
@@ -63,6 +66,6 @@ def load_initial_weights(model, path: str) -> None:
         load_model_weights(model, path)
 
 
-def synced_reference(s: TrainingSetup) -> Optional[Dict[str, Any]]:
+def synced_reference(s) -> Optional[Dict[str, Any]]:
     """The reference policy when it changes during training (so checkpoints must carry it)."""
     return {"reference": s.reference} if s.reference is not None and s.cfg.algo.reference_sync_every else None

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+from stabledrl_mcore.models.masks import AttentionLayout
 
 MicroBatch = Dict[str, Any]
 """Keyword arguments of one ``DLLMModel.forward`` call (``input_ids`` [b, S] on every stage)."""
@@ -244,7 +245,6 @@ class PipelinedModel(ModelWrapper):
 def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
     """``batch`` as ``count`` micro-batches of consecutive rows: per-row tensors (first dim = rows)
     and an :class:`~..models.masks.AttentionLayout`'s pad counts are sliced, shared ones kept."""
-    from stabledrl_mcore.models.masks import AttentionLayout
 
     rows = batch["input_ids"].shape[0]
     if count <= 1 or rows <= 1:

@@ -7,6 +7,10 @@ from stabledrl_mcore.parallel.bootstrap import any_rank
 import json
 import time
 import torch
+import signal
+import threading
+from stabledrl_mcore.parallel.launch import take_held_signals
+import os
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
@@ -17,15 +21,12 @@ _PREEMPTION = {"caught": False, "installed": False}
 
 def install_preemption_handlers() -> None:
     """Catch SIGUSR1/SIGTERM from now on (call early: a signal during start-up is kept too)."""
-    import signal
-    import threading
 
     if _PREEMPTION["installed"] or threading.current_thread() is not threading.main_thread():
         return
     for name in ("SIGUSR1", "SIGTERM"):
         signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
     _PREEMPTION["installed"] = True
-    from stabledrl_mcore.parallel.launch import take_held_signals
 
     if take_held_signals():  # forwarded by the --nproc launcher while this rank was starting
         _PREEMPTION["caught"] = True
@@ -42,7 +43,6 @@ PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by
 def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
     """``run()`` (a training loop returning its set-up); 0, or :data:`EXIT_PREEMPTED` with rank 0
     leaving ``<run_dir>/PREEMPTED`` (an earlier launch's marker is removed first)."""
-    import os
 
     marker = os.path.join(run_dir, PREEMPTED_MARKER)
     try:

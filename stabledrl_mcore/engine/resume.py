@@ -33,6 +33,9 @@ from stabledrl_mcore.engine.run_dir import continue_metrics
 from stabledrl_mcore.checkpoint.state import load_checkpoint
 from stabledrl_mcore.engine.run_dir import prepare_run_dir
 import torch
+import yaml
+from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD, read_format
+from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
 FROZEN = ("model.preset", "model.checkpoint", "model.tokenizer", "model.dtype", "model.overrides",
           "optim.name", "optim.distributed")
@@ -81,13 +84,11 @@ def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple
 
 def _as_saved(cfg: RunConfig) -> Dict[str, Any]:
     """``cfg`` as a checkpoint's ``config.yaml`` holds it (YAML types: lists, not tuples)."""
-    import yaml
 
     return yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def read_saved_config(path: str) -> Optional[Dict[str, Any]]:
-    import yaml
 
     file = os.path.join(path, "config.yaml")
     if not os.path.isfile(file):
@@ -146,7 +147,6 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
 def check_optimizer_layout(cfg: RunConfig, path: str) -> None:
     """Refuse, before any rank starts, a layout the checkpoint's distributed-optimizer state cannot
     be read at (:mod:`.optimizer_reshard`: another PP size needs its bucket map, TP must match)."""
-    from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD, read_format
 
     fmt = read_format(path)
     if fmt.get("kind") != "distributed":
@@ -183,7 +183,7 @@ def check_model_config(path: str, model_config: Dict[str, Any]) -> None:
                                 f"resume with the model settings it was saved with")
 
 
-def preflight(cfg: RunConfig) -> Optional[ResumePlan]:
+def check_resume(cfg: RunConfig) -> Optional[ResumePlan]:
     """Every start-up refusal that reads only files (run directory, resume plan): the CLI calls
     it before any rank starts; :func:`~..rl.trainer.train` repeats it."""
     check_run_dir(cfg)
@@ -193,7 +193,6 @@ def preflight(cfg: RunConfig) -> Optional[ResumePlan]:
 def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
     """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
     model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
-    from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
     moved = prepare_run_dir(cfg, resume, rank=rank)

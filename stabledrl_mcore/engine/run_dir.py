@@ -29,6 +29,7 @@ from typing import List, Optional
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.checkpoint.state import STEP_DIR, step_dir_name
+from stabledrl_mcore.engine.metrics import keep_steps_through
 
 ATTIC = "attic"
 METRICS_FILE = "metrics.jsonl"
@@ -155,7 +156,6 @@ def abandon_later_steps(root: str, step: int) -> Optional[str]:
 def continue_metrics(run_dir: str, step: int) -> Optional[str]:
     """Keep ``metrics.jsonl``'s lines of steps ``<= step`` (all of it moved aside for step < 0);
     returns the attic copy of the old file when lines were dropped."""
-    from stabledrl_mcore.engine.metrics import keep_steps_through
 
     path = os.path.join(run_dir, METRICS_FILE)
     label = f"resumed-{_stamp()}-at-{step_dir_name(step)}" if step >= 0 else f"restarted-{_stamp()}"

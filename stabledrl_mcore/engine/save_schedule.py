@@ -21,6 +21,12 @@ import time
 from typing import Callable, Optional
 
 import torch
+from stabledrl_mcore.parallel.bootstrap import comm_device
+import yaml
+from stabledrl_mcore.checkpoint.state import TrainState
+from stabledrl_mcore.checkpoint.state import save_checkpoint
+from stabledrl_mcore.engine.model_setup import synced_reference
+from stabledrl_mcore.config.io import to_dict
 
 TIMING_FILE = "checkpoint_timing.json"
 
@@ -32,7 +38,6 @@ def rank0_decides(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank (a broadcast; the flag itself when not distributed)."""
     if not torch.distributed.is_initialized():
         return flag
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
     torch.distributed.broadcast(value, src=0)
@@ -108,8 +113,7 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(part, path)
 
 
-def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
-    import yaml
+def save_training_checkpoint(s, root: str, step: int) -> str:
 
     state = TrainState(step=step, data_position=s.prompts.position(step),
                        scheduler=s.scheduler.state_dict(), world_size=torch.distributed.get_world_size(),
@@ -121,4 +125,4 @@ def save_training_checkpoint(s: TrainingSetup, root: str, step: int) -> str:
                            config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
                            keep_last=s.cfg.checkpoint.keep_last,
                            extra_files={"model_config.json": model_config}, assets=assets,
-                           extra_modules=_synced_reference(s))
+                           extra_modules=synced_reference(s))

@@ -16,6 +16,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from stabledrl_mcore.config.schema import load_config, save_config
+from stabledrl_mcore.parallel.launch import spawn
+from stabledrl_mcore.rl.trainer import train_rank
 
 
 def write_run_config(run_dir: str, overrides: Sequence[str], config: Optional[str] = None) -> str:
@@ -29,8 +31,6 @@ def write_run_config(run_dir: str, overrides: Sequence[str], config: Optional[st
 
 def run_in_process_ranks(config_path: str, nproc: int) -> None:
     """``stabledrl train --config config_path --nproc nproc`` without a new interpreter for the launcher."""
-    from stabledrl_mcore.parallel.launch import spawn
-    from stabledrl_mcore.rl.trainer import train_rank
 
     spawn(train_rank, nproc, (config_path, ()), timeout=float("inf"), threads=1)
 

@@ -27,6 +27,15 @@ import torch
 
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.sft import SFTSection, encode_rows
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.evaluation.distributed import evaluate_model
+from stabledrl_mcore.sft import SFTConfig, train_sft
+from stabledrl_mcore.evaluation.scoring import write_jsonl
+from stabledrl_mcore.checkpoint.mcore_io import save_model_checkpoint
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.tasks.tokenizer import train_sentencepiece
+from stabledrl_mcore.models import get_preset
 
 
 @dataclass
@@ -83,7 +92,6 @@ def sft_rows(task, examples: List[Example]) -> List[Dict[str, str]]:
 def sft_batches(tokenizer, task, examples: List[Example]):
     """``[prompt | solution | EOS]`` rows as the SFT library encodes :func:`sft_rows`, the answer
     mask, and the answer length (every grid has the same length: no padding)."""
-    from stabledrl_mcore.sft import SFTSection, encode_rows
 
     records = [(f"example {i}", row) for i, row in enumerate(sft_rows(task, examples))]
     data = encode_rows(records, SFTSection(data_path="-"), tokenizer, source="labelled puzzles")
@@ -107,10 +115,6 @@ def run_sft(out: str, tokenizer, task, labelled: List[Example], validation: List
             setting: TinySudoku):
     """Masked-diffusion SFT (``stabledrl sft``'s loop) until validation accuracy first reaches
     ``setting.sft_target``; returns ``(model, record)``."""
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.evaluation.distributed import evaluate_model
-    from stabledrl_mcore.sft import SFTConfig, train_sft
-    from stabledrl_mcore.evaluation.scoring import write_jsonl
 
     data_path = os.path.join(out, "sft_data.jsonl")
     write_jsonl(data_path, sft_rows(task, labelled))
@@ -140,9 +144,6 @@ def prepare_sft_checkpoint(out: str, setting: TinySudoku,
     Runs in this process on one rank (gloo). Reuses ``out/sft_checkpoint`` when
     ``out/sft.json`` says it was made with the same setting.
     """
-    from stabledrl_mcore.checkpoint.mcore_io import save_model_checkpoint
-    from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.tasks.tokenizer import train_sentencepiece
 
     record_path = os.path.join(out, "sft.json")
     if os.path.exists(record_path):
@@ -191,7 +192,6 @@ def tiny_model_overrides(tokenizer, setting: TinySudoku) -> Dict[str, object]:
 
 def tiny_model_config(tokenizer, setting: TinySudoku):
     """``llada-tiny`` resized to the setting, with the tokenizer's special ids."""
-    from stabledrl_mcore.models import get_preset
 
     return get_preset("llada-tiny", **tiny_model_overrides(tokenizer, setting))
 

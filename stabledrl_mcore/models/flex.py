@@ -50,6 +50,8 @@ from typing import Optional
 import torch
 
 from stabledrl_mcore.models.masks import AttentionLayout, _host_to_device
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as eager
 
 FLEX_MIN_QUERY = 256
 """``auto`` uses flex attention on CUDA from this many queries on."""
@@ -102,7 +104,6 @@ def block_mask(layout: AttentionLayout, sq: int, sk: int, device, *,
 @functools.lru_cache(maxsize=32)
 def _block_mask(layout: AttentionLayout, sq: int, sk: int, device: str, block_size: int,
                 compile: bool):
-    from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(layout.layout_mod(sq, sk), None, None, sq, sk, device=device,
                              BLOCK_SIZE=block_size, _compile=compile)
@@ -142,7 +143,6 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: At
     ``compiled`` (default: on CUDA) runs ``torch.compile(flex_attention)``; else the
     eager (reference) implementation.
     """
-    from torch.nn.attention.flex_attention import flex_attention as eager
 
     sq, sk = q.shape[2], k.shape[2]
     layout.check(sq, sk, q.shape[0])

@@ -25,6 +25,7 @@ from typing import Dict, List
 import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None
@@ -131,7 +132,6 @@ class DLLMMoELayer(MoELayer):
 def router_loss_scale(scale: float):
     """Inside the block, Megatron's router losses (auxiliary, z-loss) enter each backward with
     weight ``scale`` (``MoEAuxLossAutoScaler``'s class-wide scale; the previous one is restored)."""
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     MoEAuxLossAutoScaler = moe_utils.MoEAuxLossAutoScaler
     previous = MoEAuxLossAutoScaler.main_loss_backward_scale
@@ -213,7 +213,6 @@ class RoutingRecorder:
             return {}
         counts, slots = self.counts.clone(), self.slots.clone()
         if torch.distributed.is_initialized() and (group is None or torch.distributed.get_world_size(group) > 1):
-            from stabledrl_mcore.parallel.bootstrap import comm_device
 
             both = torch.cat([counts.flatten(), slots]).to(comm_device())
             torch.distributed.all_reduce(both, group=group)

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 import torch
+import os
+import shutil
+import torch.nn.functional as F
 
 ARCHS = ("llada", "sdar")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -371,8 +374,6 @@ def swiglu_fusion_available() -> bool:
     without one (or with ``STABLEDRL_SWIGLU_FUSION=0``) the eager GLU is used.
     The first call of a process compiles (seconds, cached on disk afterwards).
     """
-    import os
-    import shutil
 
     setting = os.environ.get("STABLEDRL_SWIGLU_FUSION", "auto").strip().lower()
     if setting in ("0", "false", "no", "off"):
@@ -404,7 +405,6 @@ def use_swiglu_fusion(cfg: "DLLMConfig") -> bool:
     :data:`CPU_SWIGLU_FUSION_MIN_FFN`). Either way the weights and checkpoint keys
     are the same (only the activation kernel differs, ~1e-6 relative in fp32).
     """
-    import os
 
     setting = os.environ.get("STABLEDRL_SWIGLU_FUSION", "auto").strip().lower()
     if setting in ("0", "false", "no", "off", "1", "true", "yes", "on"):
@@ -425,7 +425,6 @@ def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any],
     layer recomputed in backward, Megatron's ``full``/``uniform``/1) or
     ``"selective"`` (core attention only). ``overrides`` go to TransformerConfig.
     """
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     cfg.validate()

@@ -19,6 +19,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
 from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear, SwiGLU
 from stabledrl_mcore.models.linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
+import torch
+from stabledrl_mcore.models import moe
 
 
 class SpecError(RuntimeError):
@@ -33,7 +35,6 @@ def te_unavailable_reason() -> str | None:
     ``import transformer_engine``: a TE version that Megatron cannot use leaves
     ``HAVE_TE`` False, and its spec function would then fail with a ``NameError``.
     """
-    import torch
     from megatron.core.models.gpt import gpt_layer_specs
 
     if not torch.cuda.is_available():
@@ -80,7 +81,7 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
                         "use the local spec (use_te=None or False)")
     use_te = reason is None if use_te is None else use_te
     if num_experts is not None:
-        from stabledrl_mcore.models import moe  # noqa: F401  (megatron-core 0.16.1 MoE fixes, see .moe)
+        pass
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm)

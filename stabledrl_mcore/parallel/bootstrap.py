@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import numpy as np
 
 import socket
+from stabledrl_mcore.parallel import cpu_compat
 
 
 class ParallelLayoutError(ValueError):
@@ -178,12 +180,7 @@ def set_seed(seed: int) -> None:
 
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
-    try:
-        import numpy as np
-
-        np.random.seed(stage_seed % 2**32)
-    except ImportError:  # pragma: no cover - numpy ships with torch
-        pass
+    np.random.seed(stage_seed % 2**32)
     torch.manual_seed(stage_seed)
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
@@ -210,7 +207,6 @@ def initialize(
     """
     from megatron.core import parallel_state
 
-    from stabledrl_mcore.parallel import cpu_compat
 
     launch = detect_launch_env(environ)
     validate_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel,

@@ -28,6 +28,10 @@ import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
+import ctypes
+import psutil
+import torch
+from stabledrl_mcore.parallel.bootstrap import destroy
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _HELD: List[int] = []  # forwarded signals a rank received before ``fn`` installed its own handlers
@@ -57,7 +61,6 @@ def die_with_parent(parent_pid: int) -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -127,7 +130,6 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     try:
         fn, args = pickle.loads(payload)
         if threads:
-            import torch
 
             torch.set_num_threads(threads)
         code = _status(fn(*args))
@@ -141,7 +143,6 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     finally:
         if "torch.distributed" in sys.modules:  # only ranks that may have started a process group
             try:
-                from stabledrl_mcore.parallel.bootstrap import destroy
 
                 destroy()
             except Exception:  # pragma: no cover - best effort clean-up
@@ -158,7 +159,6 @@ def _status(value: Any) -> int:
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants (e.g. checkpoint-writer helpers), by PID."""
     try:
-        import psutil
 
         pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except Exception:  # noqa: BLE001 - psutil missing or the process already gone

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from stabledrl_mcore.rl.rollout import RolloutBatch
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -64,7 +65,6 @@ def gather_over_data_parallel(flags: torch.Tensor) -> torch.Tensor:
         return flags
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.parallel.bootstrap import comm_device
 
     group = ps.get_data_parallel_group()
     size = torch.distributed.get_world_size(group=group)

@@ -14,13 +14,13 @@ from stabledrl_mcore.tasks.from_config import heldout_examples
 from typing import Callable, Dict, Optional
 
 from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.evaluation.distributed import evaluate_model
 
 
 def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable[[object], Dict[str, float]]]:
     """``evaluate(model) -> {"test_accuracy", "test_reward"}``, or None when ``eval.every`` is 0."""
     if not cfg.eval.every:
         return None
-    from stabledrl_mcore.evaluation.distributed import evaluate_model
 
     examples = heldout_examples(cfg, task)
     r = cfg.rollout

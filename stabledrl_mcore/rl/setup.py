@@ -31,6 +31,9 @@ from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.config.checks import check_layout, check_model_options
 from stabledrl_mcore.config.checks import check_pipeline_options
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
+from stabledrl_mcore.models import build_model
+from stabledrl_mcore.parallel import bootstrap
 
 
 @dataclass
@@ -84,7 +87,6 @@ class PromptStream:
 
 def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     """The configured tokenizer, the checkpoint's, or a tiny one trained on the task (rank 0 trains)."""
-    from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
     if cfg.model.checkpoint and not os.path.isdir(cfg.model.checkpoint):
         raise FileNotFoundError(f"model.checkpoint: {cfg.model.checkpoint} does not exist or is not a directory")
@@ -111,8 +113,6 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.models import build_model
-    from stabledrl_mcore.parallel import bootstrap
 
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)

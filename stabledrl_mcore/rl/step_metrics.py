@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 
 _UNFILTERED = object()
@@ -15,7 +16,6 @@ def _dp_sum(values: torch.Tensor) -> list:
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
 
-        from stabledrl_mcore.parallel.bootstrap import comm_device
 
         values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())

@@ -32,7 +32,6 @@ from stabledrl_mcore.engine.seeding import chunk_generators
 
 from stabledrl_mcore.engine.seeding import first_chunk
 
-import json
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -40,7 +39,6 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from stabledrl_mcore.engine.run_dir import checkpoint_root
-from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 from stabledrl_mcore.config.schema import RunConfig, save_config
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.engine.metrics import create_logger, logger_options
@@ -62,6 +60,8 @@ from stabledrl_mcore.engine.gradients import agree_ok
 from stabledrl_mcore.engine.gradients import agreed_reason
 from stabledrl_mcore.engine.gradients import grads_finite
 from stabledrl_mcore.engine.gradients import sync_gradients
+from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.config.schema import load_config
 
 
 class PhaseTimer:
@@ -235,8 +235,6 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """
-    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-    from stabledrl_mcore.config.schema import load_config
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))

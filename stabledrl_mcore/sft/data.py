@@ -19,6 +19,7 @@ import torch
 
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.sft.config import SFTSection
+from stabledrl_mcore.tasks.local_datasets import load_rows
 
 
 @dataclass
@@ -36,7 +37,6 @@ class SFTData:
 def read_rows(section: SFTSection) -> List[Tuple[str, Any]]:
     """``(where, row)`` for every row of ``sft.data_path``'s ``sft.split`` (``where`` names the file and
     line/row), read by the same local loader as the RL tasks' data (:mod:`..tasks.local_datasets`)."""
-    from stabledrl_mcore.tasks.local_datasets import load_rows
 
     try:
         return load_rows(section.data_path, section.split, field="sft.data_path")

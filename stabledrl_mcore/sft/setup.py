@@ -14,12 +14,18 @@ from typing import Any
 from typing import Optional
 from dataclasses import dataclass
 from stabledrl_mcore.engine.seeding import derive_seed
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
+from stabledrl_mcore.models import build_model
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.engine.model_setup import load_initial_weights
+from stabledrl_mcore.engine.model_setup import model_config
+from stabledrl_mcore.engine.optimizer import build_optimizer
+from stabledrl_mcore.common.errors import ConfigError
 
 
 def sft_tokenizer(cfg: SFTConfig):
     """``model.tokenizer``, else the checkpoint's (also under ``hf/``), else (random init) a tiny
     sentencepiece tokenizer trained on the data into ``<run_dir>/tokenizer`` by rank 0."""
-    from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
     path = cfg.model.tokenizer or cfg.model.checkpoint
     if path and not cfg.model.tokenizer and os.path.isdir(os.path.join(path, "hf")):
@@ -52,13 +58,6 @@ def build_sft(cfg: SFTConfig):
     """Initialise distributed state and build everything :func:`~.trainer.train_sft` needs."""
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.models import build_model
-    from stabledrl_mcore.parallel import bootstrap
-    from stabledrl_mcore.engine.model_setup import load_initial_weights
-    from stabledrl_mcore.engine.model_setup import model_config
-    from stabledrl_mcore.engine.optimizer import build_optimizer
-    from stabledrl_mcore.sft.setup import SFTSetup
-    from stabledrl_mcore.sft.setup import RowStream
 
     p = cfg.parallel
     if p.threads:
@@ -86,7 +85,6 @@ def build_sft(cfg: SFTConfig):
 
 def check_batch(cfg: SFTConfig, data_parallel: int) -> None:
     """``sft.batch_size`` splits over the data-parallel ranks and then into micro-batches."""
-    from stabledrl_mcore.common.errors import ConfigError
 
     batch, micro = cfg.sft.batch_size, cfg.parallel.micro_batch_size
     if batch % data_parallel or (batch // data_parallel) % micro:

@@ -35,6 +35,16 @@ from stabledrl_mcore.engine.gradients import grads_finite
 from stabledrl_mcore.engine.gradients import sync_gradients
 from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
+from stabledrl_mcore.engine.metrics import progress_bar
+from stabledrl_mcore.engine.resume import restore_training_state
+from stabledrl_mcore.engine.resume import prepare_start
+from stabledrl_mcore.engine.preemption import preemption_agreed
+from stabledrl_mcore.engine.preemption import install_preemption_handlers
+from stabledrl_mcore.sft.setup import build_sft
+from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.engine.preemption import run_with_preemption_marker
 
 Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
 
@@ -45,13 +55,6 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
     from DP-reduced metrics); ``stop_after`` ends early (tests)."""
-    from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
-    from stabledrl_mcore.engine.metrics import progress_bar
-    from stabledrl_mcore.engine.resume import restore_training_state
-    from stabledrl_mcore.engine.resume import prepare_start
-    from stabledrl_mcore.engine.preemption import preemption_agreed
-    from stabledrl_mcore.engine.preemption import install_preemption_handlers
-    from stabledrl_mcore.sft.setup import build_sft
 
     plan, notes = prepare_start(cfg)
     s = build_sft(cfg)
@@ -153,9 +156,6 @@ class SkipLimit:
 def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of an SFT run from a config file plus dotted overrides; 75 = pre-empted
     (checkpoint written). Module level, so :func:`..parallel.launch.spawn` can start it."""
-    from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.engine.preemption import run_with_preemption_marker
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)

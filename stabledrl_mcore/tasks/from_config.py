@@ -6,13 +6,14 @@ from typing import List
 from typing import Optional
 from stabledrl_mcore.tasks.base import get_task
 from stabledrl_mcore.tasks.prompts import rollout_prompt_format
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
 
 
 def build_task(cfg):
     """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
     columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
     refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
-    from stabledrl_mcore.common.errors import ConfigError
 
     r = cfg.rollout
     options = dict(r.task_options)
@@ -33,7 +34,6 @@ def build_task(cfg):
     task = get_task(r.task, prompt_style=r.prompt_style, **options)
     task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
     if r.reward_fn:
-        from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
 
         shaping = [k for k in TASK_REWARD_OPTIONS if k in options]
         if shaping:

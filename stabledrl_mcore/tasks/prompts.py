@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from typing import Union
 import torch
+from datetime import datetime
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from stabledrl_mcore.common.errors import UserError
 
 MATH_SYSTEM_PROMPT = (
     "You are a careful math solver. Think step by step, showing your reasoning "
@@ -95,11 +100,7 @@ def build_prompt(question: str, tokenizer: Any = None, *, system_prompt: str = S
 @functools.lru_cache(maxsize=8)
 def _compiled(text: str):
     """A Jinja template compiled as Hugging Face compiles chat templates (sandboxed, trimmed blocks)."""
-    from datetime import datetime
 
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -163,7 +164,6 @@ def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] =
     """A checked :class:`PromptFormat`: the template holds ``{question}``; the chat template file
     exists, parses and renders a test conversation. A failure is one :class:`~..errors.UserError`
     line naming the field (``names``: system prompt, template, chat template) and the fix."""
-    from stabledrl_mcore.common.errors import UserError
 
     template = QUESTION if template is None else template
     if not isinstance(template, str) or QUESTION not in template:
@@ -189,7 +189,6 @@ def rollout_prompt_format(rollout: Any) -> PromptFormat:
     """The checked :class:`PromptFormat` of a config's ``rollout`` section (train, preflight).
 
     ``prompt_style: compact`` prompts are the bare question: the prompt fields are refused there."""
-    from stabledrl_mcore.common.errors import UserError
 
     given = {"rollout.system_prompt": rollout.system_prompt is not None,
              "rollout.prompt_template": rollout.prompt_template != QUESTION,
@@ -202,7 +201,6 @@ def rollout_prompt_format(rollout: Any) -> PromptFormat:
 
 
 def _read_template(path: str, name: str) -> str:
-    from stabledrl_mcore.common.errors import UserError
 
     try:
         with open(path, encoding="utf-8") as handle:
