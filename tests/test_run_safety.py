@@ -280,10 +280,10 @@ def test_metrics_keep_steps_through_is_lossless(tmp_path):
 @pytest.mark.multiprocess
 def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeypatch, capsys):
     """train_state.json vs its directory, steps past the checkpoint, frozen keys, the CLI refusal."""
-    from stabledrl_mcore.cli.main import main as cli
+    from stabledrl_mcore import cli
     from stabledrl_mcore.checkpoint.integrity import CheckpointError
     from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
-    from stabledrl_mcore.rl import trainer
+    from stabledrl_mcore.engine import preemption
 
     base = record[1]
     run = os.path.join(base, "run")
@@ -304,7 +304,7 @@ def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeyp
     with pytest.raises(CheckpointError, match=r"says step 1000 but its directory is step_00000006"):
         plan_resume(cfg, str(wrong))
     # the CLI refuses a used run directory in one line, exit 2, before any rank starts
-    monkeypatch.setattr(trainer, "install_preemption_handlers", lambda: None)
+    monkeypatch.setattr(preemption, "install_preemption_handlers", lambda: None)
     start = time.perf_counter()
     code = cli.main(["train", "--config", CONFIG, f"logging.run_dir={run}", "logging.wandb_mode=disabled"])
     err = capsys.readouterr().err

@@ -53,7 +53,7 @@ def _half_uniform_scoring() -> None:
 
 
 def main(argv=None) -> int:
-    from stabledrl_mcore.cli.main import main as cli
+    from stabledrl_mcore import cli
 
     _half_uniform_scoring()
     return cli.main(["bench", *list(sys.argv[1:] if argv is None else argv)])

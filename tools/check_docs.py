@@ -197,7 +197,7 @@ def config_class(command: str):
 
 def check_command(argv: Sequence[str], root: str) -> List[str]:
     """Problems of one ``stabledrl`` argument list (empty when it parses and its config loads)."""
-    from stabledrl_mcore.cli.main import main as cli
+    import stabledrl_mcore.cli.main as cli
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.config.io import apply_overrides, from_dict

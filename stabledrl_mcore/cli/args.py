@@ -9,7 +9,7 @@ from typing import Optional
 from stabledrl_mcore.tasks.prompts import PromptFormat
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.common.errors import UserError
-from stabledrl_mcore.engine.preemption import install_preemption_handlers
+from stabledrl_mcore.engine import preemption
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 import os
@@ -121,7 +121,7 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
 
     if not args.print_config:
 
-        install_preemption_handlers()
+        preemption.install_preemption_handlers()
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])

@@ -21,7 +21,7 @@ import json
 from stabledrl_mcore.engine.model_setup import load_initial_weights
 import os
 from stabledrl_mcore.checkpoint.loader import read_config
-from stabledrl_mcore.parallel.launch import spawn
+from stabledrl_mcore.parallel import launch
 import sys
 import torch
 from stabledrl_mcore.evaluation.scoring import write_jsonl
@@ -54,7 +54,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.nproc > 1:
 
         _eval_inputs(args)  # a bad task or data file fails here, before any rank starts
-        spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
+        launch.spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
         return 0
     return _eval_rank(options)
 

@@ -35,7 +35,7 @@ from stabledrl_mcore.tasks import GENERATED_TASKS
 from stabledrl_mcore.tasks.local_datasets import check_local
 from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
 from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
-from stabledrl_mcore.engine.metrics import tensorboard_available
+from stabledrl_mcore.engine import metrics
 from stabledrl_mcore.tasks.from_config import build_task
 from stabledrl_mcore.tasks.from_config import heldout_examples
 from stabledrl_mcore.tasks.from_config import load_train_examples
@@ -190,7 +190,7 @@ def _check_tokenizer(cfg: RunConfig) -> None:
 
 def _check_logging(cfg: RunConfig) -> None:
 
-    if cfg.logging.tensorboard and not tensorboard_available():
+    if cfg.logging.tensorboard and not metrics.tensorboard_available():
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
                           "(or set logging.tensorboard=false)")
 

@@ -10,7 +10,8 @@ from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.cli.preflight import preflight_sft
 from stabledrl_mcore.sft.trainer import sft_rank
 import yaml
-from stabledrl_mcore.parallel.launch import exit_status, spawn
+from stabledrl_mcore.parallel import launch
+from stabledrl_mcore.parallel.launch import exit_status
 from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 
 
@@ -41,6 +42,6 @@ def run_sft(args: argparse.Namespace) -> int:
 
     if args.nproc is not None and args.nproc > 1:
 
-        return exit_status(spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
+        return exit_status(launch.spawn(sft_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
     return sft_rank(args.config, overrides)

@@ -9,9 +9,9 @@ from stabledrl_mcore.parallel.launch import exit_status
 from stabledrl_mcore.cli.preflight import preflight
 from stabledrl_mcore.cli.args import run_config_from_args
 from stabledrl_mcore.config.schema import save_config
-from stabledrl_mcore.parallel.launch import spawn
+from stabledrl_mcore.parallel import launch
 from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.rl.trainer import train_rank
+from stabledrl_mcore.rl import trainer
 import yaml
 from stabledrl_mcore.engine.resume import check_resume
 from stabledrl_mcore.cli.args import add_config_args, world_size
@@ -35,10 +35,10 @@ def run_train(args: argparse.Namespace) -> int:
 
 
         # SIGTERM/SIGUSR1 reach every rank; 75 when they were pre-empted; WorkerFailed names the first failure
-        return exit_status(spawn(train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
+        return exit_status(launch.spawn(trainer.train_rank, args.nproc, (args.config, tuple(overrides)), timeout=float("inf"),
                                  threads=cfg.parallel.threads, expected_codes=(EXIT_PREEMPTED,), hold_signals=True))
 
-    return train_rank(args.config, overrides)
+    return trainer.train_rank(args.config, overrides)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
