@@ -81,7 +81,7 @@ def _jsonl(path):
 
 
 def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_path, capsys):
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     common = ["generate", "--ckpt", checkpoints["llada"], "--prompt", "tok5 tok6", "--gen-length", "4",
               "--no-progress"]
@@ -99,7 +99,7 @@ def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_
 
 def test_eval_writes_to_the_working_directory_and_never_over_a_file(checkpoints, tmp_path, monkeypatch, capsys):
     from stabledrl_mcore.cli import eval as eval_cmd
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     ckpt = checkpoints["sdar"]
     monkeypatch.chdir(tmp_path)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 
 SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "bench", "plan")
 

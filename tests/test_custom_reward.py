@@ -12,7 +12,7 @@ import datasets
 import pytest
 import torch
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import UserError
 from stabledrl_mcore.tasks.from_config import build_task

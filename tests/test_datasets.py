@@ -8,7 +8,7 @@ import os
 import datasets
 import pytest
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.common.errors import DataError

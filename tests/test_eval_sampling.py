@@ -118,7 +118,7 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
 
 def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch, capsys):
     from stabledrl_mcore.cli import eval as eval_cmd
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     path = tiny[0]
     monkeypatch.chdir(tmp_path)

@@ -175,7 +175,7 @@ def test_cache_gap_needs_a_cache():
 
 
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.cli.args import sampling_options
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
@@ -201,7 +201,7 @@ def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
 def test_generate_cli_with_dual_cache_and_threshold(tmp_path):
     from hf_fixtures import write_hf_checkpoint
 
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
     ckpt = write_hf_checkpoint(str(tmp_path / "llada"), "llada", seed=3)

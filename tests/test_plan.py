@@ -9,7 +9,7 @@ import torch
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token, matmul_params
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.models import get_preset
 from stabledrl_mcore.bench.plan import GIB, PlanSpec, all_layouts, estimate
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.models import get_preset
 from stabledrl_mcore.bench.plan import PlanSpec, all_layouts
 from stabledrl_mcore.bench.plan_plot import COMPONENTS, memory_components

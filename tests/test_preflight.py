@@ -3,7 +3,7 @@
 ``stabledrl train`` and ``--print-config`` (what slurm/common.sh runs in the batch shell) refuse
 bad registry names, paths, layouts and data with one line naming the field or file, exit 2; the
 data is read before any model is loaded; a truncated weight file names itself. In-process through
-``stabledrl_mcore.cli.main`` except where the process boundary (``--nproc``) is the point.
+``stabledrl_mcore.cli.app`` except where the process boundary (``--nproc``) is the point.
 """
 
 import json
@@ -15,7 +15,7 @@ import time
 import pytest
 from hf_fixtures import write_hf_checkpoint
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.tasks import get_task

@@ -100,7 +100,7 @@ class _NoTemplate:
 ])
 def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, capsys, monkeypatch, text, needle):
     from stabledrl_mcore.cli import eval as eval_cmd
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     bad = _write(tmp_path, "bad.jinja", text)
     assert main(["train", "--config", TINY, "rollout.prompt_style=chat", f"rollout.chat_template={bad}",
@@ -117,7 +117,7 @@ def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, ca
 
 
 def test_missing_file_placeholder_and_compact_style_are_refused_by_name(tmp_path, capsys):
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     cases = [(["rollout.prompt_style=chat", f"rollout.chat_template={tmp_path / 'nope.jinja'}"],
               "rollout.chat_template", "does not exist"),
@@ -135,7 +135,7 @@ def test_missing_file_placeholder_and_compact_style_are_refused_by_name(tmp_path
 
 def test_generate_takes_the_prompt_flags(tmp_path):
     from hf_fixtures import write_hf_checkpoint
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
     ckpt = write_hf_checkpoint(str(tmp_path / "llada"), "llada", seed=1)

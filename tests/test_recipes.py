@@ -185,7 +185,7 @@ def _group_worker(primaries, variants):
     from megatron.core import parallel_state
 
     from stabledrl_mcore.bench.device_check import probe_reward
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.rl.trainer import train_rank
     from stabledrl_mcore.tasks.base import Task

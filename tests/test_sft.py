@@ -174,7 +174,7 @@ def _fixed_mask_loss(s):
 def _sft_worker(tmp, out):
     """Both architectures: an uninterrupted run, the same run cut at step 2 and resumed with
     ``checkpoint.resume=auto``; then ``stabledrl sft`` itself (in this rank's process)."""
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.sft import SFTConfig, train_sft
@@ -303,7 +303,7 @@ def test_dp2_equals_dp1_and_tp2_trains(trained):
 
 
 def test_sft_command_refuses_bad_input_before_any_rank(tmp_path, capsys):
-    from stabledrl_mcore.cli.main import main
+    from stabledrl_mcore.cli.app import main
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a="}\n')

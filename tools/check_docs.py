@@ -132,7 +132,7 @@ def stabledrl_commands(line: str) -> List[List[str]]:
     found, i = [], 0
     while i < len(tokens):
         token = tokens[i]
-        if os.path.basename(token) == "stabledrl" or token.endswith("stabledrl_mcore/cli/main.py"):
+        if os.path.basename(token) == "stabledrl" or token.endswith("stabledrl_mcore/cli/app.py"):
             start = i + 1
         elif token == "-m" and i + 1 < len(tokens) and tokens[i + 1] == "stabledrl_mcore.cli":
             start = i + 2
@@ -197,7 +197,7 @@ def config_class(command: str):
 
 def check_command(argv: Sequence[str], root: str) -> List[str]:
     """Problems of one ``stabledrl`` argument list (empty when it parses and its config loads)."""
-    import stabledrl_mcore.cli.main as cli
+    import stabledrl_mcore.cli.app as cli
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.config.io import apply_overrides, from_dict

@@ -1,5 +1,5 @@
-"""The ``stabledrl`` command: one module per sub-command; the parser and error handling in ``main``."""
+"""The ``stabledrl`` command: one module per sub-command; the parser, ``main`` and error handling in ``app``."""
 
-from stabledrl_mcore.cli.main import build_parser, main, parse_args
+from stabledrl_mcore.cli.app import build_parser, main, parse_args
 
 __all__ = ["build_parser", "main", "parse_args"]

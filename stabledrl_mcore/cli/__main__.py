@@ -1,5 +1,5 @@
 """``python -m stabledrl_mcore.cli ...`` (torchrun and srun start ranks this way)."""
 
-from stabledrl_mcore.cli.main import main
+from stabledrl_mcore.cli.app import main
 
 raise SystemExit(main())

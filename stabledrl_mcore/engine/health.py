@@ -1,4 +1,5 @@
-"""Run health, checked after every step on every rank: skipped updates and a missing learning signal.
+"""Run health, checked after every step on every rank: skipped updates and a missing learning signal
+(RL and SFT alike; SFT has no groups, so only its skips are watched).
 
 * Skipped updates (a non-finite estimate, loss or gradient, agreed over all ranks): each is
   reported with its reason; more than ``algo.max_skipped_updates`` in a row end the run with
@@ -26,8 +27,11 @@ NO_SIGNAL_STEPS = 5
 class RunHealth:
     """``after_step(step, update_skips, metrics, final=...)`` after each step's log line."""
 
-    def __init__(self, max_skipped_updates: Optional[int], logger: Any, *, from_step_zero: bool = True):
+    def __init__(self, max_skipped_updates: Optional[int], logger: Any, *, from_step_zero: bool = True,
+                 limit_field: str = "algo.max_skipped_updates", what: str = "optimizer"):
         self.limit = max_skipped_updates
+        self.limit_field = limit_field  # the config field that sets the limit, named in every message
+        self.what = what  # "optimizer" (RL) or "SFT"
         self.from_step_zero = from_step_zero  # a resumed launch continues a run that trained before
         self.logger = logger
         self.in_a_row = 0
@@ -56,15 +60,14 @@ class RunHealth:
         skipped = sum(r is not None for r in update_skips)
         if skipped:
             limit = "no limit" if self.limit is None else f"the run stops after {self.limit}"
-            self.logger.info(f"warning: step {step}: skipped={skipped} of {len(update_skips)} optimizer updates "
-                             f"({self.last_reason}); {self.in_a_row} in a row ({limit}, "
-                             f"algo.max_skipped_updates)")
+            self.logger.info(f"warning: step {step}: skipped={skipped} of {len(update_skips)} {self.what} updates "
+                             f"({self.last_reason}); {self.in_a_row} in a row ({limit}, {self.limit_field})")
         if self.limit is not None and self.in_a_row > self.limit:
             raise SkippedUpdatesError(
-                f"{self.in_a_row} optimizer updates in a row were skipped at step {step} "
-                f"(algo.max_skipped_updates={self.limit}); last reason: {self.last_reason}. The weights, the "
+                f"{self.in_a_row} {self.what} updates in a row were skipped at step {step} "
+                f"({self.limit_field}={self.limit}); last reason: {self.last_reason}. The weights, the "
                 f"learning rate or the data produce non-finite values: check the starting checkpoint, lower "
-                f"optim.lr or resume from an earlier checkpoint (algo.max_skipped_updates=null removes the limit)")
+                f"optim.lr or resume from an earlier checkpoint ({self.limit_field}=null removes the limit)")
         if final and self.from_step_zero and self.steps_without_update and not self.applied and not self.skipped:
             raise SkippedUpdatesError(
                 f"no optimizer update in this run: in each of its {self.steps_without_update} steps every group's "
@@ -73,7 +76,7 @@ class RunHealth:
                 f"(rollout.temperature) or check the reward")
         if final and self.skipped and not self.applied:
             raise SkippedUpdatesError(
-                f"every one of this run's {self.skipped} optimizer updates was skipped, so nothing was trained "
+                f"every one of this run's {self.skipped} {self.what} updates was skipped, so nothing was trained "
                 f"(last reason: {self.last_reason}); check the starting checkpoint's weights and optim.lr")
 
     def _signal(self, step: int, metrics: Dict[str, Any]) -> None:

@@ -33,7 +33,6 @@ from stabledrl_mcore.engine.seeding import phase_generator
 from stabledrl_mcore.engine.gradients import agree_ok
 from stabledrl_mcore.engine.gradients import grads_finite
 from stabledrl_mcore.engine.gradients import sync_gradients
-from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
 from stabledrl_mcore.engine.metrics import progress_bar
@@ -45,6 +44,7 @@ from stabledrl_mcore.sft.setup import build_sft
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.engine.preemption import run_with_preemption_marker
+from stabledrl_mcore.engine.health import RunHealth
 
 Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
 
@@ -69,7 +69,9 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     install_preemption_handlers()
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
-    health, bar = SkipLimit(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0), progress_bar(cfg, start, end)
+    health = RunHealth(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0,
+                       limit_field="sft.max_skipped_updates", what="SFT")
+    bar = progress_bar(cfg, start, end)
     with logger:
         for step in range(start, end):
             began = time.perf_counter()
@@ -80,7 +82,7 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
             bar.update(1)
             s.stopped_early = bool(stop_when and stop_when(metrics)) and step + 1 < end
-            health.after_step(step + 1, skip_reason, final=step + 1 == end or s.stopped_early)
+            health.after_step(step + 1, [skip_reason], metrics, final=step + 1 == end or s.stopped_early)
             s.preempted = preemption_agreed()
             if saves.due(step + 1, end, preempted=s.preempted or s.stopped_early):
                 saves.save(lambda: save_training_checkpoint(s, root, step + 1), step + 1, metrics["step_s"])
@@ -129,28 +131,6 @@ def _job_mean(local_sum: torch.Tensor, rows: int) -> float:
         local_sum = local_sum.clone()
         torch.distributed.all_reduce(local_sum, group=ps.get_data_parallel_group())
     return float(local_sum) / rows
-
-
-class SkipLimit:
-    """Skipped updates: more than ``limit`` in a row, or none applied in a run from step 0, fail it."""
-
-    def __init__(self, limit: Optional[int], logger, *, from_step_zero: bool):
-        self.limit, self.logger, self.from_step_zero = limit, logger, from_step_zero
-        self.in_a_row = self.applied = self.skipped = 0
-
-    def after_step(self, step: int, reason: Optional[str], *, final: bool) -> None:
-        if reason is None:
-            self.applied, self.in_a_row = self.applied + 1, 0
-        else:
-            self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
-            self.logger.info(f"warning: step {step}: update skipped ({reason}); {self.in_a_row} in a row")
-        if self.limit is not None and self.in_a_row > self.limit:
-            raise SkippedUpdatesError(f"{self.in_a_row} SFT updates in a row were skipped at step {step} ({reason}; "
-                                      f"sft.max_skipped_updates={self.limit}): check the starting checkpoint, "
-                                      f"lower optim.lr or resume from an earlier checkpoint")
-        if final and self.skipped and not self.applied and self.from_step_zero:
-            raise SkippedUpdatesError(f"every one of this run's {self.skipped} SFT updates was skipped ({reason}), "
-                                      f"so nothing was trained; check the starting checkpoint and optim.lr")
 
 
 def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
