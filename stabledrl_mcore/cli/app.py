@@ -2,7 +2,7 @@
 
 Every subcommand is a thin function over library calls. Unknown subcommands
 and bad flags print one line and exit with status 2; so do errors in the
-user's input (config fields, paths, data files, layouts: :mod:`.errors`),
+user's input (config fields, paths, data files, layouts: :mod:`~stabledrl_mcore.common.errors`),
 naming the field, flag or file; ``--debug`` (or ``STABLEDRL_DEBUG=1``) shows
 their traceback. ``train`` runs :func:`~.preflight.preflight` before any rank
 starts; ``KEY=VALUE`` overrides may stand anywhere on the line.

@@ -53,7 +53,7 @@ PROMPT_FLAGS = ("--system-prompt", "--prompt-template", "--chat-template")
 
 
 def cli_prompt_format(args: argparse.Namespace):
-    """The checked :class:`~.tasks.prompts.PromptFormat` of the prompt flags (one line if bad)."""
+    """The checked :class:`~stabledrl_mcore.tasks.prompts.PromptFormat` of the prompt flags (one line if bad)."""
 
     return prompt_format(args.system_prompt, args.prompt_template, args.chat_template, names=PROMPT_FLAGS)
 

@@ -82,7 +82,7 @@ class PreflightReport:
 def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightReport:
     """Validate ``cfg`` against the files it names and the job's ``world_size`` (None = unknown).
 
-    Raises :class:`ConfigError` (a field), :class:`~.parallel.bootstrap.ParallelLayoutError`,
+    Raises :class:`ConfigError` (a field), :class:`~stabledrl_mcore.parallel.bootstrap.ParallelLayoutError`,
     :class:`DataError` or ``FileNotFoundError`` (data), each with a one-line message.
     """
     check_pipeline_options(cfg)

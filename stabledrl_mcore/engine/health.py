@@ -3,7 +3,7 @@
 
 * Skipped updates (a non-finite estimate, loss or gradient, agreed over all ranks): each is
   reported with its reason; more than ``algo.max_skipped_updates`` in a row end the run with
-  :class:`~.update.SkippedUpdatesError`, and so does a run none of whose updates was applied.
+  :class:`~stabledrl_mcore.engine.gradients.SkippedUpdatesError`, and so does a run none of whose updates was applied.
   A step whose every group dynamic sampling dropped attempts no update: not a skip, but a run
   from step 0 made only of such steps trained nothing and fails too.
 * No learning signal: when every prompt group of :data:`NO_SIGNAL_STEPS` consecutive steps

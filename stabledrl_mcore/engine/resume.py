@@ -146,7 +146,7 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
 
 def check_optimizer_layout(cfg: RunConfig, path: str) -> None:
     """Refuse, before any rank starts, a layout the checkpoint's distributed-optimizer state cannot
-    be read at (:mod:`.optimizer_reshard`: another PP size needs its bucket map, TP must match)."""
+    be read at (:mod:`~stabledrl_mcore.checkpoint.optimizer_reshard`: another PP size needs its bucket map, TP must match)."""
 
     fmt = read_format(path)
     if fmt.get("kind") != "distributed":

@@ -13,7 +13,7 @@
 * A resume from step ``k`` continues the history of ``step_k``: checkpoints of later steps at
   the top of the root (an abandoned branch, e.g. ``step_6`` when resuming from ``step_2``) are
   moved into ``<root>/abandoned-<UTC>-after-step_k/`` once the load has succeeded, so
-  :func:`~.state.find_latest` and ``keep_last`` only ever see the current history (pruning
+  :func:`~stabledrl_mcore.checkpoint.state.find_latest` and ``keep_last`` only ever see the current history (pruning
   happens only after the next checkpoint is committed, so the source survives until then),
   and ``metrics.jsonl`` keeps its lines of steps ``<= k`` (the old file goes to
   ``<run_dir>/attic/resumed-<UTC>-at-step_k/``). A resume from a checkpoint outside the root

@@ -9,7 +9,7 @@ chunks of ``max(1, micro_batch // n)`` consecutive examples, each decoded as one
 of its examples' n samples with its own generator (seeded by ``seed`` and the chunk's
 index), and the chunks are sharded over data-parallel ranks: the samples do not
 depend on the number of ranks. ``n == 1`` at temperature 0 is the greedy path.
-Metrics over the samples (pass@k, maj@k, mean@k): :mod:`.tasks.at_k`.
+Metrics over the samples (pass@k, maj@k, mean@k): :mod:`~stabledrl_mcore.evaluation.at_k`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``;
     with ``n > 1`` also ``samples`` (every sample's completion, extracted answer, reward,
     correct) and the example's own ``pass@k`` / ``maj@k`` / ``mean@k`` (``ks``: default
-    :func:`~.tasks.at_k.default_ks`); the top-level fields are those of the first sample."""
+    :func:`~stabledrl_mcore.evaluation.at_k.default_ks`); the top-level fields are those of the first sample."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ks = check_ks(ks, n) if ks is not None else default_ks(n)

@@ -27,7 +27,7 @@ Semantics, chosen so a run does not depend on how it is split:
   back-propagation is skipped, as for any all-zero chunk).
 * **No group kept anywhere**: the step makes no optimizer update, on every rank together;
   it is not a skipped update (nothing was non-finite), the LR schedule still advances and
-  a console line says so (see :func:`..trainer.no_update`).
+  a console line says so (see :func:`~stabledrl_mcore.rl.trainer.no_update`).
 
 Micro-batching: the kept rows need not fill whole micro-batches; the last one is short.
 """

@@ -163,7 +163,7 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     CLI then exits with :data:`EXIT_PREEMPTED` so the job script can requeue.
 
     Before anything is built, a fresh run into a used directory and a resume the current
-    config cannot continue are refused (:mod:`..checkpoint.history`, :mod:`..checkpoint.resume`).
+    config cannot continue are refused (:mod:`~stabledrl_mcore.engine.run_dir`, :mod:`~stabledrl_mcore.engine.resume`).
     """
     resume = resume or cfg.checkpoint.resume
     plan, moved_aside = prepare_start(cfg, resume)
@@ -230,8 +230,8 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     """One rank of a run from a config file plus dotted overrides; 75 = pre-empted (checkpoint written).
 
     Never 0 for a run that did not train: too many skipped updates in a row, or none applied at
-    all, raise :class:`~.update.SkippedUpdatesError` (on every rank together; see
-    :mod:`.health`). Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
+    all, raise :class:`~stabledrl_mcore.engine.gradients.SkippedUpdatesError` (on every rank together; see
+    :mod:`~stabledrl_mcore.engine.health`). Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
     starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
     """

@@ -7,7 +7,7 @@
 
 Same machinery as ``train``: Megatron DDP and optimizer (:func:`~..rl.setup.build_optimizer`),
 tensor and data parallelism, atomic checkpoints with checksums, run-directory rules and
-``--resume auto`` (:mod:`..checkpoint.history`, :mod:`..checkpoint.resume`), pre-emption
+``--resume auto`` (:mod:`~stabledrl_mcore.engine.run_dir`, :mod:`~stabledrl_mcore.engine.resume`), pre-emption
 (SIGUSR1/SIGTERM: checkpoint, exit 75). Every draw comes from (seed, step, global
 micro-batch index), so the data-parallel split does not change the run and a resume is exact.
 """

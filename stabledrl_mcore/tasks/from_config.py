@@ -13,7 +13,7 @@ from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewar
 def build_task(cfg):
     """The task of ``cfg.rollout``: ``task`` with ``task_options``, the ``prompt_key`` / ``answer_key``
     columns, and ``reward_fn`` in place of its reward. Fields that cannot apply to the task are
-    refused by name (:class:`~..config.ConfigError`); a bad task option raises ``ValueError``."""
+    refused by name (:class:`~stabledrl_mcore.common.errors.ConfigError`); a bad task option raises ``ValueError``."""
 
     r = cfg.rollout
     options = dict(r.task_options)

@@ -162,7 +162,7 @@ PROMPT_FIELDS = ("rollout.system_prompt", "rollout.prompt_template", "rollout.ch
 def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] = None,
                   chat_template: Optional[str] = None, *, names: Sequence[str] = PROMPT_FIELDS) -> PromptFormat:
     """A checked :class:`PromptFormat`: the template holds ``{question}``; the chat template file
-    exists, parses and renders a test conversation. A failure is one :class:`~..errors.UserError`
+    exists, parses and renders a test conversation. A failure is one :class:`~stabledrl_mcore.common.errors.UserError`
     line naming the field (``names``: system prompt, template, chat template) and the fix."""
 
     template = QUESTION if template is None else template
