@@ -190,7 +190,7 @@ def _sft_worker(tmp, out):
             results[preset, name] = ({k: v.detach().clone() for k, v in s.model.state_dict().items()
                                       if torch.is_tensor(v)}, s.block_size)
             bootstrap.destroy()
-    from stabledrl_mcore.rl import trainer as rl_trainer
+    from stabledrl_mcore.engine import preemption as rl_trainer
 
     def preempt(s, step):  # as SIGUSR1 would: the step finishes, a checkpoint is written, the run stops
         rl_trainer._PREEMPTION["caught"] = step == 2

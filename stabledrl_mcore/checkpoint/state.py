@@ -11,7 +11,7 @@ Layout of a checkpoint root::
         ...dist_checkpointing files (.metadata, common.pt, metadata.json, __*.distcp)
     <root>/.tmp-step_00000012/   a save in progress (ignored by resume)
     <root>/abandoned-<UTC>-after-step_00000002/   later steps of a history a resume left
-                                                 (:mod:`.history`; never pruned)
+                                                 (:mod:`~stabledrl_mcore.engine.run_dir`; never pruned)
 
 Every rank writes into the temporary directory; after a barrier rank 0 checks
 that every file a resume reads is there, writes ``train_state.json``, the ranks
@@ -96,7 +96,7 @@ def list_checkpoints(root: str) -> List[str]:
 
 def find_latest(root: str) -> Optional[str]:
     """The newest complete checkpoint under ``root`` (``--resume auto``), or None. The top of a
-    root holds only the current history (:mod:`.history` moves abandoned branches aside)."""
+    root holds only the current history (:mod:`~stabledrl_mcore.engine.run_dir` moves abandoned branches aside)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 

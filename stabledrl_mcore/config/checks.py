@@ -223,3 +223,53 @@ def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:
                           f"rollout.group_size = {r.generated_prompts} / {data_parallel} x {r.group_size}), "
                           f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})")
     return data_parallel
+
+
+CHAT_TEMPLATES = ("auto", "never")
+"""``sft.chat_template``: render conversations with the tokenizer's template when it has one, or never."""
+RL_ONLY = ("parallel.retain_update_graph",)
+"""Fields of the shared sections with no meaning for SFT (refused unless left at their default)."""
+
+
+def validate_sft_config(cfg):
+    """``stabledrl sft``'s config (:class:`~stabledrl_mcore.sft.config.SFTConfig`): its own ``sft`` section
+    and the shared sections as SFT uses them (TP and DP only; RL-only fields refused by name)."""
+    choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
+    choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
+    choice("optim.name", cfg.optim.name, ("adam", "sgd"))
+    choice("optim.decay_style", cfg.optim.decay_style, ("constant", "linear", "cosine"))
+    choice("logging.wandb_mode", cfg.logging.wandb_mode, ("offline", "online", "disabled"))
+    choice("sft.chat_template", cfg.sft.chat_template, CHAT_TEMPLATES)
+    if not cfg.sft.data_path:
+        raise ConfigError("sft.data_path is required: a JSONL or parquet file of prompt/response or "
+                          "messages rows (or a datasets.save_to_disk folder)")
+    for name in ("parallel.tensor_parallel", "parallel.micro_batch_size", "sft.batch_size",
+                 "checkpoint.keep_last"):
+        if get_dotted(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {get_dotted(cfg, name)}")
+    if cfg.parallel.pipeline_parallel != 1:
+        raise ConfigError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: SFT runs on "
+                          f"tensor and data parallelism only; set it to 1")
+    if cfg.parallel.expert_parallel != 1 or cfg.parallel.expert_tensor_parallel is not None:
+        raise ConfigError("parallel.expert_parallel / expert_tensor_parallel: SFT runs on tensor and data "
+                          "parallelism only (experts replicated); set them to 1 / null")
+    if cfg.sft.max_length is not None and cfg.sft.max_length < 2:
+        raise ConfigError(f"sft.max_length must be >= 2 or null, got {cfg.sft.max_length}")
+    if not 0.0 <= cfg.sft.eps < 0.5:
+        raise ConfigError(f"sft.eps must be in [0, 0.5), got {cfg.sft.eps}")
+    if cfg.optim.distributed and cfg.optim.name != "adam":
+        raise ConfigError(f"optim.distributed=true needs optim.name=adam; set optim.distributed=false "
+                          f"for {cfg.optim.name!r}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
+    if cfg.sft.max_skipped_updates is not None and cfg.sft.max_skipped_updates < 0:
+        raise ConfigError(f"sft.max_skipped_updates must be >= 0 or null, got {cfg.sft.max_skipped_updates}")
+    if cfg.steps < 0 or cfg.checkpoint.save_every < 0:
+        raise ConfigError("steps and checkpoint.save_every must be >= 0")
+    validate_logging_and_saving(cfg.logging, cfg.checkpoint)
+    defaults = type(cfg)(sft=type(cfg.sft)(data_path="-"))
+    for name in RL_ONLY:
+        if get_dotted(cfg, name) != get_dotted(defaults, name):
+            raise ConfigError(f"{name} belongs to the RL loop ('stabledrl train'); SFT does not use it: "
+                              f"remove it")
+    return cfg
