@@ -318,7 +318,8 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
 
     from stabledrl_mcore.bench import modes
     from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.rl import heldout, rollout, trainer
+    from stabledrl_mcore.rl import rollout, trainer
+    from stabledrl_mcore.tasks import from_config
 
     cfg = load_config(CONFIG, ["rollout.steps=2", "eval.num_examples=3"])
     seen = {}
@@ -330,7 +331,7 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
     monkeypatch.setattr(trainer, "rollout_phase", fake_rollout)
     monkeypatch.setattr(rollout, "score_rollouts", lambda b, task: SimpleNamespace(
         correct=torch.tensor([True, False, True]), size=3))
-    monkeypatch.setattr(heldout, "heldout_examples", lambda c, task: ["a", "b", "c"])
+    monkeypatch.setattr(from_config, "heldout_examples", lambda c, task: ["a", "b", "c"])
     Setup = dataclasses.make_dataclass("Setup", ["cfg", "task", "dp_rank", "dp_size", "prompts", "model"])
     setup = Setup(cfg=cfg, task=None, dp_rank=0, dp_size=1, prompts=None, model=None)
     mode = modes.RolloutMode(setup, "fast", cfg, ["rollout.steps=2"])

@@ -21,6 +21,7 @@ import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
+from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.parallel.launch import spawn
@@ -109,10 +110,10 @@ def test_config_fields_and_refusals(moe, capsys):
     with pytest.raises(ConversionError, match=r"--model sdar-moe-tiny: .*moe_ffn_hidden_size 24 \(preset 48\)"):
         conv.check_preset_shape(cfg, "sdar-moe-tiny")
     parser = argparse.ArgumentParser()
-    conv.add_convert_arguments(parser)
+    convert_cmd.add_convert_arguments(parser)
     args = parser.parse_args(["hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", src + "_ep3",
                               "--ep", "3", "--no-progress"])
-    assert conv.run_convert(args) == 2 and not os.path.exists(src + "_ep3")  # refused before writing
+    assert convert_cmd.run_convert(args) == 2 and not os.path.exists(src + "_ep3")  # refused before writing
     assert "num_experts (4) is not divisible by --ep 3" in capsys.readouterr().err
 
 

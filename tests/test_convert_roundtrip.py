@@ -10,6 +10,7 @@ import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
+from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.hf_config import hf_to_dllm_config
 
@@ -146,8 +147,8 @@ def test_vocab_padding_is_stored_and_removed(converted, tmp_path):
 
 def _cli(*argv):
     parser = argparse.ArgumentParser()
-    conv.add_convert_arguments(parser)
-    return conv.run_convert(parser.parse_args(list(argv)))
+    convert_cmd.add_convert_arguments(parser)
+    return convert_cmd.run_convert(parser.parse_args(list(argv)))
 
 
 def test_cli_verify_overwrite_and_exit_codes(converted, tmp_path, capsys):

@@ -16,6 +16,7 @@ import torch
 from hf_fixtures import upstream_config, upstream_shapes, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
+from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint.errors import ConversionError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +40,8 @@ def sources(tmp_path_factory):
 
 def _cli(*argv):
     parser = argparse.ArgumentParser()
-    conv.add_convert_arguments(parser)
-    return conv.run_convert(parser.parse_args(list(argv)))
+    convert_cmd.add_convert_arguments(parser)
+    return convert_cmd.run_convert(parser.parse_args(list(argv)))
 
 
 def _leftovers(directory):

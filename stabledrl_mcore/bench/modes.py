@@ -23,9 +23,8 @@ import torch
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.bench.phases import bench_config
-from stabledrl_mcore.rl.trainer import rollout_phase
-from stabledrl_mcore.tasks.from_config import heldout_examples
-from stabledrl_mcore.rl.rollout import score_rollouts
+from stabledrl_mcore.rl import rollout, trainer
+from stabledrl_mcore.tasks import from_config
 from stabledrl_mcore.evaluation.scoring import shard_examples
 from stabledrl_mcore.bench.phases import _reduce
 
@@ -116,7 +115,7 @@ class RolloutMode:
     def rollout(self) -> float:
 
         with _RowCounter(self.s.model) as counter:
-            batch = rollout_phase(self.s, 0)
+            batch = trainer.rollout_phase(self.s, 0)
         self.completions = batch.size
         self.nfe, self.forwards = counter.rows / batch.size, counter.calls
         return float(batch.size * (batch.sequences.shape[1] - batch.prompt_len))
@@ -125,7 +124,7 @@ class RolloutMode:
         """Greedy held-out accuracy with this mode's decoding settings (one completion per example)."""
 
         cfg = self.s.cfg
-        held_out = heldout_examples(cfg, self.s.task)
+        held_out = from_config.heldout_examples(cfg, self.s.task)
         examples = shard_examples(held_out, self.s.dp_rank, self.s.dp_size)
         greedy = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, group_size=1, temperature=0.0),
                                      parallel=dataclasses.replace(cfg.parallel,
@@ -133,7 +132,7 @@ class RolloutMode:
         s = dataclasses.replace(self.s, cfg=greedy, prompts=_Examples(examples))
         correct = total = 0
         if examples:
-            batch = score_rollouts(rollout_phase(s, 0), s.task)
+            batch = rollout.score_rollouts(trainer.rollout_phase(s, 0), s.task)
             correct, total = int(batch.correct.sum()), batch.size
         # every rank of a replica counts its shard alike, so the ratio over all ranks is the DP accuracy
         correct, total = _reduce([float(correct), float(total)], torch.distributed.ReduceOp.SUM) \

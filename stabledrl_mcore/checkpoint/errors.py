@@ -1,7 +1,10 @@
 """The one error type of checkpoint conversion."""
 
+from stabledrl_mcore.common.errors import UserError
 
-class ConversionError(ValueError):
+
+
+class ConversionError(UserError, ValueError):
     """A checkpoint or config that cannot be converted as given.
 
     The message names the offending tensor, config field or path, and says

@@ -24,6 +24,7 @@ import re
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
+from stabledrl_mcore.common.errors import UserError
 
 CHECKSUM_FILE = "checksums.json"
 CHECKSUM_ALGORITHM = "sha256"
@@ -31,7 +32,7 @@ RNG_FORMAT = 1
 _CHUNK = 8 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A training checkpoint that cannot be written or read as asked (one-line message)."""
 
 

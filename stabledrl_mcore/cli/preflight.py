@@ -90,7 +90,6 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     if resume not in ("none", "auto") and not os.path.isdir(resume):
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
-    check_model_options(cfg, mcfg, description)
     _check_tokenizer(cfg)
     _check_logging(cfg)
     try:
@@ -101,6 +100,7 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
                    or p.expert_tensor_parallel else "")
         raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
                                   f"{p.pipeline_parallel}{experts} on {description}: {err}") from None
+    check_model_options(cfg, mcfg, description)
     for name in ("rollout.data_path", "eval.data_path"):  # local files only, refused by the field's name
         if get_dotted(cfg, name):
             check_local(get_dotted(cfg, name), name)

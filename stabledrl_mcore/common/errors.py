@@ -70,5 +70,5 @@ def one_line(err: BaseException) -> str:
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """The configuration cannot be used as written."""

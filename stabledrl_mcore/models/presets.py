@@ -23,13 +23,14 @@ import torch
 import os
 import shutil
 import torch.nn.functional as F
+from stabledrl_mcore.common.errors import UserError
 
 ARCHS = ("llada", "sdar")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 POSITION_EMBEDDINGS = ("rope", "learned")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A :class:`DLLMConfig` that cannot describe a working model."""
 
 

@@ -29,9 +29,10 @@ import numpy as np
 
 import socket
 from stabledrl_mcore.parallel import cpu_compat
+from stabledrl_mcore.common.errors import UserError
 
 
-class ParallelLayoutError(ValueError):
+class ParallelLayoutError(UserError, ValueError):
     """The requested tensor/pipeline/data layout cannot be built."""
 
 

@@ -141,9 +141,8 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
             "line": error_line(err), "traceback": traceback.format_exc()[-20000:]})
         code = 1
     finally:
-        if "torch.distributed" in sys.modules:  # only ranks that may have started a process group
+        if torch.distributed.is_initialized():  # only ranks that started a process group
             try:
-
                 destroy()
             except Exception:  # pragma: no cover - best effort clean-up
                 pass

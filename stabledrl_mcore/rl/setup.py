@@ -127,8 +127,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
                          expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = model_config(cfg, tokenizer)
-    check_model_options(cfg, mcfg)
     check_layout(cfg, mcfg, torch.distributed.get_world_size())
+    check_model_options(cfg, mcfg)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
     if cfg.model.checkpoint:
