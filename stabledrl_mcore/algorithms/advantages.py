@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.algorithms.losses_common import Groups, Registry, check_group_index, check_tensor, work_dtype
+from stabledrl_mcore.algorithms.losses_common import Groups, check_group_index, check_tensor, work_dtype
+from stabledrl_mcore.common.registry import Registry
 
 AdvantageFn = Callable[[Tensor, Groups, float], Tensor]
 _REGISTRY: Registry[AdvantageFn] = Registry("advantage mode")

@@ -43,20 +43,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.algorithms.losses_common import (
-    KL_ESTIMATORS,
-    Groups,
-    Registry,
-    check_eps,
-    check_group_index,
-    check_options,
-    check_same_shape,
-    check_tensor,
-    collect_metrics,
-    kl_estimate,
-    unknown_name_error,
-    work_dtype,
-)
+from stabledrl_mcore.algorithms.losses_common import KL_ESTIMATORS, Groups, check_eps, check_group_index, check_options, check_same_shape, check_tensor, collect_metrics, kl_estimate, work_dtype
+from stabledrl_mcore.common.registry import unknown_name_error
+from stabledrl_mcore.common.registry import Registry
 from stabledrl_mcore.algorithms.token_losses import (  # noqa: F401  (re-exported)
     available_token_policy_losses,
     get_token_policy_loss,

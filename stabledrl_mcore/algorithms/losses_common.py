@@ -1,4 +1,4 @@
-"""Shared pieces of the RL loss library: registries, group segment ops,
+"""Shared pieces of the RL loss library: group segment ops,
 input validation, KL estimators and the weight diagnostics.
 
 Everything here is a pure function of tensors; nothing reads global state.
@@ -6,55 +6,18 @@ Everything here is a pure function of tensors; nothing reads global state.
 
 from __future__ import annotations
 
-import difflib
+from stabledrl_mcore.common.registry import unknown_name_error
+
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
 
+
 F = TypeVar("F", bound=Callable)
-
-
-# --------------------------------------------------------------------------- registry
-
-
-def unknown_name_error(kind: str, name: str, valid: tuple[str, ...]) -> ValueError:
-    """ValueError listing the valid names, closest match to ``name`` first."""
-    ranked = difflib.get_close_matches(str(name), valid, n=len(valid), cutoff=0.0)
-    ranked += [v for v in valid if v not in ranked]
-    return ValueError(f"unknown {kind} {name!r}; valid names (closest first): {', '.join(ranked)}")
-
-
-class Registry(Generic[F]):
-    """Name -> function table with a ``register`` decorator."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._table: dict[str, F] = {}
-
-    def register(self, name: str) -> Callable[[F], F]:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
-
-        def decorator(fn: F) -> F:
-            if name in self._table:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._table[name] = fn
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> F:
-        try:
-            return self._table[name]
-        except (KeyError, TypeError):
-            raise unknown_name_error(self.kind, name, self.names()) from None
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self._table))
 
 
 # --------------------------------------------------------------------------- groups

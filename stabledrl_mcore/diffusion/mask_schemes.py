@@ -37,11 +37,12 @@ inputs' device.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from stabledrl_mcore.common.registry import Registry
 from stabledrl_mcore.diffusion.masking import (
     MaskPlan,
     _require_generator,
@@ -174,7 +175,8 @@ def apply_post_eos(plan: MaskPlan, regions: MaskRegions, policy: str) -> MaskPla
 # ----------------------------------------------------------------------------- registry
 
 MaskSchemeFn = Callable[..., MaskPlan]  # fn(regions, *, num_mc, generator, **options) -> MaskPlan
-_SCHEMES: Dict[str, MaskSchemeFn] = {}
+_SCHEMES: Registry[MaskSchemeFn] = Registry(
+    "mask scheme", unknown=lambda name, valid: ValueError(f"unknown mask scheme {name!r}; choose from {valid}"))
 
 
 def register_mask_scheme(name: str, fn: Optional[MaskSchemeFn] = None, *, overwrite: bool = False):
@@ -189,7 +191,7 @@ def register_mask_scheme(name: str, fn: Optional[MaskSchemeFn] = None, *, overwr
         raise ValueError("a mask scheme needs a non-empty name")
 
     def deco(f: MaskSchemeFn) -> MaskSchemeFn:
-        if name in _SCHEMES and not overwrite:
+        if name in _SCHEMES and not overwrite:  # checked before wrapping: the wrapper is always new
             raise ValueError(f"mask scheme {name!r} is already registered (pass overwrite=True)")
 
         def scheme(regions: MaskRegions, *, num_mc: int, generator: torch.Generator,
@@ -205,22 +207,19 @@ def register_mask_scheme(name: str, fn: Optional[MaskSchemeFn] = None, *, overwr
         scheme.__name__ = f"mask_scheme_{name}"
         scheme.__doc__ = f.__doc__
         scheme.__wrapped__ = f
-        _SCHEMES[name] = scheme
+        _SCHEMES.add(name, scheme, overwrite=True)
         return f
 
     return deco if fn is None else deco(fn)
 
 
 def available_mask_schemes() -> Tuple[str, ...]:
-    return tuple(sorted(_SCHEMES))
+    return _SCHEMES.names()
 
 
 def get_mask_scheme(name: str) -> MaskSchemeFn:
     """The registered scheme ``name``: ``(regions, *, num_mc, generator, post_eos='visible', **options)``."""
-    try:
-        return _SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown mask scheme {name!r}; choose from {available_mask_schemes()}") from None
+    return _SCHEMES.get(name)
 
 
 def build_mask_plan(regions: MaskRegions, scheme: str = "uniform", *, num_mc: int, generator: torch.Generator,

@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from stabledrl_mcore.common.registry import Registry
 from stabledrl_mcore.tasks.prompts import PromptFormat
 from stabledrl_mcore.tasks.shaping import (ANTI_SHORT_BOXED_MIN_CHARS, ANTI_SHORT_BOXED_MIN_RATIO,
                                            anti_short_boxed_bonus, check_anti_short_boxed_thresholds)
@@ -199,24 +200,18 @@ class Task:
         return f"{type(self).__name__}(name={self.name!r}{extra})"
 
 
-_REGISTRY: dict[str, Callable[..., Task]] = {}
+_REGISTRY: Registry[Callable[..., Task]] = Registry(
+    "task", unknown=lambda name, valid: ValueError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}"))
 
 
 def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
     """Class/factory decorator: make ``get_task(name)`` build it."""
-
-    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def available_tasks() -> list[str]:
     """Sorted names of the registered tasks."""
-    return sorted(_REGISTRY)
+    return list(_REGISTRY.names())
 
 
 PROMPT_STYLES = ("chat", "compact")
@@ -246,11 +241,9 @@ def get_task(name: str, *, prompt_style: str = "chat", **kwargs: Any) -> Task:
     :data:`BASE_TASK_OPTIONS`, which are applied here for every task (so they work with any
     registered factory). An option neither takes raises ``ValueError`` listing the valid ones.
     """
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(available_tasks())}")
     if prompt_style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
-    factory = _REGISTRY[name]
+    factory = _REGISTRY.get(name)
     valid = _constructor_options(factory)
     if valid is not None:
         unknown = sorted(set(kwargs) - valid)
