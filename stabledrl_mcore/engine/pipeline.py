@@ -17,6 +17,9 @@ the other stages of its pipeline group, so every stage continues with identical 
 - :class:`PipelinedModel`: a module whose forward returns the logits on every stage,
   for code that calls the model as a function (the samplers, the KV cache: every stage
   keeps its own layers' keys in the shared :class:`~..models.KVCache`).
+
+Without pipeline parallelism the first two are plain loops on this rank (a forward, or a forward
+and a backward, per micro-batch), so a phase calls them at every pipeline size.
 """
 
 from __future__ import annotations
@@ -190,7 +193,10 @@ def pipeline_forward_backward(model, micro_batches: Sequence[MicroBatch],
                               loss_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
     """Back-propagate ``sum_i loss_fn(logits_i, i)`` (a scalar per micro-batch, on the last stage)
     through every stage; gradients accumulate into the parameters' grad buffers as a plain
-    ``loss.backward()`` per micro-batch would."""
+    ``loss.backward()`` per micro-batch would.
+
+    Without pipeline parallelism this is ``loss_fn(model(**mb), i).backward()`` for each micro-batch.
+    """
     stage = _stage_module(model)
     if pipeline_world_size() == 1:
         for i, mb in enumerate(micro_batches):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from stabledrl_mcore.diffusion.likelihood import elbo_from_draws, eubo_from_draw
 from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
-from stabledrl_mcore.engine.pipeline import is_pipelined, pipeline_forward
+from stabledrl_mcore.engine.pipeline import pipeline_forward, pipeline_world_size
 from stabledrl_mcore.algorithms.losses import spg_select_bound
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
@@ -176,46 +176,45 @@ def chunks(num_mc: int, size: int, micro_batch: int):
             yield draw, start, slice(start, start + micro_batch)
 
 
+def token_logp_micro_batches(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
+                             order: Sequence[Tuple[int, int, slice]], *, mask_id: int
+                             ) -> Tuple[List[Dict[str, object]], Callable[[torch.Tensor, int], torch.Tensor]]:
+    """``(micro-batches, last_stage_fn)`` of the ``(draw, start, rows)`` chunks ``order`` for
+    :func:`~..engine.pipeline.pipeline_forward` and ``pipeline_forward_backward``:
+    ``last_stage_fn(logits, i)`` gives chunk ``i``'s ``[n, S]`` token log-probs (:func:`token_logp`)."""
+    parts = [token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw) for draw, _, rows in order]
+    return [inputs for inputs, _ in parts], lambda logits, i: parts[i][1](logits)
+
+
 def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
                    micro_batch: int, mask_id: int,
                    graphs: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> torch.Tensor:
     """``[M, N, S]`` token log-probs of the whole rank batch, detached.
 
+    Every (draw, micro-batch) chunk is one micro-batch of :func:`~..engine.pipeline.pipeline_forward`:
+    a plain forward each without pipeline parallelism, else forward-only pipeline schedules with
+    the log-probs reduced on the last stage and broadcast to every stage.
+
     Without ``graphs`` the forwards run under ``no_grad``. With ``graphs`` (a dict,
-    ``parallel.retain_update_graph``) they record autograd and each micro-batch's
+    ``parallel.retain_update_graph``, PP=1 only) they record autograd and each micro-batch's
     log-probs are kept under ``(draw, start)`` for :func:`accumulate_gradients`: one
     forward less per inner iteration, at the cost of holding activations for the
     whole rank batch x ``num_mc``.
     """
-    if is_pipelined(model):
-        if graphs is not None:
-            raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
-        return _pipelined_token_logp(model, batch, plan, spec, micro_batch=micro_batch, mask_id=mask_id)
-    out = None  # float32, or the log-probs' own dtype if wider (a float64 model in tests)
-    with torch.set_grad_enabled(graphs is not None):
-        for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
-            tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-            if out is None:
-                out = torch.zeros(plan.masked.shape, dtype=torch.promote_types(tok.dtype, torch.float32),
-                                  device=plan.masked.device)
-            out[draw, rows] = tok.detach().to(out.dtype)
-            if graphs is not None:
-                graphs[(draw, start)] = tok
-    return out
-
-
-def _pipelined_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
-                          micro_batch: int, mask_id: int) -> torch.Tensor:
-    """:func:`all_token_logp` under pipeline parallelism: every (draw, micro-batch) chunk is one
-    pipeline micro-batch of one forward-only schedule, the log-probs reduced on the last stage."""
+    if graphs is not None and pipeline_world_size() > 1:
+        raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
     order = list(chunks(plan.num_mc, batch.size, micro_batch))
-    inputs, reducers = zip(*(token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-                             for draw, _, rows in order))
-    toks = pipeline_forward(model, inputs, lambda logits, i: reducers[i](logits))
-    out = torch.zeros(plan.masked.shape, dtype=torch.promote_types(toks[0].dtype, torch.float32),
-                      device=plan.masked.device)
-    for (draw, _, rows), tok in zip(order, toks):
-        out[draw, rows] = tok.to(out.dtype)
+    inputs, reduce = token_logp_micro_batches(batch, plan, spec, order, mask_id=mask_id)
+    with torch.set_grad_enabled(graphs is not None):
+        toks = pipeline_forward(model, inputs, reduce)
+    out = None  # float32, or the log-probs' own dtype if wider (a float64 model in tests)
+    for (draw, start, rows), tok in zip(order, toks):
+        if out is None:
+            out = torch.zeros(plan.masked.shape, dtype=torch.promote_types(tok.dtype, torch.float32),
+                              device=plan.masked.device)
+        out[draw, rows] = tok.detach().to(out.dtype)
+        if graphs is not None:
+            graphs[(draw, start)] = tok
     return out
 
 

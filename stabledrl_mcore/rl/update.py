@@ -21,8 +21,8 @@ import torch
 
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.models.moe import router_loss_scale
-from stabledrl_mcore.engine.pipeline import is_pipelined, pipeline_forward_backward
-from stabledrl_mcore.rl.estimates import LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates, sequence_estimates_and_elbo, token_logp, token_logp_inputs
+from stabledrl_mcore.engine.pipeline import pipeline_forward_backward, pipeline_world_size
+from stabledrl_mcore.rl.estimates import LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates, sequence_estimates_and_elbo, token_logp_micro_batches
 from stabledrl_mcore.algorithms.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.rl.rollout import RolloutBatch
@@ -91,36 +91,33 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
     """Back-propagate ``sum(coef * token_logp_theta)`` micro-batch by micro-batch under ``plan``
     (default: the batch's).
 
-    ``retained`` (the ``graphs`` of :func:`all_token_logp`) reuses forward graphs
-    instead of running the forward again; the gradient is the same.
+    Every (draw, micro-batch) chunk that carries weight is one micro-batch of
+    :func:`~..engine.pipeline.pipeline_forward_backward`: a forward and backward each without
+    pipeline parallelism, else Megatron's 1F1B schedules. ``retained`` (the ``graphs`` of
+    :func:`all_token_logp`, PP=1 only) reuses forward graphs instead of running the forward
+    again; the gradient is the same.
     """
+    if retained is not None and pipeline_world_size() > 1:
+        raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
     plan = batch.plan if plan is None else plan
     # which (draw, micro-batch) chunks carry any weight: one device->host copy for all of them
     starts = list(range(0, batch.size, micro_batch))
     live = torch.stack([coef[:, s:s + micro_batch].flatten(1).ne(0).any(-1) for s in starts], 1).tolist()
-    if is_pipelined(model):
-        if retained is not None:
-            raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
-        todo = [(draw, rows) for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch)
-                if live[draw][start // micro_batch]]
-        inputs, reducers = zip(*(token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-                                 for draw, rows in todo)) if todo else ((), ())
+    order = list(chunks(plan.num_mc, batch.size, micro_batch))
+    todo = [chunk for chunk in order if live[chunk[0]][chunk[1] // micro_batch]]
 
-        def surrogate(logits, i):
-            tok = reducers[i](logits)
-            return (coef[todo[i]].to(tok.dtype) * tok).sum()
+    def surrogate(tok: torch.Tensor, chunk: Tuple[int, int, slice]) -> torch.Tensor:
+        draw, _, rows = chunk
+        return (coef[draw, rows].to(tok.dtype) * tok).sum()
 
-        pipeline_forward_backward(model, inputs, surrogate)
-        return
-    # MoE router losses, if on: averaged over the forwards that run (as Megatron's 1 / micro-batches)
-    with router_loss_scale(1.0 / max(sum(map(sum, live)), 1)):
-        for draw, start, rows in chunks(plan.num_mc, batch.size, micro_batch):
-            weights = coef[draw, rows]
-            tok = retained.pop((draw, start)) if retained is not None else None
-            if not live[draw][start // micro_batch]:
-                continue
-            if tok is None:
-                tok = token_logp(model, batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
-            (weights.to(tok.dtype) * tok).sum().backward()
-
-
+    # MoE router losses, if on (never under PP, see config.checks): averaged over the forwards
+    # that run (as Megatron's 1 / micro-batches)
+    with router_loss_scale(1.0 / max(len(todo), 1)):
+        if retained is None:
+            inputs, reduce = token_logp_micro_batches(batch, plan, spec, todo, mask_id=mask_id)
+            pipeline_forward_backward(model, inputs, lambda logits, i: surrogate(reduce(logits, i), todo[i]))
+            return
+        for chunk in order:  # every graph leaves ``retained``; those of chunks without weight unused
+            tok = retained.pop(chunk[:2])
+            if live[chunk[0]][chunk[1] // micro_batch]:
+                surrogate(tok, chunk).backward()
