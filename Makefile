@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean-venv
 
-$(STAMP): setup.py
+$(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -20,6 +20,8 @@ demo: $(STAMP)
 	$(PY) -m stabledrl_mcore.demo --out runs/demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -ra --durations=15
 
 clean-venv:

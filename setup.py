@@ -34,7 +34,7 @@ setup(
         "datasets>=3",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "ruff==0.17.6"],  # ruff: `make test` lints and checks the format
         # GPU-only: needs CUDA headers to build. apex: see README ("GPU install").
         "gpu": ["transformer-engine[pytorch]"],
     },
