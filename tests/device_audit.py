@@ -18,11 +18,29 @@ from typing import List, Optional, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-FACTORIES = frozenset({
-    "zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_tensor", "rand", "randn",
-    "randint", "randperm", "linspace", "logspace", "eye", "empty_strided", "scalar_tensor",
-    "normal", "bernoulli_",
-})
+FACTORIES = frozenset(
+    {
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "arange",
+        "range",
+        "tensor",
+        "as_tensor",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "linspace",
+        "logspace",
+        "eye",
+        "empty_strided",
+        "scalar_tensor",
+        "normal",
+        "bernoulli_",
+    }
+)
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stabledrl_mcore")
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 PASS_THROUGH = (TORCH_DIR, os.path.join(PACKAGE, "parallel", "cpu_compat.py"), os.path.abspath(__file__))

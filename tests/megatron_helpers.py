@@ -12,16 +12,34 @@ def build_tiny_gpt(tp, pp, *, layers=4, vocab=64, seq=12, parallel_output=True):
     from stabledrl_mcore.models.specs import dllm_layer_spec
 
     config = TransformerConfig(
-        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=48, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bf16=False,
+        num_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        bf16=False,
     )
-    model = GPTModel(config, dllm_layer_spec(), vocab_size=vocab, max_sequence_length=seq,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     parallel_output=parallel_output)
+    model = GPTModel(
+        config,
+        dllm_layer_spec(),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        parallel_output=parallel_output,
+    )
     return config, model
 
 

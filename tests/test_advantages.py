@@ -89,8 +89,8 @@ def test_leave_one_out_float32_binary_rewards_and_no_grad():
 
 
 def test_config_accepts_leave_one_out():
-    from stabledrl_mcore.config.schema import RunConfig
     from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.algo.advantage = "leave_one_out"

@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_checkpoint
 
 # a template the fixture's word-level tokenizer can encode: every piece is one of its tokens
-TEMPLATE = ("{% for m in messages %}tok7 {{ m['content'] }} tok8 {% endfor %}"
-            "{% if add_generation_prompt %}tok9{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}tok7 {{ m['content'] }} tok8 {% endfor %}{% if add_generation_prompt %}tok9{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,11 @@ def test_load_model_composes_with_the_library(checkpoints, arch):
     ids, completion = got[:, :12], torch.zeros(2, 12, dtype=torch.bool)
     completion[:, 4:] = True
     bidirectional = {} if arch == "llada" else {"attention_mask": AttentionLayout.bidirectional()}
-    estimators = [lambda m, g: elbo(m, ids, completion, num_mc=2, generator=g, **bidirectional),
-                  lambda m, g: mean_field_logp(m, ids, completion, generator=g, **bidirectional),
-                  lambda m, g: mixture(m, ids, completion, num_mc=2, generator=g, **bidirectional)]
+    estimators = [
+        lambda m, g: elbo(m, ids, completion, num_mc=2, generator=g, **bidirectional),
+        lambda m, g: mean_field_logp(m, ids, completion, generator=g, **bidirectional),
+        lambda m, g: mixture(m, ids, completion, num_mc=2, generator=g, **bidirectional),
+    ]
     if arch == "sdar":
         estimators.append(lambda m, g: block_elbo_staircase(m, ids, completion, num_mc=2, generator=g))
     with torch.no_grad():
@@ -71,8 +73,9 @@ def test_load_model_composes_with_the_library(checkpoints, arch):
             b = estimate(raw, torch.Generator().manual_seed(2)).seq
             assert torch.isfinite(a).all() and torch.allclose(a, b), (a, b)
     task = get_task("sudoku", prompt_style="compact")
-    result = evaluate_model(model, load_tokenizer(checkpoints[arch]), task, task.load("test", n=3, seed=0),
-                            micro_batch=2, **sampling)
+    result = evaluate_model(
+        model, load_tokenizer(checkpoints[arch]), task, task.load("test", n=3, seed=0), micro_batch=2, **sampling
+    )
     assert result.num_examples == 3 and len(result.records) == 3
 
 
@@ -83,8 +86,7 @@ def _jsonl(path):
 def test_generate_applies_the_chat_template_unless_told_not_to(checkpoints, tmp_path, capsys):
     from stabledrl_mcore.cli.app import main
 
-    common = ["generate", "--ckpt", checkpoints["llada"], "--prompt", "tok5 tok6", "--gen-length", "4",
-              "--no-progress"]
+    common = ["generate", "--ckpt", checkpoints["llada"], "--prompt", "tok5 tok6", "--gen-length", "4", "--no-progress"]
     out = tmp_path / "chat.jsonl"
     assert main(common + ["--out", str(out)]) == 0
     [record] = _jsonl(out)
@@ -103,8 +105,20 @@ def test_eval_writes_to_the_working_directory_and_never_over_a_file(checkpoints,
 
     ckpt = checkpoints["sdar"]
     monkeypatch.chdir(tmp_path)
-    args = ["eval", "--ckpt", ckpt, "--task", "sudoku", "--limit", "2", "--gen-length", "4", "--batch-size", "2",
-            "--no-progress"]
+    args = [
+        "eval",
+        "--ckpt",
+        ckpt,
+        "--task",
+        "sudoku",
+        "--limit",
+        "2",
+        "--gen-length",
+        "4",
+        "--batch-size",
+        "2",
+        "--no-progress",
+    ]
     assert main(args) == 0
     out = tmp_path / "eval_sudoku_test.jsonl"
     assert out.is_file() and not any(name.startswith("eval_") for name in os.listdir(ckpt))

@@ -19,13 +19,21 @@ from stabledrl_mcore.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
-SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "parallel.micro_batch_size=4",
-         "rollout.gen_length=8", "rollout.steps=4", "rollout.block_length=8", "logging.wandb_mode=disabled"]
+SMALL = [
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "parallel.micro_batch_size=4",
+    "rollout.gen_length=8",
+    "rollout.steps=4",
+    "rollout.block_length=8",
+    "logging.wandb_mode=disabled",
+]
 
 
 def run_cli(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "stabledrl_mcore.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stabledrl_mcore.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -72,6 +80,7 @@ def test_flop_counter_counts_forward_and_backward():
 
         class Cache:
             length = 12
+
         counter.reset()
         with torch.no_grad():
             model(torch.zeros(1, 4, dtype=torch.long), kv_cache=Cache())
@@ -95,8 +104,11 @@ def _fake_rates(monkeypatch, bf16, fp32, gpu=None):
     from stabledrl_mcore.bench import peak
 
     rates = {torch.bfloat16: bf16, torch.float32: fp32}
-    monkeypatch.setattr(peak, "measure_matmul_flops", lambda dtype, **kw: {
-        "flops": rates[dtype], "size": 1024, "seconds": 2 * 1024 ** 3 / rates[dtype]})
+    monkeypatch.setattr(
+        peak,
+        "measure_matmul_flops",
+        lambda dtype, **kw: {"flops": rates[dtype], "size": 1024, "seconds": 2 * 1024**3 / rates[dtype]},
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
     if gpu:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
@@ -157,7 +169,11 @@ def test_gpu_peak_rated_for_bf16_measured_for_fp32(monkeypatch):
         matmul.allow_tf32 = False
         fp32 = peak.device_peak("fp32")
         assert (fp32["kind"], fp32["dtype"], fp32["peak_flops"], fp32["rated_bf16_flops"]) == (
-            "measured", "fp32", 50e12, 989e12)
+            "measured",
+            "fp32",
+            50e12,
+            989e12,
+        )
         matmul.allow_tf32 = True
         assert peak.device_peak("fp32")["dtype"] == "tf32"
     finally:
@@ -169,22 +185,34 @@ def test_gpu_peak_rated_for_bf16_measured_for_fp32(monkeypatch):
 def test_fill_flat_groups():
     from types import SimpleNamespace
 
-    batch = SimpleNamespace(advantages=torch.tensor([0.0, 0.0, 0.0, 0.5, -0.5, 0.0, 0.0, 0.0]),
-                            group_index=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))
+    batch = SimpleNamespace(
+        advantages=torch.tensor([0.0, 0.0, 0.0, 0.5, -0.5, 0.0, 0.0, 0.0]),
+        group_index=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]),
+    )
     fill_flat_groups(batch)
     assert batch.advantages.tolist() == [1.0, -1.0, 0.0, 0.5, -0.5, 1.0, -1.0, 0.0]
 
 
 def test_bench_cli_json(tmp_path):
     out = tmp_path / "bench.json"
-    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
-                                   "--warmup", "0", "--repeats", "1", "--json", str(out))
+    code, stdout, stderr = run_cli(
+        "bench",
+        "--config",
+        CONFIG,
+        f"logging.run_dir={tmp_path}",
+        *SMALL,
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    )
     assert code == 0, stderr[-3000:]
     data = json.loads(out.read_text())
     for key in ("mfu", "matmul_peak_flops", "step_tokens_per_s", "speedup_vs_baseline"):
         assert data[key], key
-    assert set(data["phases"]) == {"rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer",
-                                   "step"}
+    assert set(data["phases"]) == {"rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer", "step"}
     assert set(data["speedup_vs_baseline"]) == set(data["phases"])
     # an fp32 model on CPU: MFU divides by the fp32 matmul rate measured in the run, not the bf16 one
     peak = data["peak"]
@@ -200,8 +228,9 @@ def test_bench_cli_json(tmp_path):
     assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
     # ... less the LM head on the prompt positions: it runs on the completion's only
     skipped_head = w["num_mc"] * w["sequences"] * (w["seq_len"] - w["generated"]) * 2 * cfg.vocab_size * cfg.hidden_size
-    assert train["model_flops"] == pytest.approx(3 * (train["tokens"] * forward_flops_per_token(cfg, w["seq_len"])
-                                                      - skipped_head))
+    assert train["model_flops"] == pytest.approx(
+        3 * (train["tokens"] * forward_flops_per_token(cfg, w["seq_len"]) - skipped_head)
+    )
     # the baseline runs the head on every position
     assert data["baseline"]["phases"]["train"]["model_flops"] == pytest.approx(train["model_flops"] + 3 * skipped_head)
     assert data["mfu"] == pytest.approx(train["model_flops_per_s"] / data["matmul_peak_flops"])
@@ -215,12 +244,15 @@ def test_bench_cli_json(tmp_path):
     assert "vs measured fp32 peak" in stdout and "(vs measured fp32 matmul" not in stdout  # not said twice
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--phases", "warp"], "unknown bench phase"),
-    (["--repeats", "0"], "--repeats"),
-    (["algo.epz=1"], "did you mean algo.eps"),
-    (["--rollout-mode", "fast:rollout.stepz=2"], "--rollout-mode fast: unknown"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--phases", "warp"], "unknown bench phase"),
+        (["--repeats", "0"], "--repeats"),
+        (["algo.epz=1"], "did you mean algo.eps"),
+        (["--rollout-mode", "fast:rollout.stepz=2"], "--rollout-mode fast: unknown"),
+    ],
+)
 def test_bench_bad_input_is_one_line_exit_2(args, message):
     code, _, err = run_cli("bench", "--config", CONFIG, *args, timeout=120)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -229,10 +261,26 @@ def test_bench_bad_input_is_one_line_exit_2(args, message):
 @pytest.mark.multiprocess
 def test_bench_weak_scaling_two_ranks(tmp_path):
     out = tmp_path / "scaling.json"
-    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
-                                   "--phases", "train,optimizer", "--no-baseline", "--dp-scaling",
-                                   "--scaling-phases", "train,optimizer", "--warmup", "0", "--repeats", "1",
-                                   "--json", str(out), timeout=600)
+    code, stdout, stderr = run_cli(
+        "bench",
+        "--config",
+        CONFIG,
+        f"logging.run_dir={tmp_path}",
+        *SMALL,
+        "--phases",
+        "train,optimizer",
+        "--no-baseline",
+        "--dp-scaling",
+        "--scaling-phases",
+        "train,optimizer",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+        timeout=600,
+    )
     assert code == 0, stderr[-3000:]
     data = json.loads(out.read_text())
     assert "speedup_vs_baseline" not in data
@@ -251,7 +299,8 @@ def test_bench_weak_scaling_two_ranks(tmp_path):
     assert ceiling["ceiling"] == pytest.approx(statistics.median(ceiling["per_round"]))
     assert len(ceiling["per_round"]) == ceiling["rounds"] and ceiling["one_process_flops"] > 0
     assert scaling["efficiency_vs_ceiling"]["train"] == pytest.approx(
-        scaling["efficiency"]["train"] / ceiling["ceiling"])
+        scaling["efficiency"]["train"] / ceiling["ceiling"]
+    )
     assert "machine ceiling" in stdout
 
 
@@ -273,10 +322,27 @@ def test_bench_rollout_modes_side_by_side(tmp_path):
 
     checkpoint = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=3)
     out = tmp_path / "modes.json"
-    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
-                                   f"model.checkpoint={checkpoint}", "eval.num_examples=4",
-                                   "--phases", "rollout", "--warmup", "0", "--repeats", "1", "--json", str(out),
-                                   "--rollout-mode", "exact:", "--rollout-mode", "fast:rollout.steps=2")
+    code, stdout, stderr = run_cli(
+        "bench",
+        "--config",
+        CONFIG,
+        f"logging.run_dir={tmp_path}",
+        *SMALL,
+        f"model.checkpoint={checkpoint}",
+        "eval.num_examples=4",
+        "--phases",
+        "rollout",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+        "--rollout-mode",
+        "exact:",
+        "--rollout-mode",
+        "fast:rollout.steps=2",
+    )
     assert code == 0, stderr[-3000:]
     data = json.loads(out.read_text())
     modes = data["rollout_modes"]
@@ -303,10 +369,15 @@ def test_rollout_mode_parsing_refuses_by_name():
     from stabledrl_mcore.bench.modes import parse_rollout_modes
 
     assert parse_rollout_modes(["exact:", "fast:rollout.threshold=0.9, rollout.steps=2"]) == [
-        ("exact", []), ("fast", ["rollout.threshold=0.9", "rollout.steps=2"])]
-    for bad, message in ((["fast"], "expected NAME:"), (["a:", "a:"], "given twice"),
-                         (["a:algo.eps=1"], "not a rollout.FIELD"),
-                         (["a:rollout.prompts_per_step=4"], "fixed when the set-up is built")):
+        ("exact", []),
+        ("fast", ["rollout.threshold=0.9", "rollout.steps=2"]),
+    ]
+    for bad, message in (
+        (["fast"], "expected NAME:"),
+        (["a:", "a:"], "given twice"),
+        (["a:algo.eps=1"], "not a rollout.FIELD"),
+        (["a:rollout.prompts_per_step=4"], "fixed when the set-up is built"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_rollout_modes(bad)
 
@@ -329,8 +400,9 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
         return SimpleNamespace(examples=seen["examples"])
 
     monkeypatch.setattr(trainer, "rollout_phase", fake_rollout)
-    monkeypatch.setattr(rollout, "score_rollouts", lambda b, task: SimpleNamespace(
-        correct=torch.tensor([True, False, True]), size=3))
+    monkeypatch.setattr(
+        rollout, "score_rollouts", lambda b, task: SimpleNamespace(correct=torch.tensor([True, False, True]), size=3)
+    )
     monkeypatch.setattr(from_config, "heldout_examples", lambda c, task: ["a", "b", "c"])
     Setup = dataclasses.make_dataclass("Setup", ["cfg", "task", "dp_rank", "dp_size", "prompts", "model"])
     setup = Setup(cfg=cfg, task=None, dp_rank=0, dp_size=1, prompts=None, model=None)
@@ -340,7 +412,6 @@ def test_rollout_mode_accuracy_is_greedy_with_the_mode_settings(monkeypatch):
     r = seen["rollout"]
     assert r.group_size == 1 and r.temperature == 0.0 and r.steps == 2
     assert seen["mb"] == cfg.eval.micro_batch_size and seen["examples"] == ["a", "b", "c"]
-
 
 
 def test_baseline_llada_sampler_follows_rollout_threshold():
@@ -365,8 +436,9 @@ def test_baseline_llada_sampler_follows_rollout_threshold():
     prompt, valid = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
     for threshold, forwards in ((None, 8), (0.0, 2)):
         calls.clear()
-        base.cfg = SimpleNamespace(rollout=SimpleNamespace(gen_length=8, block_length=4, steps=8, temperature=0.0,
-                                                           threshold=threshold))
+        base.cfg = SimpleNamespace(
+            rollout=SimpleNamespace(gen_length=8, block_length=4, steps=8, temperature=0.0, threshold=threshold)
+        )
         out = base._generate_llada(prompt, valid, torch.Generator().manual_seed(1))
         assert len(calls) == forwards and not (out == 7).any(), (threshold, len(calls))
 
@@ -406,10 +478,25 @@ def test_bench_of_a_mixture_of_experts_counts_active_parameters(tmp_path):
     staircase query (2S per sequence and draw) with N_mm = the router and 2 of the 4 experts per layer (re-derived here), the
     baseline is transformers' Qwen3-MoE, and the report names total and active parameters."""
     out = tmp_path / "bench.json"
-    code, stdout, stderr = run_cli("bench", "--config", CONFIG, f"logging.run_dir={tmp_path}", *SMALL,
-                                   "model.preset=sdar-moe-tiny", "algo.likelihood=staircase", "rollout.block_length=4",
-                                   "--phases", "train", "--no-baseline", "--warmup", "0", "--repeats", "1",
-                                   "--json", str(out))
+    code, stdout, stderr = run_cli(
+        "bench",
+        "--config",
+        CONFIG,
+        f"logging.run_dir={tmp_path}",
+        *SMALL,
+        "model.preset=sdar-moe-tiny",
+        "algo.likelihood=staircase",
+        "rollout.block_length=4",
+        "--phases",
+        "train",
+        "--no-baseline",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    )
     assert code == 0, stderr[-3000:]
     data = json.loads(out.read_text())
     h, layers, vocab = 64, 2, 256
@@ -420,7 +507,7 @@ def test_bench_of_a_mixture_of_experts_counts_active_parameters(tmp_path):
     m = data["model"]
     assert (m["params"], m["active_params"], m["matmul_params"]) == (total, active, active_mm) == (131968, 95104, 78336)
     w, train = data["workload"], data["phases"]["train"]
-    keys = 2 * w["seq_len"]                           # staircase: 2S queries over [x_t | x_0], 2S keys
+    keys = 2 * w["seq_len"]  # staircase: 2S queries over [x_t | x_0], 2S keys
     per_token = 2 * active_mm + 4 * layers * keys * 4 * 16
     assert train["tokens"] == w["num_mc"] * w["sequences"] * w["seq_len"]
     skipped_head = w["num_mc"] * w["sequences"] * (keys - w["generated"]) * 2 * vocab * h  # head: completion only

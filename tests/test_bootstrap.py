@@ -2,29 +2,40 @@
 
 import pytest
 
-from stabledrl_mcore.parallel.bootstrap import (ParallelLayoutError, detect_launch_env,
-                                                expand_slurm_nodelist, validate_parallel_layout)
+from stabledrl_mcore.parallel.bootstrap import (
+    ParallelLayoutError,
+    detect_launch_env,
+    expand_slurm_nodelist,
+    validate_parallel_layout,
+)
 from stabledrl_mcore.parallel.launch import WorkerFailed, spawn
 
 
 def test_expand_slurm_nodelist():
-    assert expand_slurm_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07",
-                                                           "gpu5"]
+    assert expand_slurm_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
     assert expand_slurm_nodelist("localhost") == ["localhost"]
     assert expand_slurm_nodelist("a[9-10]-ib") == ["a9-ib", "a10-ib"]
 
 
 def test_torchrun_env_wins():
-    env = dict(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", MASTER_ADDR="h0", MASTER_PORT="1234",
-               SLURM_PROCID="0", SLURM_NTASKS="2")
+    env = dict(
+        RANK="3",
+        WORLD_SIZE="8",
+        LOCAL_RANK="1",
+        MASTER_ADDR="h0",
+        MASTER_PORT="1234",
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+    )
     launch = detect_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (3, 8, 1, "torchrun")
     assert (launch.master_addr, launch.master_port) == ("h0", 1234)
 
 
 def test_slurm_env():
-    env = dict(SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5",
-               SLURM_JOB_NODELIST="gpu[003-004]", SLURM_JOB_ID="4242")
+    env = dict(
+        SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5", SLURM_JOB_NODELIST="gpu[003-004]", SLURM_JOB_ID="4242"
+    )
     launch = detect_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank) == (5, 16, 5)
     assert launch.master_addr == "gpu003" and launch.launcher == "slurm"
@@ -37,22 +48,25 @@ def test_single_process_env():
     assert (launch.rank, launch.world_size, launch.launcher) == (0, 1, "single")
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(world_size=6, tensor_parallel=4, pipeline_parallel=1), "world size 6 is not divisible"),
-    (dict(world_size=4, tensor_parallel=4, pipeline_parallel=1, num_attention_heads=6),
-     r"num_attention_heads \(6\) is not divisible by tensor_parallel \(4\)"),
-    (dict(world_size=4, tensor_parallel=4, pipeline_parallel=1, num_query_groups=2),
-     r"num_query_groups \(2\)"),
-    (dict(world_size=4, tensor_parallel=1, pipeline_parallel=4, num_layers=6), r"num_layers \(6\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(world_size=6, tensor_parallel=4, pipeline_parallel=1), "world size 6 is not divisible"),
+        (
+            dict(world_size=4, tensor_parallel=4, pipeline_parallel=1, num_attention_heads=6),
+            r"num_attention_heads \(6\) is not divisible by tensor_parallel \(4\)",
+        ),
+        (dict(world_size=4, tensor_parallel=4, pipeline_parallel=1, num_query_groups=2), r"num_query_groups \(2\)"),
+        (dict(world_size=4, tensor_parallel=1, pipeline_parallel=4, num_layers=6), r"num_layers \(6\)"),
+    ],
+)
 def test_layout_errors(kwargs, message):
     with pytest.raises(ParallelLayoutError, match=message):
         validate_parallel_layout(**kwargs)
 
 
 def test_layout_ok_returns_dp():
-    assert validate_parallel_layout(8, 2, 2, num_layers=4, num_attention_heads=4,
-                                    num_query_groups=2) == 2
+    assert validate_parallel_layout(8, 2, 2, num_layers=4, num_attention_heads=4, num_query_groups=2) == 2
 
 
 def _bad_layout_worker(result_dir):

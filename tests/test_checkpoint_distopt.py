@@ -38,12 +38,25 @@ def _build(distributed, dtype="fp32", *, tp=1, init=True, name="adam"):
         bootstrap.set_seed(3)
     params_dtype = DTYPES[dtype]
     model = build_model(get_preset("llada-tiny", num_layers=2), params_dtype=params_dtype)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer=name, lr=LR, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, clip_grad=1.0,
-        bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-        use_distributed_optimizer=distributed), [ddp])
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+        model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=name,
+            lr=LR,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.99,
+            clip_grad=1.0,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        [ddp],
+    )
     return model, ddp, opt
 
 
@@ -65,8 +78,11 @@ def _train_step(model, ddp, opt, step):
 
 
 def _weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    return {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }
 
 
 def _optimizer_dump(model, opt):
@@ -81,14 +97,13 @@ def _optimizer_dump(model, opt):
         for index, buffer in enumerate(dist.buffers):
             (tensors,) = world[index].values()
             for param, (start, end, _) in buffer.param_index_map.items():
-                out[names[param]] = {k: tensors[k][start:end].view(param.shape).clone()
-                                     for k in ("param", "exp_avg", "exp_avg_sq")}
+                out[names[param]] = {
+                    k: tensors[k][start:end].view(param.shape).clone() for k in ("param", "exp_avg", "exp_avg_sq")
+                }
         per_param = {float(s["step"]) for s in dist.optimizer.state.values() if "step" in s}
         steps |= per_param or {float(g["step"]) for g in dist.optimizer.param_groups if "step" in g}
     assert len(steps) == 1, steps
     return out, steps.pop()
-
-
 
 
 def _rank():
@@ -98,8 +113,13 @@ def _rank():
 def _save(root, step, model, opt):
     from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 
-    return save_checkpoint(root, TrainState(step=step, world_size=torch.distributed.get_world_size()),
-                           model.sharded_state_dict, optimizer=opt, keep_last=5)
+    return save_checkpoint(
+        root,
+        TrainState(step=step, world_size=torch.distributed.get_world_size()),
+        model.sharded_state_dict,
+        optimizer=opt,
+        keep_last=5,
+    )
 
 
 # ---------------------------------------------------------------------------- workers
@@ -124,8 +144,11 @@ def _reproduce_and_roundtrip_worker(root):
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         # failure 2: a fresh torch-AdamW distributed optimizer cannot build its load template
         with pytest.raises(AssertionError):
-            fresh.sharded_state_dict(fresh_model.sharded_state_dict(), is_loading=True,
-                                     metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+            fresh.sharded_state_dict(
+                fresh_model.sharded_state_dict(),
+                is_loading=True,
+                metadata={"distrib_optim_sharding_type": SHARDING_TYPE},
+            )
     load_checkpoint(path, fresh_model, optimizer=fresh)
     assert_same_tensors(_weights(fresh_model), weights, "weights")
     got, got_step = _optimizer_dump(fresh_model, fresh)
@@ -141,15 +164,13 @@ def _parity_worker(out_dir, distributed):
     model, ddp, opt = _build(distributed)
     assert is_distributed(opt) == distributed
     if distributed:  # each DP rank holds only its shard of the fp32 state
-        local = sum(p.numel() for o in inner_optimizers(opt) for g in o.optimizer.param_groups
-                    for p in g["params"])
+        local = sum(p.numel() for o in inner_optimizers(opt) for g in o.optimizer.param_groups for p in g["params"])
         assert local < sum(p.numel() for p in model.parameters()) * 0.75, "the state is not sharded"
     init = _weights(model)
     for step in range(3):
         _train_step(model, ddp, opt, step)
     if _rank() == 0:
-        torch.save((init, _weights(model)),
-                   os.path.join(out_dir, f"{'dist' if distributed else 'plain'}.pt"))
+        torch.save((init, _weights(model)), os.path.join(out_dir, f"{'dist' if distributed else 'plain'}.pt"))
 
 
 def _save_dp2_worker(root, out_dir, dtype):
@@ -315,8 +336,7 @@ def test_trainer_resume_at_dp2_is_bitwise(tmp_path):
 
 def test_adapter_state_materialization_changes_no_update():
     """Item 1 of the adapter: pre-created torch-Adam state == the state Adam creates lazily."""
-    from stabledrl_mcore.checkpoint.optimizer_state import (_materialize_torch_adam_state,
-                                                            _set_torch_steps)
+    from stabledrl_mcore.checkpoint.optimizer_state import _materialize_torch_adam_state, _set_torch_steps
 
     def run(materialize):
         torch.manual_seed(0)

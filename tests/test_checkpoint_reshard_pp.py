@@ -30,8 +30,7 @@ KINDS = ("dist", "dist-bf16", "plain")  # optim.distributed true (model.dtype fp
 # ---------------------------------------------------------------------------- helpers (in ranks)
 def _build(kind, pp, seed):
     """Tiny LLaDA stage + Megatron DDP + Megatron AdamW + LR schedule, as rl/setup.py builds them."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -41,17 +40,41 @@ def _build(kind, pp, seed):
     bootstrap.set_seed(seed)
     distributed, dtype = kind.startswith("dist"), torch.bfloat16 if kind.endswith("bf16") else torch.float32
     model = build_model(get_preset("llada-tiny", num_layers=LAYERS), params_dtype=dtype)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+        model,
+    )
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99,
-        clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=distributed), [ddp])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=LR, min_lr=0.0, lr_warmup_steps=2,
-                                    lr_decay_steps=10, lr_decay_style="linear", start_wd=0.1,
-                                    end_wd=0.1, wd_incr_steps=10, wd_incr_style="constant")
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            min_lr=0.0,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.99,
+            clip_grad=1.0,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        [ddp],
+    )
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=LR,
+        min_lr=0.0,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="linear",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
     return model, ddp, opt, sched
 
 
@@ -66,8 +89,9 @@ def _train_step(model, ddp, opt, sched, step):
     rows = ROWS // ps.get_data_parallel_world_size()
     mine = slice(ps.get_data_parallel_rank() * rows, (ps.get_data_parallel_rank() + 1) * rows)
     micro = rows // MICRO
-    batches = iter([(tokens[mine][i * micro:(i + 1) * micro], targets[mine][i * micro:(i + 1) * micro])
-                    for i in range(MICRO)])
+    batches = iter(
+        [(tokens[mine][i * micro : (i + 1) * micro], targets[mine][i * micro : (i + 1) * micro]) for i in range(MICRO)]
+    )
 
     def forward_step(data_iterator, module):
         tok, tgt = next(data_iterator)
@@ -81,9 +105,15 @@ def _train_step(model, ddp, opt, sched, step):
 
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[ddp],
-                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=micro,
-                                forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[ddp],
+        num_microbatches=MICRO,
+        seq_length=SEQ,
+        micro_batch_size=micro,
+        forward_only=False,
+    )
     assert opt.step()[0], "the optimizer skipped the update"
     sched.step(increment=1)
 
@@ -109,8 +139,9 @@ def _dump(model, opt):
             for index, buffer in enumerate(inner.buffers):
                 (tensors,) = world[index].values()
                 for param, (start, end, _) in buffer.param_index_map.items():
-                    out[names[param]].update({k: tensors[k][start:end].view(param.shape).clone()
-                                              for k in ("param", "exp_avg", "exp_avg_sq")})
+                    out[names[param]].update(
+                        {k: tensors[k][start:end].view(param.shape).clone() for k in ("param", "exp_avg", "exp_avg_sq")}
+                    )
         else:
             for param, name in names.items():
                 state = inner.optimizer.state[param]
@@ -130,8 +161,13 @@ def _save(root, step, model, opt, sched):
 
     from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 
-    state = TrainState(step=step, scheduler=sched.state_dict(), world_size=torch.distributed.get_world_size(),
-                       tensor_parallel=1, pipeline_parallel=ps.get_pipeline_model_parallel_world_size())
+    state = TrainState(
+        step=step,
+        scheduler=sched.state_dict(),
+        world_size=torch.distributed.get_world_size(),
+        tensor_parallel=1,
+        pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+    )
     return save_checkpoint(root, state, model.sharded_state_dict, optimizer=opt, keep_last=5)
 
 
@@ -211,8 +247,9 @@ def _refused_without_the_map(root, model, opt):
     with pytest.raises(OptimizerFormatError) as err:
         _load(old, model, opt, None)
     message = str(err.value)
-    assert "\n" not in message and all(n in message for n in (
-        "predates the bucket map", "pipeline_parallel=2", "1/1", "model.checkpoint=")), message
+    assert "\n" not in message and all(
+        n in message for n in ("predates the bucket map", "pipeline_parallel=2", "1/1", "model.checkpoint=")
+    ), message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a refused load changed weights"
 
 
@@ -232,8 +269,6 @@ def _merged(out_dir, tag):
             merged[key] = tensors
     assert len(steps) == 1 and len(lrs) == 1, (steps, lrs)
     return {"tensors": merged, "step": steps.pop(), "lr": lrs.pop()}
-
-
 
 
 def _assert_dumps(got, ref, what, tol=0.0):
@@ -275,11 +310,12 @@ def test_pp2_checkpoint_resumes_at_pp1_and_back_exactly(saved_run, kind):
 def test_a_layout_the_optimizer_state_cannot_be_read_at_is_refused_before_any_rank(tmp_path):
     """``plan_resume`` (the CLI runs it before any rank starts) reads ``optimizer_format.json``:
     another TP size, or another PP size without the bucket map, is refused by name."""
-    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
     from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
 
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "examples", "configs", "tiny_cpu.yaml")
+    config = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs", "tiny_cpu.yaml"
+    )
     ckpt = tmp_path / "step_00000002"
     ckpt.mkdir()
     (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "pipeline_parallel": 2}))

@@ -6,8 +6,7 @@ import os
 import pytest
 import torch
 
-from stabledrl_mcore.checkpoint.state import (TrainState, find_latest, list_checkpoints,
-                                              step_dir_name)
+from stabledrl_mcore.checkpoint.state import TrainState, find_latest, list_checkpoints, step_dir_name
 from stabledrl_mcore.parallel.launch import spawn
 
 VOCAB, SEQ = 64, 12
@@ -34,8 +33,9 @@ def _save_worker(root, out_dir):
     bootstrap.initialize(2, 1, seed=3)
     config, model = build_tiny_gpt(2, 1, vocab=VOCAB, seq=SEQ, parallel_output=False)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False,
-                                                 params_dtype=torch.float32), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, params_dtype=torch.float32), [ddp]
+    )
     for step in (1, 2, 3):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -43,9 +43,14 @@ def _save_worker(root, out_dir):
         _logits_grad.float().pow(2).mean().backward()
         ddp.finish_grad_sync()
         assert opt.step()[0]
-        save_checkpoint(root, TrainState(step=step, data_position=step * 16, world_size=2,
-                                         tensor_parallel=2), model.sharded_state_dict,
-                        optimizer=opt, config_yaml="steps: 3\n", keep_last=2)
+        save_checkpoint(
+            root,
+            TrainState(step=step, data_position=step * 16, world_size=2, tensor_parallel=2),
+            model.sharded_state_dict,
+            optimizer=opt,
+            config_yaml="steps: 3\n",
+            keep_last=2,
+        )
     reference = _logits(model)
     exp_avg = [opt.optimizer.state[p]["exp_avg"].clone() for p in opt.optimizer.param_groups[0]["params"]]
     after_save_rand = torch.rand(3)
@@ -100,9 +105,9 @@ def test_incomplete_checkpoints_are_never_picked(tmp_path):
     root = tmp_path
     (root / step_dir_name(5)).mkdir()
     (root / step_dir_name(5) / "train_state.json").write_text('{"step": 5}')
-    (root / ".tmp-step_00000009").mkdir()           # a save killed mid-write
-    (root / step_dir_name(7)).mkdir()                # renamed but no state file: not complete
-    (root / "step_12").mkdir()                       # not our naming
+    (root / ".tmp-step_00000009").mkdir()  # a save killed mid-write
+    (root / step_dir_name(7)).mkdir()  # renamed but no state file: not complete
+    (root / "step_12").mkdir()  # not our naming
     assert find_latest(str(root)) == str(root / step_dir_name(5))
     assert find_latest(str(root / "missing")) is None
 

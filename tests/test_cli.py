@@ -12,8 +12,9 @@ SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "bench", "plan"
 
 
 def run_cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "stabledrl_mcore.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stabledrl_mcore.cli", *args], capture_output=True, text=True, timeout=120
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -49,8 +50,7 @@ def test_config_error_exit_2(capsys):
 def test_print_config_resolves_overrides(tmp_path, capsys):
     config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny_cpu.yaml")
     out_path = tmp_path / "resolved.yaml"
-    assert main(["train", "--config", config, "algo.eps=0.3", "--print-config",
-                 "--save-config", str(out_path)]) == 0
+    assert main(["train", "--config", config, "algo.eps=0.3", "--print-config", "--save-config", str(out_path)]) == 0
     assert "eps: 0.3" in capsys.readouterr().out
     assert "eps: 0.3" in out_path.read_text()
 
@@ -65,8 +65,10 @@ def test_stress_bad_override_is_one_line_exit_2(tmp_path, capsys):
 def test_overrides_may_follow_options(capsys):
     """Issue 23 item 8: ``--config X a=b --nproc 2 c=d`` (both overrides apply, in order)."""
     config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "tiny_cpu.yaml")
-    assert main(["train", "--config", config, "algo.eps=0.1", "--nproc", "2", "steps=3", "algo.eps=0.3",
-                 "--print-config"]) == 0
+    assert (
+        main(["train", "--config", config, "algo.eps=0.1", "--nproc", "2", "steps=3", "algo.eps=0.3", "--print-config"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "eps: 0.3" in out and "\nsteps: 3\n" in out and "world 2" in out
     assert main(["train", "--config", config, "--nproc", "2", "not-an-override", "--print-config"]) == 2
@@ -76,8 +78,10 @@ def test_overrides_may_follow_options(capsys):
 def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
     from stabledrl_mcore.common.errors import ConfigError
 
-    for argv in (["--debug", "train", "rollout.task=gsm9k", "--print-config"],
-                 ["train", "rollout.task=gsm9k", "--print-config", "--debug"]):
+    for argv in (
+        ["--debug", "train", "rollout.task=gsm9k", "--print-config"],
+        ["train", "rollout.task=gsm9k", "--print-config", "--debug"],
+    ):
         with pytest.raises(ConfigError, match="did you mean gsm8k"):
             main(argv)
     monkeypatch.setenv("STABLEDRL_DEBUG", "1")
@@ -88,21 +92,26 @@ def test_debug_shows_the_traceback_of_a_user_error(capsys, monkeypatch):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("first_type, code", [("stabledrl_mcore.common.errors.ConfigError", 2),
-                                              ("builtins.RuntimeError", 1)])
-def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(capsys, monkeypatch, first_type,
-                                                                                code):
+@pytest.mark.parametrize(
+    "first_type, code", [("stabledrl_mcore.common.errors.ConfigError", 2), ("builtins.RuntimeError", 1)]
+)
+def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(capsys, monkeypatch, first_type, code):
     """``--nproc``: the first failing rank's error once (exit 2 for input errors, 1 for bugs);
     ``--debug`` adds every rank's traceback."""
     from stabledrl_mcore.parallel import launch
 
     def failing_spawn(*args, **kwargs):
-        raise launch.WorkerFailed("rank 1: Boom: bad thing", "--- rank 1 ---\nTraceback (most recent call last)",
-                                  first_type=first_type, exit_codes=[-9, 1])
+        raise launch.WorkerFailed(
+            "rank 1: Boom: bad thing",
+            "--- rank 1 ---\nTraceback (most recent call last)",
+            first_type=first_type,
+            exit_codes=[-9, 1],
+        )
 
     monkeypatch.setattr(launch, "spawn", failing_spawn)
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
-                          "tiny_cpu.yaml")
+    config = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs", "tiny_cpu.yaml"
+    )
     assert main(["train", "--config", config, "--nproc", "2", "steps=1"]) == code
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["stabledrl train: error: rank 1: Boom: bad thing"]
@@ -112,15 +121,17 @@ def test_a_failing_rank_under_nproc_is_one_line_and_its_traceback_under_debug(ca
 
 def test_a_run_that_trained_nothing_is_one_line_and_exit_1(capsys, monkeypatch, tmp_path):
     """``SkippedUpdatesError`` (a run that cannot go on) reaches the console as one line, exit 1."""
-    from stabledrl_mcore.rl import trainer
     from stabledrl_mcore.engine.gradients import SkippedUpdatesError
+    from stabledrl_mcore.rl import trainer
 
     def diverged(config, overrides=()):
         raise SkippedUpdatesError("every one of this run's 4 optimizer updates was skipped (loss is nan)")
 
     monkeypatch.setattr(trainer, "train_rank", diverged)
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
-                          "tiny_cpu.yaml")
+    config = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs", "tiny_cpu.yaml"
+    )
     assert main(["train", "--config", config, f"logging.run_dir={tmp_path / 'run'}", "steps=1"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "stabledrl train: error: every one of this run's 4 optimizer updates was skipped (loss is nan)"]
+        "stabledrl train: error: every one of this run's 4 optimizer updates was skipped (loss is nan)"
+    ]

@@ -3,9 +3,9 @@
 import pytest
 import yaml
 
-from stabledrl_mcore.config.schema import RunConfig, load_config, save_config
-from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.config.schema import RunConfig, load_config, save_config
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -19,10 +19,14 @@ def test_defaults_validate_and_round_trip(tmp_path):
 
 def test_yaml_and_dotted_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"algo": {"eps": 0.3}, "optim": {"betas": [0.9, 0.95]},
-                                    "model": {"overrides": {"num_layers": 2}}}))
-    cfg = load_config(str(path), ["algo.eps=0.1", "parallel.tensor_parallel=2",
-                                  "algo.ratio_noise=student_t", "optim.lr=3e-5"])
+    path.write_text(
+        yaml.safe_dump(
+            {"algo": {"eps": 0.3}, "optim": {"betas": [0.9, 0.95]}, "model": {"overrides": {"num_layers": 2}}}
+        )
+    )
+    cfg = load_config(
+        str(path), ["algo.eps=0.1", "parallel.tensor_parallel=2", "algo.ratio_noise=student_t", "optim.lr=3e-5"]
+    )
     assert cfg.algo.eps == 0.1 and cfg.parallel.tensor_parallel == 2
     assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.lr == 3e-5
     assert cfg.model.overrides == {"num_layers": 2}
@@ -103,7 +107,17 @@ def test_algorithm_fields_that_would_be_ignored_are_refused():
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, list(overrides))
-    ok = load_config(None, ["algo.loss=spg", "algo.likelihood=spg", "algo.spg_beta=2.0",
-                            "algo.loss_options={aggregation: length_weighted}", "algo.kl_coef=0.01",
-                            "algo.kl_estimator=k2", "algo.mask_scheme=block_random", "algo.post_eos=mask_and_skip"])
+    ok = load_config(
+        None,
+        [
+            "algo.loss=spg",
+            "algo.likelihood=spg",
+            "algo.spg_beta=2.0",
+            "algo.loss_options={aggregation: length_weighted}",
+            "algo.kl_coef=0.01",
+            "algo.kl_estimator=k2",
+            "algo.mask_scheme=block_random",
+            "algo.post_eos=mask_and_skip",
+        ],
+    )
     assert ok.algo.loss_options == {"aggregation": "length_weighted"} and ok.algo.spg_beta == 2.0

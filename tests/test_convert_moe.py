@@ -21,16 +21,32 @@ import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
-from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.parallel.launch import spawn
 
 TOL = 1e-4
-QWEN3_MOE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings", "attention_bias")
+QWEN3_MOE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "tie_word_embeddings",
+    "attention_bias",
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +70,7 @@ def qwen3_moe_reference(src):
 
     raw = json.load(open(os.path.join(src, "config.json")))
     config = Qwen3MoeConfig(**{k: raw[k] for k in QWEN3_MOE_KEYS}, router_aux_loss_coef=0.0)
-    model, info = Qwen3MoeForCausalLM.from_pretrained(src, config=config, dtype=torch.float32,
-                                                      output_loading_info=True)
+    model, info = Qwen3MoeForCausalLM.from_pretrained(src, config=config, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     # from_pretrained leaves the RoPE buffers unset in a process running torch.distributed + cpu_compat
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
@@ -63,8 +78,9 @@ def qwen3_moe_reference(src):
 
 
 def reference_logits(src, ids):
-    from stabledrl_mcore.models import block_causal_mask
     from test_models_hf import hf_logits
+
+    from stabledrl_mcore.models import block_causal_mask
 
     model, block = qwen3_moe_reference(src)
     with torch.no_grad():
@@ -81,16 +97,20 @@ def test_config_fields_and_refusals(moe, capsys):
     _, src, ckpt, _ = moe
     raw = json.load(open(os.path.join(src, "config.json")))
     cfg = hfc.hf_to_dllm_config(raw)
-    assert (cfg.arch, cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_norm_topk_prob) \
-        == ("sdar", 4, 2, 24, True)
+    assert (cfg.arch, cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_norm_topk_prob) == (
+        "sdar",
+        4,
+        2,
+        24,
+        True,
+    )
     assert cfg.moe_aux_loss_coeff == 0.0 and raw["router_aux_loss_coef"] == 0.001  # not imported
     for arch_name in ("SDARMoeForCausalLM", "Qwen3MoeForCausalLM"):  # no model_type: the class says it
         alone = {k: v for k, v in raw.items() if k != "model_type"}
         assert hfc.hf_to_dllm_config(dict(alone, architectures=[arch_name])) == cfg
     assert hfc.hf_to_dllm_config(dict(raw, model_type="qwen3_moe")) == cfg
     assert not hfc.hf_to_dllm_config(dict(raw, norm_topk_prob=None)).moe_norm_topk_prob  # Qwen3MoeConfig default
-    for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
-                       ("shared_expert_intermediate_size", 64)):
+    for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("shared_expert_intermediate_size", 64)):
         with pytest.raises(ConversionError, match=f"'{key}' = .* not supported: .*decoder_sparse_step 1"):
             hfc.hf_to_dllm_config(dict(raw, **{key: value}))
     with pytest.raises(ConversionError, match="'moe_intermediate_size'"):
@@ -111,8 +131,9 @@ def test_config_fields_and_refusals(moe, capsys):
         conv.check_preset_shape(cfg, "sdar-moe-tiny")
     parser = argparse.ArgumentParser()
     convert_cmd.add_convert_arguments(parser)
-    args = parser.parse_args(["hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", src + "_ep3",
-                              "--ep", "3", "--no-progress"])
+    args = parser.parse_args(
+        ["hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", src + "_ep3", "--ep", "3", "--no-progress"]
+    )
     assert convert_cmd.run_convert(args) == 2 and not os.path.exists(src + "_ep3")  # refused before writing
     assert "num_experts (4) is not divisible by --ep 3" in capsys.readouterr().err
 
@@ -125,8 +146,11 @@ def test_checkpoint_layout(moe):
     assert tuple(meta["decoder.layers.mlp.router.weight"].global_shape) == (2, 4, 32)
     assert tuple(meta["decoder.layers.mlp.experts.experts.linear_fc1.weight"].global_shape) == (2, 4, 48, 32)
     assert tuple(meta["decoder.layers.mlp.experts.experts.linear_fc2.weight"].global_shape) == (2, 4, 32, 24)
-    assert not [k for k in meta if k.startswith("decoder.layers.mlp.linear_fc") and k.endswith(".weight")
-                and "layer_norm" not in k]  # no dense MLP
+    assert not [
+        k
+        for k in meta
+        if k.startswith("decoder.layers.mlp.linear_fc") and k.endswith(".weight") and "layer_norm" not in k
+    ]  # no dense MLP
 
 
 def test_full_size_key_set():
@@ -181,8 +205,9 @@ def _ep2_tp2_worker(root, src, ckpt):
     for (key, a), (_, b) in zip(model.state_dict().items(), direct.state_dict().items()):
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b), key
     with torch.no_grad():
-        logits = model(torch.load(os.path.join(root, "ids.pt")), None,
-                       AttentionLayout.block_causal(info.config.block_size))
+        logits = model(
+            torch.load(os.path.join(root, "ids.pt")), None, AttentionLayout.block_causal(info.config.block_size)
+        )
     torch.save(logits, os.path.join(root, f"logits_rank{torch.distributed.get_rank()}.pt"))
     assert ps.get_expert_model_parallel_world_size() == 2
     save_model_checkpoint(model, os.path.join(root, "resaved"), hf_assets=os.path.join(ckpt, "hf"))
@@ -209,8 +234,9 @@ def test_ep2_tp2_load_forward_save_and_back(moe):
         assert got_t[key].dtype == want_t[key].dtype and torch.equal(got_t[key], want_t[key]), key
     raw_src = json.load(open(os.path.join(src, "config.json")))
     raw_back = json.load(open(os.path.join(back, "config.json")))
-    assert {k: v for k, v in raw_back.items() if k != "torch_dtype"} == \
-        {k: v for k, v in raw_src.items() if k != "torch_dtype"}
+    assert {k: v for k, v in raw_back.items() if k != "torch_dtype"} == {
+        k: v for k, v in raw_src.items() if k != "torch_dtype"
+    }
     assert {"modeling_sdar_moe.py", "configuration_sdar_moe.py", "tokenizer.json"} <= set(os.listdir(back))
 
 
@@ -222,7 +248,9 @@ def test_docs_tables_are_generated_from_mappings():
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
     assert tables.stale_tables(os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")) == []
-    assert "`decoder.layers.{i}.mlp.router.weight` | `model.layers.{i}.mlp.gate.weight`" in tables.all_tables()["sdar-moe"]
+    assert (
+        "`decoder.layers.{i}.mlp.router.weight` | `model.layers.{i}.mlp.gate.weight`" in tables.all_tables()["sdar-moe"]
+    )
 
 
 def test_expert_names():

@@ -35,17 +35,21 @@ def _pipeline_logits(model, ids, layout):
 
     with torch.no_grad():
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
-            num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
-            forward_only=True)
+            forward_step_func=forward_step,
+            data_iterator=iter([ids]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=ids.shape[1],
+            micro_batch_size=ids.shape[0],
+            forward_only=True,
+        )
 
 
 def _tp2pp2_worker(root):
     from megatron.core import parallel_state as ps
 
     from stabledrl_mcore.checkpoint.loader import load_hf_weights
-    from stabledrl_mcore.checkpoint.mcore_io import (load_model_weights, read_checkpoint_info,
-                                                     save_model_checkpoint)
+    from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, read_checkpoint_info, save_model_checkpoint
     from stabledrl_mcore.models import AttentionLayout, build_model
     from stabledrl_mcore.parallel import bootstrap
 
@@ -64,8 +68,9 @@ def _tp2pp2_worker(root):
         result = _pipeline_logits(model, torch.load(os.path.join(root, "ids.pt")), layout)
         if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
             torch.save(result[0]["logits"], os.path.join(root, f"{name}_tp2pp2_logits.pt"))
-        save_model_checkpoint(model, os.path.join(root, f"{name}_resaved"),
-                              hf_assets=os.path.join(ckpt, "hf"), tied=info.tied_embeddings)
+        save_model_checkpoint(
+            model, os.path.join(root, f"{name}_resaved"), hf_assets=os.path.join(ckpt, "hf"), tied=info.tied_embeddings
+        )
 
 
 @pytest.mark.multiprocess

@@ -10,9 +10,9 @@ import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
-from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.hf_config import hf_to_dllm_config
+from stabledrl_mcore.cli import convert as convert_cmd
 
 TOL = 1e-4
 CASES = {  # name: (arch, fixture options); fp32 for logit parity, bf16 + shards for the way back
@@ -34,8 +34,7 @@ def converted(tmp_path_factory):
     for name, (arch, options) in CASES.items():
         src = write_hf_checkpoint(str(root / f"{name}_hf"), arch, seed=len(out), **options)
         ckpt = conv.hf_to_mcore(src, str(root / f"{name}_mcore"), model=arch, progress=False)
-        back = conv.mcore_to_hf(ckpt, str(root / f"{name}_back"), max_shard_bytes=30_000,
-                                progress=False)
+        back = conv.mcore_to_hf(ckpt, str(root / f"{name}_back"), max_shard_bytes=30_000, progress=False)
         out[name] = (src, ckpt, back)
     yield out
     bootstrap.destroy()
@@ -55,8 +54,11 @@ def test_round_trip_is_bit_identical(converted, name):
     assert hf_to_dllm_config(raw_back) == hf_to_dllm_config(raw_src)
     assert all(raw_back[k] == v for k, v in raw_src.items() if k != "torch_dtype"), "upstream keys kept"
     copied = {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
-    copied |= {"modeling_llada.py", "configuration_llada.py"} if name == "llada" else \
-        {"modeling_sdar.py", "configuration_sdar.py"}
+    copied |= (
+        {"modeling_llada.py", "configuration_llada.py"}
+        if name == "llada"
+        else {"modeling_sdar.py", "configuration_sdar.py"}
+    )
     assert copied <= set(os.listdir(back)) and copied <= set(os.listdir(os.path.join(ckpt, "hf")))
 
 
@@ -66,8 +68,7 @@ def test_converted_checkpoint_layout(converted):
     _, ckpt, _ = converted["llada"]
     marker = json.load(open(os.path.join(ckpt, "stabledrl_model.json")))
     assert marker["format"] == "stabledrl-mcore-model" and marker["arch"] == "llada"
-    assert marker["dtype"] == "fp32" and marker["suggested_layout"] == {"tensor_parallel": 1,
-                                                                         "pipeline_parallel": 1}
+    assert marker["dtype"] == "fp32" and marker["suggested_layout"] == {"tensor_parallel": 1, "pipeline_parallel": 1}
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
     assert tuple(meta["decoder.layers.self_attention.linear_qkv.weight"].global_shape) == (4, 96, 32)
     assert tuple(meta["decoder.layers.mlp.linear_fc1.weight"].global_shape) == (4, 96, 32)
@@ -122,10 +123,19 @@ def test_exported_directory_loads_in_transformers(converted):
 
     _, _, back = converted["sdar_bf16_sharded"]
     raw = json.load(open(os.path.join(back, "config.json")))
-    fields = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                  "num_attention_heads", "num_key_value_heads", "head_dim")}
-    model, info = Qwen3ForCausalLM.from_pretrained(back, config=Qwen3Config(**fields),
-                                                   output_loading_info=True)
+    fields = {
+        k: raw[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    }
+    model, info = Qwen3ForCausalLM.from_pretrained(back, config=Qwen3Config(**fields), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tok = AutoTokenizer.from_pretrained(back)
     assert tok.convert_tokens_to_ids("<|MASK|>") == raw["mask_token_id"]
@@ -135,8 +145,7 @@ def test_vocab_padding_is_stored_and_removed(converted, tmp_path):
     from megatron.core import dist_checkpointing
 
     src = converted["llada"][0]
-    ckpt = conv.hf_to_mcore(src, str(tmp_path / "padded"), model="llada", vocab_multiple=16,
-                            tp=2, pp=2, progress=False)
+    ckpt = conv.hf_to_mcore(src, str(tmp_path / "padded"), model="llada", vocab_multiple=16, tp=2, pp=2, progress=False)
     meta = dist_checkpointing.load_tensors_metadata(ckpt)
     assert tuple(meta["embedding.word_embeddings.weight"].global_shape) == (112, 32)
     assert tuple(meta["output_layer.weight"].global_shape) == (112, 32)
@@ -154,19 +163,49 @@ def _cli(*argv):
 def test_cli_verify_overwrite_and_exit_codes(converted, tmp_path, capsys):
     src, ckpt, _ = converted["sdar_tied"]
     out = str(tmp_path / "ckpt")
-    assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", out, "--tp", "2",
-                "--pp", "2", "--dtype", "bf16", "--verify", "--tolerance", "0.05", "--no-progress") == 0
+    assert (
+        _cli(
+            "hf-to-mcore",
+            "--model",
+            "sdar",
+            "--hf-dir",
+            src,
+            "--out",
+            out,
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dtype",
+            "bf16",
+            "--verify",
+            "--tolerance",
+            "0.05",
+            "--no-progress",
+        )
+        == 0
+    )
     assert "verify: max abs logit difference" in capsys.readouterr().out
     assert json.load(open(os.path.join(out, "stabledrl_model.json")))["dtype"] == "bf16"
     assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", out) == 2
     assert "not empty" in capsys.readouterr().err
-    assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", out, "--overwrite",
-                "--no-progress") == 0
+    assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", src, "--out", out, "--overwrite", "--no-progress") == 0
     assert json.load(open(os.path.join(out, "stabledrl_model.json")))["dtype"] == "fp32"
-    assert _cli("mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "hf"), "--verify",
-                "--tolerance", "-1", "--no-progress") == 1, "a negative tolerance cannot be met"
-    assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", str(tmp_path / "nope"),
-                "--out", str(tmp_path / "x")) == 2
+    assert (
+        _cli(
+            "mcore-to-hf",
+            "--ckpt",
+            ckpt,
+            "--out",
+            str(tmp_path / "hf"),
+            "--verify",
+            "--tolerance",
+            "-1",
+            "--no-progress",
+        )
+        == 1
+    ), "a negative tolerance cannot be met"
+    assert _cli("hf-to-mcore", "--model", "sdar", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x")) == 2
 
 
 def test_remote_reference_fails_with_a_clear_message(converted):
@@ -204,12 +243,45 @@ def test_tool_script_runs_as_its_own_process(converted, tmp_path):
     src = converted["llada"][0]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tool = os.path.join(root, "tools", "convert_checkpoint.py")
-    run = subprocess.run([sys.executable, tool, "hf-to-mcore", "--model", "llada", "--hf-dir", src,
-                          "--out", str(tmp_path / "ckpt"), "--tp", "2", "--pp", "2", "--no-progress"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "hf-to-mcore",
+            "--model",
+            "llada",
+            "--hf-dir",
+            src,
+            "--out",
+            str(tmp_path / "ckpt"),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert os.path.isfile(tmp_path / "ckpt" / "stabledrl_model.json")
-    bad = subprocess.run([sys.executable, tool, "hf-to-mcore", "--model", "llada", "--hf-dir", src,
-                          "--out", str(tmp_path / "x"), "--pp", "3"], capture_output=True, text=True,
-                         timeout=600)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "hf-to-mcore",
+            "--model",
+            "llada",
+            "--hf-dir",
+            src,
+            "--out",
+            str(tmp_path / "x"),
+            "--pp",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "num_layers (4) is not divisible by 3" in bad.stderr

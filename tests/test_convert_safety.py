@@ -16,8 +16,8 @@ import torch
 from hf_fixtures import upstream_config, upstream_shapes, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint import convert as conv
-from stabledrl_mcore.cli import convert as convert_cmd
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.cli import convert as convert_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER0_UP = "model.transformer.blocks.0.up_proj.weight"
@@ -32,8 +32,10 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("safety")
     bad = torch.full(upstream_shapes("llada", upstream_config("llada"))[LAYER0_UP], 0.01)
     bad[0, 0], bad[1, 1] = float("nan"), float("inf")
-    yield {"clean": write_hf_checkpoint(str(root / "clean"), "llada"),
-           "nonfinite": write_hf_checkpoint(str(root / "nonfinite"), "llada", extra={LAYER0_UP: bad})}
+    yield {
+        "clean": write_hf_checkpoint(str(root / "clean"), "llada"),
+        "nonfinite": write_hf_checkpoint(str(root / "nonfinite"), "llada", extra={LAYER0_UP: bad}),
+    }
     bootstrap.destroy()
     cpu_compat.disable()
 
@@ -50,13 +52,24 @@ def _leftovers(directory):
 
 def test_nonfinite_weights_are_refused_by_name_unless_allowed(sources, tmp_path, capsys):
     out = str(tmp_path / "mcore")
-    assert _cli("hf-to-mcore", "--model", "llada", "--hf-dir", sources["nonfinite"], "--out", out,
-                "--no-progress") == 2
+    assert _cli("hf-to-mcore", "--model", "llada", "--hf-dir", sources["nonfinite"], "--out", out, "--no-progress") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"'{LAYER0_UP}' holds 1 NaN and 1 inf" in err
     assert "--allow-nonfinite" in err and not os.path.exists(out) and _leftovers(tmp_path) == []
-    assert _cli("hf-to-mcore", "--model", "llada", "--hf-dir", sources["nonfinite"], "--out", out,
-                "--no-progress", "--allow-nonfinite") == 0
+    assert (
+        _cli(
+            "hf-to-mcore",
+            "--model",
+            "llada",
+            "--hf-dir",
+            sources["nonfinite"],
+            "--out",
+            out,
+            "--no-progress",
+            "--allow-nonfinite",
+        )
+        == 0
+    )
     with pytest.raises(ConversionError, match=r"tensor 'decoder\.layers\.0\.mlp\.linear_fc1\.weight' holds 1 NaN"):
         conv.mcore_to_hf(out, str(tmp_path / "hf"), progress=False)
     assert not os.path.exists(tmp_path / "hf") and _leftovers(tmp_path) == []
@@ -68,8 +81,11 @@ def test_failed_verify_writes_nothing_and_keeps_an_existing_output(sources, tmp_
     args = ("hf-to-mcore", "--model", "llada", "--hf-dir", sources["clean"], "--out", out, "--no-progress")
     assert _cli(*args, "--verify", "--tolerance", "-1") == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("stabledrl convert: error: --verify: max abs logit difference") and \
-        "nothing was written" in err and len(err.splitlines()) == 1
+    assert (
+        err.startswith("stabledrl convert: error: --verify: max abs logit difference")
+        and "nothing was written" in err
+        and len(err.splitlines()) == 1
+    )
     assert not os.path.exists(out) and _leftovers(tmp_path) == []
     assert _cli(*args) == 0
     before = open(os.path.join(out, "stabledrl_model.json")).read()
@@ -79,11 +95,18 @@ def test_failed_verify_writes_nothing_and_keeps_an_existing_output(sources, tmp_
 
 
 def test_sigterm_removes_the_temporary_output(sources, tmp_path, monkeypatch):
-    monkeypatch.setattr(conv, "_fault_injection_pause", lambda: (os.kill(os.getpid(), signal.SIGTERM),
-                                                                  time.sleep(5)))
+    monkeypatch.setattr(conv, "_fault_injection_pause", lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))
     with pytest.raises(SystemExit) as info:
-        _cli("hf-to-mcore", "--model", "llada", "--hf-dir", sources["clean"], "--out", str(tmp_path / "m"),
-             "--no-progress")
+        _cli(
+            "hf-to-mcore",
+            "--model",
+            "llada",
+            "--hf-dir",
+            sources["clean"],
+            "--out",
+            str(tmp_path / "m"),
+            "--no-progress",
+        )
     assert info.value.code == 128 + signal.SIGTERM and os.listdir(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
 
@@ -92,8 +115,20 @@ def test_sigkilled_conversion_leaves_no_process_and_the_next_run_removes_its_own
     import psutil
 
     out = tmp_path / "mcore"
-    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "convert", "hf-to-mcore", "--model", "llada",
-           "--hf-dir", sources["clean"], "--out", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stabledrl_mcore.cli",
+        "convert",
+        "hf-to-mcore",
+        "--model",
+        "llada",
+        "--hf-dir",
+        sources["clean"],
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     env = dict(os.environ, STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT="60", PYTHONPATH=ROOT)
     proc, helpers = subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True), []
     try:
@@ -122,10 +157,11 @@ def test_sigkilled_conversion_leaves_no_process_and_the_next_run_removes_its_own
     stale = _leftovers(tmp_path)
     assert len(stale) == 2 and stale[1] == stale[0] + ".owner.json", stale
     foreign = tmp_path / ".tmp-mcore-someone-else"  # no owner file: not ours
-    live = tmp_path / ".tmp-mcore-still-writing"    # owner alive (this process)
+    live = tmp_path / ".tmp-mcore-still-writing"  # owner alive (this process)
     foreign.mkdir()
     live.mkdir()
-    (tmp_path / ".tmp-mcore-still-writing.owner.json").write_text(json.dumps(
-        {"out": str(out), "host": socket.gethostname(), "pid": os.getpid()}))
+    (tmp_path / ".tmp-mcore-still-writing.owner.json").write_text(
+        json.dumps({"out": str(out), "host": socket.gethostname(), "pid": os.getpid()})
+    )
     conv.hf_to_mcore(sources["clean"], str(out), model="llada", progress=False)
     assert _leftovers(tmp_path) == sorted([foreign.name, live.name, live.name + ".owner.json"])

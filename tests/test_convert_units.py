@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from hf_fixtures import DROP, load_all, upstream_config, upstream_shapes, random_tensors, write_hf_checkpoint
+from hf_fixtures import DROP, load_all, random_tensors, upstream_config, upstream_shapes, write_hf_checkpoint
 
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
@@ -26,7 +26,8 @@ def test_config_round_trip_keeps_every_upstream_key(arch):
 @pytest.mark.parametrize("arch", ["llada", "sdar"])
 def test_learned_positions_and_segments_round_trip_through_config_and_tables(arch):
     cfg = hf_to_dllm_config(upstream_config(arch)).replace(
-        position_embedding="learned", segment_separator_id=7, num_segments=2)
+        position_embedding="learned", segment_separator_id=7, num_segments=2
+    )
     hf = dllm_to_hf_config(cfg)
     assert hf_to_dllm_config(hf) == cfg
     if arch == "llada":  # OLMo's own switch: rope false = a learned wpe table
@@ -65,17 +66,25 @@ def test_unknown_model_type_is_named():
         hf_to_dllm_config(upstream_config("llada", model_type="llama"))
 
 
-@pytest.mark.parametrize("arch,field", [("llada", "d_model"), ("llada", "mlp_hidden_size"),
-                                        ("llada", "mask_token_id"), ("sdar", "intermediate_size"),
-                                        ("sdar", "num_hidden_layers")])
+@pytest.mark.parametrize(
+    "arch,field",
+    [
+        ("llada", "d_model"),
+        ("llada", "mlp_hidden_size"),
+        ("llada", "mask_token_id"),
+        ("sdar", "intermediate_size"),
+        ("sdar", "num_hidden_layers"),
+    ],
+)
 def test_missing_field_is_named(arch, field):
     with pytest.raises(ConversionError, match=f"missing the required field '{field}'"):
         hf_to_dllm_config(upstream_config(arch, **{field: DROP}))
 
 
 def test_sdar_block_size_and_mask_default_with_warning(tmp_path):
-    src = write_hf_checkpoint(str(tmp_path / "sdar"), "sdar",
-                              config_overrides=dict(block_size=DROP, mask_token_id=DROP))
+    src = write_hf_checkpoint(
+        str(tmp_path / "sdar"), "sdar", config_overrides=dict(block_size=DROP, mask_token_id=DROP)
+    )
     raw = json.load(open(os.path.join(src, "config.json")))
     with pytest.warns(UserWarning) as record:
         cfg = hf_to_dllm_config(raw, source_dir=src)
@@ -84,9 +93,16 @@ def test_sdar_block_size_and_mask_default_with_warning(tmp_path):
     assert cfg.block_size == 4 and cfg.mask_token_id == 127  # <|MASK|> found in tokenizer.json
 
 
-@pytest.mark.parametrize("arch,key,value", [("llada", "alibi", True), ("llada", "include_bias", True),
-                                            ("llada", "activation_type", "gelu"),
-                                            ("sdar", "hidden_act", "gelu"), ("sdar", "attention_bias", True)])
+@pytest.mark.parametrize(
+    "arch,key,value",
+    [
+        ("llada", "alibi", True),
+        ("llada", "include_bias", True),
+        ("llada", "activation_type", "gelu"),
+        ("sdar", "hidden_act", "gelu"),
+        ("sdar", "attention_bias", True),
+    ],
+)
 def test_unsupported_architecture_switch_is_named(arch, key, value):
     with pytest.raises(ConversionError, match=f"'{key}'"):
         hf_to_dllm_config(upstream_config(arch, **{key: value}))
@@ -94,8 +110,12 @@ def test_unsupported_architecture_switch_is_named(arch, key, value):
 
 # ------------------------------------------------------------------------------ safetensors
 def test_writer_shards_streams_and_indexes(tmp_path):
-    tensors = {"a.weight": torch.randn(64, 32).bfloat16(), "b.norm": torch.randn(32),
-               "c.weight": torch.randn(16, 8, dtype=torch.float64), "d.weight": torch.randn(100, 30)}
+    tensors = {
+        "a.weight": torch.randn(64, 32).bfloat16(),
+        "b.norm": torch.randn(32),
+        "c.weight": torch.randn(16, 8, dtype=torch.float64),
+        "d.weight": torch.randn(100, 30),
+    }
     plan = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     writer = SafetensorsWriter(str(tmp_path), plan, max_shard_bytes=5_000)  # d alone exceeds it
     with pytest.raises(ValueError, match="write order"):
@@ -145,15 +165,17 @@ def test_qkv_is_grouped_per_kv_group_and_fc1_is_gate_then_up():
     source = random_tensors(upstream_shapes("sdar", raw), seed=2)
     engine = MappingEngine(table_for("sdar"), cfg)
     p = "model.layers.1."
-    qkv = torch.cat(engine.to_megatron(engine.mapping("decoder.layers.1.self_attention.linear_qkv.weight"),
-                                       source.__getitem__))
+    qkv = torch.cat(
+        engine.to_megatron(engine.mapping("decoder.layers.1.self_attention.linear_qkv.weight"), source.__getitem__)
+    )
     q, k, v = (source[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
     d = 16
-    expected = torch.cat([q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    expected = torch.cat([q[0 : 2 * d], k[0:d], v[0:d], q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]])
     assert torch.equal(qkv, expected)
     fc1 = engine.to_megatron(engine.mapping("decoder.layers.1.mlp.linear_fc1.weight"), source.__getitem__)
-    assert torch.equal(torch.cat(fc1), torch.cat([source[p + "mlp.gate_proj.weight"],
-                                                  source[p + "mlp.up_proj.weight"]]))
+    assert torch.equal(
+        torch.cat(fc1), torch.cat([source[p + "mlp.gate_proj.weight"], source[p + "mlp.up_proj.weight"]])
+    )
 
 
 def test_vocab_rows_are_padded_with_zeros_and_cut_back():
@@ -174,14 +196,23 @@ def _convert(src, out, **kw):
     return hf_to_mcore(src, out, progress=False, **kw)
 
 
-@pytest.mark.parametrize("corruption,message", [
-    (dict(drop=["model.layers.2.self_attn.k_norm.weight"]),
-     r"missing tensor\(s\) 'model.layers.2.self_attn.k_norm.weight'"),
-    (dict(extra={"model.layers.0.self_attn.bias": torch.zeros(4)}),
-     r"unexpected tensor\(s\) 'model.layers.0.self_attn.bias'"),
-    (dict(reshape={"model.layers.3.mlp.up_proj.weight": (40, 32)}),
-     r"'model.layers.3.mlp.up_proj.weight' has shape \[40, 32\], expected \[48, 32\]"),
-])
+@pytest.mark.parametrize(
+    "corruption,message",
+    [
+        (
+            dict(drop=["model.layers.2.self_attn.k_norm.weight"]),
+            r"missing tensor\(s\) 'model.layers.2.self_attn.k_norm.weight'",
+        ),
+        (
+            dict(extra={"model.layers.0.self_attn.bias": torch.zeros(4)}),
+            r"unexpected tensor\(s\) 'model.layers.0.self_attn.bias'",
+        ),
+        (
+            dict(reshape={"model.layers.3.mlp.up_proj.weight": (40, 32)}),
+            r"'model.layers.3.mlp.up_proj.weight' has shape \[40, 32\], expected \[48, 32\]",
+        ),
+    ],
+)
 def test_bad_tensors_are_refused_before_writing(tmp_path, corruption, message):
     src = write_hf_checkpoint(str(tmp_path / "src"), "sdar", shards=2, **corruption)
     with pytest.raises(ConversionError, match=message):

@@ -21,12 +21,22 @@ def _snapshot():
 
     names = list(cpu_compat._FACTORIES)
     funcs = {f"torch.{n}": getattr(torch, n) for n in names}
-    funcs.update({f"torch.cuda.{n}": getattr(torch.cuda, n) for n in
-                  ("current_device", "synchronize", "get_rng_state", "set_rng_state",
-                   "manual_seed", "manual_seed_all", "empty_cache")})
+    funcs.update(
+        {
+            f"torch.cuda.{n}": getattr(torch.cuda, n)
+            for n in (
+                "current_device",
+                "synchronize",
+                "get_rng_state",
+                "set_rng_state",
+                "manual_seed",
+                "manual_seed_all",
+                "empty_cache",
+            )
+        }
+    )
     funcs.update({f"Tensor.{n}": getattr(torch.Tensor, n) for n in ("to", "cuda", "type")})
-    funcs.update({f"mpu.{n}": getattr(mpu_random, n) for n in
-                  ("_get_cuda_rng_state", "_set_cuda_rng_state")})
+    funcs.update({f"mpu.{n}": getattr(mpu_random, n) for n in ("_get_cuda_rng_state", "_set_cuda_rng_state")})
     return funcs
 
 

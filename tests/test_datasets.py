@@ -9,10 +9,9 @@ import datasets
 import pytest
 
 from stabledrl_mcore.cli.app import main
-from stabledrl_mcore.config.schema import load_config
-from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.cli.preflight import preflight
+from stabledrl_mcore.common.errors import DataError
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tasks.local_datasets import load_rows
 from stabledrl_mcore.tasks.qa import choice_letter
@@ -38,8 +37,13 @@ def _write(path, rows, fmt):
     return str(path)
 
 
-FORMATS = {"jsonl": "train.jsonl", "json": "train.json", "parquet": "train.parquet", "csv": "train.csv",
-           "save_to_disk": "saved"}
+FORMATS = {
+    "jsonl": "train.jsonl",
+    "json": "train.json",
+    "parquet": "train.parquet",
+    "csv": "train.csv",
+    "save_to_disk": "saved",
+}
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -63,25 +67,37 @@ def test_splits_from_a_folder_of_split_files_and_a_saved_dataset_dict(tmp_path):
     with pytest.raises(FileNotFoundError, match="no dev.jsonl/.json/.parquet/.csv for split 'dev'.*test.jsonl"):
         task.load("dev", path=str(folder))
     saved = tmp_path / "dict"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
-                          "test": datasets.Dataset.from_list(ROWS[:1])}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}
+    ).save_to_disk(str(saved))
     assert [e.reference for e in task.load("test", path=str(saved))] == ["5"]
     with pytest.raises(DataError, match=rf"{saved}: no split 'dev'; its splits: train, test"):
         task.load("dev", path=str(saved))
     # the config: rollout.split picks the training split of a folder
-    cfg = load_config(CONFIG, ["rollout.task=qa", f"rollout.data_path={folder}", "rollout.prompt_key=q",
-                               "rollout.answer_key=a", "rollout.split=test"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "rollout.task=qa",
+            f"rollout.data_path={folder}",
+            "rollout.prompt_key=q",
+            "rollout.answer_key=a",
+            "rollout.split=test",
+        ],
+    )
     assert preflight(cfg).train_examples == 1
 
 
-@pytest.mark.parametrize("fmt, row, where, message", [
-    ("jsonl", {"q": "fine?"}, "train.jsonl:2", "missing field(s) ['a']"),
-    ("jsonl", {"q": "  ", "a": "1"}, "train.jsonl:2", "field 'q' is empty"),
-    ("json", {"q": ["a", "list"], "a": "1"}, "train.json row 1", "field 'q' is a list, not a string"),
-    ("parquet", {"q": "ok", "a": None}, "train.parquet row 1", "field 'a' is empty (null)"),
-    ("csv", {"q": "ok", "a": ""}, "train.csv:3 (row 1)", "field 'a' is empty"),
-    ("save_to_disk", {"q": "ok", "a": None}, "saved row 1", "field 'a' is empty (null)"),
-])
+@pytest.mark.parametrize(
+    "fmt, row, where, message",
+    [
+        ("jsonl", {"q": "fine?"}, "train.jsonl:2", "missing field(s) ['a']"),
+        ("jsonl", {"q": "  ", "a": "1"}, "train.jsonl:2", "field 'q' is empty"),
+        ("json", {"q": ["a", "list"], "a": "1"}, "train.json row 1", "field 'q' is a list, not a string"),
+        ("parquet", {"q": "ok", "a": None}, "train.parquet row 1", "field 'a' is empty (null)"),
+        ("csv", {"q": "ok", "a": ""}, "train.csv:3 (row 1)", "field 'a' is empty"),
+        ("save_to_disk", {"q": "ok", "a": None}, "saved row 1", "field 'a' is empty (null)"),
+    ],
+)
 def test_a_bad_row_is_named_by_file_and_line_or_row(tmp_path, fmt, row, where, message):
     path = _write(tmp_path / FORMATS[fmt], [ROWS[0], row], fmt)
     with pytest.raises(DataError) as err:
@@ -115,15 +131,29 @@ def test_gsm8k_is_a_preset_reading_any_format_and_renamed_columns(tmp_path):
 
 def test_the_config_fields_reach_the_task_and_misfits_are_refused(tmp_path, capsys):
     path = _write(tmp_path / "train.csv", ROWS, "csv")
-    cfg = load_config(CONFIG, ["rollout.task=qa", f"rollout.data_path={path}", "rollout.prompt_key=q",
-                               "rollout.answer_key=a", "rollout.task_options.verifier=exact"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "rollout.task=qa",
+            f"rollout.data_path={path}",
+            "rollout.prompt_key=q",
+            "rollout.answer_key=a",
+            "rollout.task_options.verifier=exact",
+        ],
+    )
     assert preflight(cfg).train_examples == 2
-    for extra, message in ((["rollout.prompt_key=q"], "rollout.prompt_key=q: task sudoku generates"),
-                           (["rollout.task=qa", "rollout.task_options.verifier=numerc"],
-                            "unknown verifier 'numerc'; did you mean numeric?"),
-                           (["rollout.task=qa", "rollout.reward_timeout_s=3"], "set rollout.reward_fn too"),
-                           (["rollout.task=qa", "rollout.answer_key=a", "rollout.task_options.answer_key=b"],
-                            "rollout.answer_key and rollout.task_options.answer_key both set")):
+    for extra, message in (
+        (["rollout.prompt_key=q"], "rollout.prompt_key=q: task sudoku generates"),
+        (
+            ["rollout.task=qa", "rollout.task_options.verifier=numerc"],
+            "unknown verifier 'numerc'; did you mean numeric?",
+        ),
+        (["rollout.task=qa", "rollout.reward_timeout_s=3"], "set rollout.reward_fn too"),
+        (
+            ["rollout.task=qa", "rollout.answer_key=a", "rollout.task_options.answer_key=b"],
+            "rollout.answer_key and rollout.task_options.answer_key both set",
+        ),
+    ):
         assert main(["train", "--config", CONFIG, *extra, "--print-config"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
@@ -166,8 +196,10 @@ def test_verifier_references_are_checked_per_row_and_pattern_extracts(tmp_path):
 
 
 def test_aime_2024_and_2025_in_their_public_formats(tmp_path):
-    rows_2024 = [{"ID": "2024-I-1", "Problem": "Find x.", "Solution": "... so 204.", "Answer": 204},
-                 {"ID": "2024-I-2", "Problem": "Find y.", "Solution": "...", "Answer": 25}]
+    rows_2024 = [
+        {"ID": "2024-I-1", "Problem": "Find x.", "Solution": "... so 204.", "Answer": 204},
+        {"ID": "2024-I-2", "Problem": "Find y.", "Solution": "...", "Answer": 25},
+    ]
     (tmp_path / "aime2024").mkdir()
     _write(tmp_path / "aime2024" / "test.parquet", rows_2024, "parquet")
     task = get_task("aime2024", data_root=str(tmp_path))
@@ -175,8 +207,11 @@ def test_aime_2024_and_2025_in_their_public_formats(tmp_path):
     assert [e.reference for e in examples] == ["204", "25"] and examples[0].meta["ID"] == "2024-I-1"
     assert task.reward("so \\boxed{204}", "204") == 1.0 and task.reward("\\boxed{025}", "25") == 1.0
     assert task.reward("\\boxed{205}", "204") == 0.0
-    path = _write(tmp_path / "aime2025.jsonl", [{"question": "Find z.", "answer": "70"},
-                                                {"question": "Find w.", "answer": "1000"}], "jsonl")
+    path = _write(
+        tmp_path / "aime2025.jsonl",
+        [{"question": "Find z.", "answer": "70"}, {"question": "Find w.", "answer": "1000"}],
+        "jsonl",
+    )
     with pytest.raises(DataError, match=r"aime2025.jsonl:2: AIME answer must be an integer 0-999, got '1000'"):
         get_task("aime2025").load("test", path=path)
     with pytest.raises(FileNotFoundError, match="opencompass/AIME2025"):
@@ -187,8 +222,14 @@ def test_qa_and_aime_verifiers_survive_hostile_completions():
     """Model output is hostile: huge, unbalanced, nested or binary text scores in range, quickly."""
     import time
 
-    hostile = ["\\boxed{" * 5000, "<answer>" + "(" * 3000 + "</answer>", "\\boxed{" + "9" * 5000 + "}",
-               "<answer>" + "a" * 10000 + "!</answer>", "\x00\xff\\boxed{\\frac{1}{0}}", "Answer: " * 2000]
+    hostile = [
+        "\\boxed{" * 5000,
+        "<answer>" + "(" * 3000 + "</answer>",
+        "\\boxed{" + "9" * 5000 + "}",
+        "<answer>" + "a" * 10000 + "!</answer>",
+        "\x00\xff\\boxed{\\frac{1}{0}}",
+        "Answer: " * 2000,
+    ]
     tasks = [get_task("qa", verifier=v) for v in VERIFIER_CASES] + [get_task("aime2024")]
     tasks.append(get_task("qa", verifier="exact", pattern=r"Answer:\s*(\S+)"))
     for task in tasks:

@@ -7,12 +7,10 @@ import contextlib
 
 import pytest
 import torch
+from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 from torch.overrides import TorchFunctionMode
 
-from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
-
-from stabledrl_mcore.diffusion import block_elbo_staircase, generate_llada, generate_sdar
-from stabledrl_mcore.diffusion import sampling_llada
+from stabledrl_mcore.diffusion import block_elbo_staircase, generate_llada, generate_sdar, sampling_llada
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.models import AttentionLayout, KVCache, build_model, get_preset, staircase_position_ids
 from stabledrl_mcore.models.masks import padding_mask
@@ -34,8 +32,10 @@ def test_logit_positions_equal_the_full_forward_at_the_read_positions(megatron_t
     if arch == "llada":
         cases = [(ids, None, padding_mask(valid)), (ids, None, None)]
     else:  # the staircase over [x_t | x_0] and the block-causal layout
-        cases = [(torch.cat([ids, ids], 1), staircase_position_ids(16), AttentionLayout.staircase(4)),
-                 (ids, None, AttentionLayout.block_causal(4, pad=(3, 0, 0)))]
+        cases = [
+            (torch.cat([ids, ids], 1), staircase_position_ids(16), AttentionLayout.staircase(4)),
+            (ids, None, AttentionLayout.block_causal(4, pad=(3, 0, 0))),
+        ]
     with torch.no_grad():
         for x, pos, mask in cases:
             full = model(x, position_ids=pos, attention_mask=mask)
@@ -132,8 +132,9 @@ class ConcatKVCache:
         self._length = length
 
     def repeat_interleave(self, repeats):
-        self._kv = {n: (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
-                    for n, (k, v) in self._kv.items()}
+        self._kv = {
+            n: (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)) for n, (k, v) in self._kv.items()
+        }
 
     def get(self, layer):
         return self._kv.get(layer) if self._length else None
@@ -162,40 +163,38 @@ def test_in_place_cache_equals_the_concatenating_cache_op_by_op():
                     assert torch.equal(a, b_)
             assert ours.length == ref.length and ours.offset == ref.offset
 
-        forward(2, 6, store=True)       # prefill
-        forward(2, 3)                   # denoising steps: attend, keep nothing
+        forward(2, 6, store=True)  # prefill
+        forward(2, 3)  # denoising steps: attend, keep nothing
         forward(2, 3)
-        forward(2, 3, store=True)       # the finished block
+        forward(2, 3, store=True)  # the finished block
         for n in (1, 2):
             assert all(torch.equal(a, b) for a, b in zip(ours.get(n), ref.get(n)))
         ours.truncate(5)
         ref.truncate(5)
         forward(2, 4)
-        ours.repeat_interleave(2)       # a prompt's prefix for its completions
+        ours.repeat_interleave(2)  # a prompt's prefix for its completions
         ref.repeat_interleave(2)
         forward(4, 3, store=True)
-        forward(4, 2, at=3)             # an LLaDA cached step: overwrite positions 3..4
+        forward(4, 2, at=3)  # an LLaDA cached step: overwrite positions 3..4
         forward(4, 2, at=3)
         forward(4, 9, store=True, at=0)  # refill from the start
         ours.reset()
         ref.reset()
         assert ours.get(1) is None
-        forward(1, 5, store=True)       # an emptied cache takes a new batch shape
+        forward(1, 5, store=True)  # an emptied cache takes a new batch shape
     with pytest.raises(ValueError, match="cannot write at position"):
         with KVCache().writing_at(1):
             pass
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-def test_llada_cached_decoding_with_the_in_place_cache_equals_the_concatenating_cache(megatron_tp1,
-                                                                                   monkeypatch, mode):
+def test_llada_cached_decoding_with_the_in_place_cache_equals_the_concatenating_cache(megatron_tp1, monkeypatch, mode):
     model = _model("llada-tiny")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 250, (2, 6), generator=g)
     valid = torch.ones(2, 6, dtype=torch.bool)
     valid[1, :2] = False
-    kw = dict(gen_length=12, steps=6, block_length=4, prompt_valid=valid, cache=mode, progress=False,
-              temperature=1.0)
+    kw = dict(gen_length=12, steps=6, block_length=4, prompt_valid=valid, cache=mode, progress=False, temperature=1.0)
     logits = {}
 
     def run(name):
@@ -229,8 +228,9 @@ def test_sdar_decoding_with_the_in_place_cache_equals_the_concatenating_cache(me
     valid[0, :1] = False
     kw = dict(gen_length=12, steps=2, prompt_valid=valid, progress=False, temperature=1.0, repeats=2)
     fast = generate_sdar(model, prompt, generator=torch.Generator().manual_seed(0), **kw)
-    slow = generate_sdar(model, prompt, generator=torch.Generator().manual_seed(0), kv_cache_factory=ConcatKVCache,
-                         **kw)
+    slow = generate_sdar(
+        model, prompt, generator=torch.Generator().manual_seed(0), kv_cache_factory=ConcatKVCache, **kw
+    )
     assert torch.equal(fast, slow)
 
 
@@ -262,33 +262,54 @@ def _reads_per_step(generate, model, prompt, **kw):
     return marks[0], [b - a for a, b in zip(marks, marks[1:])], reads.count - marks[-1]
 
 
-@pytest.mark.parametrize("options", [
-    dict(cache="none"),
-    dict(cache="dual", threshold=0.9, stop_at_eos=True),
-    dict(cache="prefix", threshold=0.5, temperature=1.0, repeats=4,
-         row_chunks=[(2, torch.Generator().manual_seed(1)), (2, torch.Generator().manual_seed(2))]),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(cache="none"),
+        dict(cache="dual", threshold=0.9, stop_at_eos=True),
+        dict(
+            cache="prefix",
+            threshold=0.5,
+            temperature=1.0,
+            repeats=4,
+            row_chunks=[(2, torch.Generator().manual_seed(1)), (2, torch.Generator().manual_seed(2))],
+        ),
+    ],
+)
 def test_llada_reads_the_device_at_most_once_per_step(megatron_tp1, options):
     model = _model("llada-tiny")
     prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(5))
-    before, steps, after = _reads_per_step(generate_llada, model, prompt, gen_length=16, steps=16,
-                                           block_length=4, **options)
+    before, steps, after = _reads_per_step(
+        generate_llada, model, prompt, gen_length=16, steps=16, block_length=4, **options
+    )
     assert before <= 1 and after <= 1
     assert steps and max(steps) <= 1, steps
 
 
-@pytest.mark.parametrize("options", [
-    dict(threshold=None),
-    dict(threshold=0.9, stop_at_eos=True, temperature=0.9),  # the SDAR recipe's sampler settings
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(threshold=None),
+        dict(threshold=0.9, stop_at_eos=True, temperature=0.9),  # the SDAR recipe's sampler settings
+    ],
+)
 def test_sdar_reads_the_device_at_most_once_per_step(megatron_tp1, options):
     """Chunked like the SDAR recipe's rollout (micro-batches of 2 rows in one group's batch)."""
     model = _model("sdar-tiny")
     prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(6))
     valid = torch.ones(1, 6, dtype=torch.bool)
     chunks = [(2, torch.Generator().manual_seed(k)) for k in range(4)]
-    before, steps, after = _reads_per_step(generate_sdar, model, prompt, gen_length=16, steps=4, repeats=8,
-                                           row_chunks=chunks, prompt_valid=valid, **options)
+    before, steps, after = _reads_per_step(
+        generate_sdar,
+        model,
+        prompt,
+        gen_length=16,
+        steps=4,
+        repeats=8,
+        row_chunks=chunks,
+        prompt_valid=valid,
+        **options,
+    )
     assert before <= 1 and after <= 1  # the prompt's pad counts
     assert steps and max(steps) <= 1, steps
 

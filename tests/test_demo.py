@@ -6,13 +6,18 @@ import sys
 import numpy as np
 import pytest
 
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.experiments.plots import plot_demo_curves, plot_stress
 from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, run_side_by_side
 from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, percentile, summarise_arm
-from stabledrl_mcore.experiments.tiny_sudoku import (TinySudoku, answer_separator_id,
-                                                     rl_overrides, sft_batches, tiny_model_config)
+from stabledrl_mcore.experiments.tiny_sudoku import (
+    TinySudoku,
+    answer_separator_id,
+    rl_overrides,
+    sft_batches,
+    tiny_model_config,
+)
 from stabledrl_mcore.models import segment_positions
-from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.tasks import get_task
 from stabledrl_mcore.tasks.tokenizer import train_sentencepiece
 
@@ -22,8 +27,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_sft_batches_mark_the_answer_and_eos(tmp_path):
     task = get_task("sudoku", prompt_style="compact")
     examples = task.load("train", n=8, seed=0)
-    tok = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in examples],
-                              str(tmp_path / "tok"), vocab_size=16)
+    tok = train_sentencepiece(
+        [task.prompt(e) + e.reference["solution"] for e in examples], str(tmp_path / "tok"), vocab_size=16
+    )
     ids, completion, gen_length = sft_batches(tok, task, examples)
     answer = len(tok.encode(examples[0].reference["solution"])) + 1  # the digits (+ word piece) + EOS
     assert gen_length == answer >= 17
@@ -37,8 +43,9 @@ def test_sft_batches_mark_the_answer_and_eos(tmp_path):
 def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path):
     task = get_task("sudoku", prompt_style="compact")
     examples = task.load("train", n=8, seed=0)
-    tok = train_sentencepiece([task.prompt(e) + e.reference["solution"] for e in examples],
-                              str(tmp_path / "tok"), vocab_size=16)
+    tok = train_sentencepiece(
+        [task.prompt(e) + e.reference["solution"] for e in examples], str(tmp_path / "tok"), vocab_size=16
+    )
     cfg = tiny_model_config(tok, TinySudoku())
     assert (cfg.position_embedding, cfg.num_segments, cfg.embedding_init_std) == ("learned", 2, 1.0)
     assert tok.decode([cfg.segment_separator_id]) == "=" == tok.decode([answer_separator_id(tok)])
@@ -47,7 +54,11 @@ def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path)
     digits = [c for c in "1234"]
     for row in range(ids.shape[0]):
         pieces = [tok.decode([i]) for i in ids[row].tolist()]
-        puzzle = [p for p, piece, a in zip(positions[row].tolist(), pieces, completion[row]) if not a and piece in digits + ["0"]]
+        puzzle = [
+            p
+            for p, piece, a in zip(positions[row].tolist(), pieces, completion[row])
+            if not a and piece in digits + ["0"]
+        ]
         answer = [p for p, piece, a in zip(positions[row].tolist(), pieces, completion[row]) if a and piece in digits]
         assert len(puzzle) == len(answer) == 16 and puzzle == answer, "cell i of puzzle and answer share a position"
         first_answer = int(completion[row].nonzero()[0])
@@ -65,21 +76,37 @@ def test_tiny_model_inputs_align_each_answer_cell_with_its_puzzle_cell(tmp_path)
 
 def test_rl_recipe_is_a_valid_config_with_a_separate_unlabelled_pool(tmp_path):
     sft = {"checkpoint": str(tmp_path / "ckpt"), "tokenizer": str(tmp_path / "tok"), "gen_length": 18}
-    cfg = load_config(None, rl_overrides(sft, str(tmp_path / "run"), seed=3, steps=7, nproc=2, eval_every=5,
-                                         eval_examples=40, rollout_steps=6))
+    cfg = load_config(
+        None,
+        rl_overrides(
+            sft, str(tmp_path / "run"), seed=3, steps=7, nproc=2, eval_every=5, eval_examples=40, rollout_steps=6
+        ),
+    )
     assert (cfg.rollout.data_seed, cfg.parallel.seed, cfg.eval.seed) == (1003, 3, 3)
     assert cfg.parallel.micro_batch_size == 64 and cfg.rollout.steps == 6 and cfg.eval.every == 5
     assert cfg.algo.likelihood == "elbo" and cfg.algo.num_mc == 2 and cfg.parallel.retain_update_graph
-    assert load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1,
-                                          likelihood="mean_field")).algo.likelihood == "mean_field"
-    curriculum = load_config(None, rl_overrides({**sft, "setting": {"rl_blanks": [8, 11]}}, "", seed=0,
-                                                steps=5, nproc=1, eval_every=0, eval_examples=1))
+    assert (
+        load_config(
+            None,
+            rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1, likelihood="mean_field"),
+        ).algo.likelihood
+        == "mean_field"
+    )
+    curriculum = load_config(
+        None,
+        rl_overrides(
+            {**sft, "setting": {"rl_blanks": [8, 11]}}, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1
+        ),
+    )
     assert curriculum.rollout.task_options == {"blanks": [8, 11]} and not cfg.rollout.task_options
     labelled = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=3)}
     pool = {e.reference["puzzle"] for e in get_task("sudoku").load("train", n=300, seed=1003)}
     assert len(labelled & pool) < 5, "the RL pool should not replay the labelled set"
-    stress = load_config(None, rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1)
-                         + arm_overrides("grpo", True, StressOptions(sigma=2.0)))
+    stress = load_config(
+        None,
+        rl_overrides(sft, "", seed=0, steps=5, nproc=1, eval_every=0, eval_examples=1)
+        + arm_overrides("grpo", True, StressOptions(sigma=2.0)),
+    )
     assert (stress.algo.loss, stress.algo.ratio_noise, stress.algo.ratio_noise_sigma) == ("grpo", "lognormal", 2.0)
     assert stress.algo.max_skipped_updates is None  # deliberate overflows are counted, not fatal
 
@@ -93,8 +120,15 @@ def test_percentile_matches_numpy():
 
 def test_summarise_arm_flags_collapse_and_spikes():
     steps = range(1, 41)
-    falling = [{"step": s, "reward_mean": 0.6 if s <= 10 else 0.05, "grad_norm": 50.0 if s == 20 else 0.5,
-                "clip_frac_high": 0.25} for s in steps]
+    falling = [
+        {
+            "step": s,
+            "reward_mean": 0.6 if s <= 10 else 0.05,
+            "grad_norm": 50.0 if s == 20 else 0.5,
+            "clip_frac_high": 0.25,
+        }
+        for s in steps
+    ]
     summary = summarise_arm(falling, algo="grpo", noisy=True, opts=StressOptions())
     assert summary["max_grad_norm"] == 50.0 and summary["median_grad_norm"] == 0.5
     assert summary["reward_start"] == pytest.approx(0.6) and summary["reward_end"] == pytest.approx(0.05)
@@ -104,8 +138,12 @@ def test_summarise_arm_flags_collapse_and_spikes():
 
 
 def test_eval_history_and_final_mean():
-    rows = [{"step": 0, "test_accuracy": 0.2}, {"step": 1, "reward_mean": 0.5},
-            {"step": 5, "reward_mean": 0.5, "test_accuracy": 0.3}, {"step": 10, "test_accuracy": 0.5}]
+    rows = [
+        {"step": 0, "test_accuracy": 0.2},
+        {"step": 1, "reward_mean": 0.5},
+        {"step": 5, "reward_mean": 0.5, "test_accuracy": 0.3},
+        {"step": 10, "test_accuracy": 0.5},
+    ]
     assert eval_history(rows) == [(0, 0.2), (5, 0.3), (10, 0.5)]
     assert mean_of_last([0.2, 0.3, 0.5], 2) == pytest.approx(0.4)
     assert mean_of_last([0.7], 3) == pytest.approx(0.7)
@@ -113,7 +151,8 @@ def test_eval_history_and_final_mean():
 
 def test_plots_write_png(tmp_path):
     rows = [{"step": 0, "test_accuracy": 0.2}] + [
-        {"step": s, "reward_mean": 0.5 + 0.01 * s, "grad_norm": 0.1} for s in range(1, 6)]
+        {"step": s, "reward_mean": 0.5 + 0.01 * s, "grad_norm": 0.1} for s in range(1, 6)
+    ]
     rows[-1]["test_accuracy"] = 0.3
     plot_demo_curves(rows, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
@@ -129,7 +168,6 @@ def test_side_by_side_runs_report_exit_codes_and_logs(tmp_path):
         configs.append(str(tmp_path / name / "rl_config.yaml"))
         (tmp_path / name / "rl_config.yaml").write_text(str(code))
     script = "import sys; c = open(sys.argv[-1]).read(); print('ran', c); sys.exit(int(c))"
-    codes = run_side_by_side(configs, parallel=2, poll=0.05,
-                             command=lambda path: [sys.executable, "-c", script, path])
+    codes = run_side_by_side(configs, parallel=2, poll=0.05, command=lambda path: [sys.executable, "-c", script, path])
     assert codes == [0, 3, 0]
     assert (tmp_path / "bad" / "train.log").read_text().strip() == "ran 3"

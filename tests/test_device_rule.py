@@ -18,7 +18,6 @@ import types
 
 import pytest
 import torch
-
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
 from stabledrl_mcore.parallel.launch import spawn
@@ -35,12 +34,19 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(chr(i - 3) if 3 <= i < 203 else "" for i in ids)
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
-SDAR_RECIPE_PATH = {"model.preset": "sdar-tiny", "algo.likelihood": "staircase", "rollout.threshold": 0.9,
-                    "model.recompute": True, "model.dtype": "bf16", "rollout.block_length": 4,
-                    "algo.num_mc": 1}
+SDAR_RECIPE_PATH = {
+    "model.preset": "sdar-tiny",
+    "algo.likelihood": "staircase",
+    "rollout.threshold": 0.9,
+    "model.recompute": True,
+    "model.dtype": "bf16",
+    "rollout.block_length": 4,
+    "algo.num_mc": 1,
+}
 
 
 def _audited_step(run_dir, extra):
@@ -52,10 +58,21 @@ def _audited_step(run_dir, extra):
     from stabledrl_mcore.rl.setup import build_training
     from stabledrl_mcore.rl.trainer import train
 
-    base = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "logging.progress": False,
-            "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.gen_length": 8,
-            "rollout.steps": 4, "rollout.block_length": 8, "parallel.micro_batch_size": 4, "steps": 1,
-            "eval.every": 1, "eval.num_examples": 4, "eval.micro_batch_size": 4}
+    base = {
+        "logging.run_dir": run_dir,
+        "logging.wandb_mode": "disabled",
+        "logging.progress": False,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "rollout.gen_length": 8,
+        "rollout.steps": 4,
+        "rollout.block_length": 8,
+        "parallel.micro_batch_size": 4,
+        "steps": 1,
+        "eval.every": 1,
+        "eval.num_examples": 4,
+        "eval.micro_batch_size": 4,
+    }
     base.update(extra)
     cfg = load_config(CONFIG, [f"{k}={v}" for k, v in base.items()])
     setup = build_training(cfg)
@@ -94,8 +111,11 @@ def test_audit_catches_a_missing_device():
         rollout.encode_prompts(Tok(), ["ab", "abc"])  # names device="cpu": fine
         rollout.completion_mask_until_eos(torch.zeros(2, 3, dtype=torch.long), 2)
     assert audit.findings == [] and audit.checked >= 2
-    code = compile("import torch\ndef make():\n    return torch.zeros(3), torch.Generator()\n",
-                   os.path.join(ROOT, "stabledrl_mcore", "fake_module.py"), "exec")
+    code = compile(
+        "import torch\ndef make():\n    return torch.zeros(3), torch.Generator()\n",
+        os.path.join(ROOT, "stabledrl_mcore", "fake_module.py"),
+        "exec",
+    )
     namespace: dict = {}
     exec(code, namespace)  # a function whose frames look like library code
     with DeviceAudit("cpu") as audit:
@@ -140,9 +160,19 @@ def test_rollouts_decode_in_eval_mode_under_recompute(megatron_tp1):
     task = get_task("sudoku", prompt_style="compact")
     examples = task.load("train", n=2, seed=0)
     batch = generate_rollouts(
-        model, CharTokenizer(), task, examples, group_size=2, gen_length=8, steps=2, block_length=4,
-        temperature=1.0, threshold=0.9, micro_batch=4,
-        chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k))
+        model,
+        CharTokenizer(),
+        task,
+        examples,
+        group_size=2,
+        gen_length=8,
+        steps=2,
+        block_length=4,
+        temperature=1.0,
+        threshold=0.9,
+        micro_batch=4,
+        chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k),
+    )
     assert batch.sequences.shape[0] == 4 and len(batch.completions) == 4
     assert model.training, "the training mode must be restored after the rollout"
 
@@ -186,8 +216,8 @@ class _SyncCounter(torch.overrides.TorchFunctionMode):
 
 
 def test_grads_finite_reduces_once_and_syncs_once(megatron_tp1, monkeypatch):
-    from stabledrl_mcore.models import build_model, get_preset
     from stabledrl_mcore.engine.gradients import grads_finite
+    from stabledrl_mcore.models import build_model, get_preset
 
     model = build_model(get_preset("llada-tiny"))
     params = list(model.parameters())

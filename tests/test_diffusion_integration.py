@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from test_diffusion_sampling import naive_llada, recorder
 
+from stabledrl_mcore import models  # a project module that fails to import fails this module
 from stabledrl_mcore.diffusion import (
     block_elbo_loop,
     block_elbo_staircase,
@@ -13,8 +13,6 @@ from stabledrl_mcore.diffusion import (
     generate_llada,
     generate_sdar,
 )
-
-from stabledrl_mcore import models  # a project module that fails to import fails this module
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +46,17 @@ def test_llada_tiny_greedy_follows_upstream(megatron):
     trace, hook = recorder(3)
     got = generate_llada(model, p, gen_length=8, steps=8, block_length=4, on_step=hook, progress=False)
     assert trace == want_trace and torch.equal(got, want)
-    out = generate(model, p, gen_length=8, steps=4, block_length=4, temperature=0.9, cfg_scale=0.5,
-                   generator=torch.Generator().manual_seed(1), progress=False)
+    out = generate(
+        model,
+        p,
+        gen_length=8,
+        steps=4,
+        block_length=4,
+        temperature=0.9,
+        cfg_scale=0.5,
+        generator=torch.Generator().manual_seed(1),
+        progress=False,
+    )
     assert out.shape == (3, 13) and not (out == mask_id).any()
 
 
@@ -77,7 +84,8 @@ def test_llada_tiny_elbo_carries_gradients(megatron):
     ids = prompts(12, seed=3)
     comp = torch.zeros_like(ids, dtype=torch.bool)
     comp[:, 4:] = True
-    est = elbo(model, ids, comp, num_mc=2, coupled=True, generator=torch.Generator().manual_seed(0),
-               length_normalize=True)
+    est = elbo(
+        model, ids, comp, num_mc=2, coupled=True, generator=torch.Generator().manual_seed(0), length_normalize=True
+    )
     est.seq.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

@@ -83,16 +83,31 @@ def estimates(model, R, **kw):
         return elbo(model, ids, comp, **kw).seq
 
 
-@pytest.mark.parametrize("mode,coupled,stratified", [("count", False, True), ("count", False, False),
-                                                     ("count", True, True), ("ratio", False, True),
-                                                     ("ratio", True, False)])
+@pytest.mark.parametrize(
+    "mode,coupled,stratified",
+    [
+        ("count", False, True),
+        ("count", False, False),
+        ("count", True, True),
+        ("ratio", False, True),
+        ("ratio", True, False),
+    ],
+)
 def test_mc_elbo_is_unbiased_against_enumeration(toy, mode, coupled, stratified):
     # ratio mode with eps = 1e-3 has weights up to 1000 (heavy tails, variance ~100 here); eps = 0.05 keeps
     # the 3-standard-error check meaningful (the exact target uses the same eps)
     eps = 0.05 if mode == "ratio" else 1e-3
     exact = exact_expectation(toy, mode, coupled, eps)
-    est = estimates(toy, 20000, num_mc=2 if coupled else 1, generator=gen(11), mode=mode, coupled=coupled,
-                    stratified=stratified, eps=eps)
+    est = estimates(
+        toy,
+        20000,
+        num_mc=2 if coupled else 1,
+        generator=gen(11),
+        mode=mode,
+        coupled=coupled,
+        stratified=stratified,
+        eps=eps,
+    )
     se = est.std().item() / len(est) ** 0.5
     assert abs(est.mean().item() - exact) < 3 * se, (est.mean().item(), exact, se)
     if mode == "count":  # count weights give exactly the ELBO, coupled or not
@@ -201,8 +216,9 @@ def test_eubo_formula_mixture_and_upper_bound_on_average(toy):
     ids, comp = batch(2)
     lo, hi = elbo_eubo(toy, ids, comp, num_mc=4, generator=gen(9), beta=1.5, length_normalize=True)
     plan = lo.plan
-    lp = torch.stack([torch.log_softmax(toy(plan.noisy(ids, 3)[m]), -1).gather(-1, ids[..., None])[..., 0]
-                      for m in range(4)])
+    lp = torch.stack(
+        [torch.log_softmax(toy(plan.noisy(ids, 3)[m]), -1).gather(-1, ids[..., None])[..., 0] for m in range(4)]
+    )
     inner = (plan.weight * lp.exp() ** 1.5).mean(0)  # E[w 1[masked] p^beta], zero where never masked
     cov = inner > 0
     want = torch.where(cov, inner.clamp(min=1e-300).log() / 1.5, 0.0).sum(-1) / cov.sum(-1)

@@ -21,7 +21,7 @@ def gen(seed=0):
 def completion(B=4, S=12, start=3, lengths=(9, 7, 5, 9)):
     comp = torch.zeros(B, S, dtype=torch.bool)
     for b, L in enumerate(lengths[:B]):
-        comp[b, start:start + L] = True
+        comp[b, start : start + L] = True
     return comp
 
 
@@ -67,8 +67,9 @@ def test_stratified_counts_cover_1_to_L_and_exact_count_masks():
 
 def test_mask_completion_rate_and_complement_partition():
     comp = completion(B=2, S=400, start=10, lengths=(390, 390))
-    noisy, masked = mask_completion(torch.zeros(2, 400, dtype=torch.long), comp, torch.tensor([0.2, 0.7]), 9,
-                                    generator=gen())
+    noisy, masked = mask_completion(
+        torch.zeros(2, 400, dtype=torch.long), comp, torch.tensor([0.2, 0.7]), 9, generator=gen()
+    )
     assert not (masked & ~comp).any() and torch.equal(noisy == 9, masked)
     rate = masked.sum(-1).float() / 390
     assert abs(rate[0] - 0.2) < 0.06 and abs(rate[1] - 0.7) < 0.06

@@ -14,8 +14,17 @@ def gen(seed=0):
 
 
 def toy(arch, dtype=torch.float64, seed=0, **kw):
-    cfg = ToyDLLMConfig(arch=arch, vocab_size=16, mask_token_id=MASK, eos_token_id=EOS, block_size=4,
-                        hidden_size=32, num_layers=2, logit_scale=3.0, **kw)
+    cfg = ToyDLLMConfig(
+        arch=arch,
+        vocab_size=16,
+        mask_token_id=MASK,
+        eos_token_id=EOS,
+        block_size=4,
+        hidden_size=32,
+        num_layers=2,
+        logit_scale=3.0,
+        **kw,
+    )
     return ToyDiffusionLM(cfg, seed=seed, dtype=dtype)
 
 
@@ -40,7 +49,7 @@ def naive_llada(model, prompt, *, gen_length, steps, block_length, cfg_scale=0.0
         trace = []
         for blk in range(num_blocks):
             end = P + (blk + 1) * block_length
-            n_masked = int((x[P + blk * block_length:end] == mask_id).sum())
+            n_masked = int((x[P + blk * block_length : end] == mask_id).sum())
             ks = [n_masked // per_block + (1 if i < n_masked % per_block else 0) for i in range(per_block)]
             for k in ks:
                 logits = model(x[None])[0]
@@ -73,23 +82,33 @@ def recorder(B):
     return trace, hook
 
 
-@pytest.mark.parametrize("gen_length,steps,block_length,cfg_scale", [(12, 8, 6, 0.0), (8, 8, 8, 0.0),
-                                                                     (8, 4, 4, 0.5)])
+@pytest.mark.parametrize("gen_length,steps,block_length,cfg_scale", [(12, 8, 6, 0.0), (8, 8, 8, 0.0), (8, 4, 4, 0.5)])
 def test_greedy_llada_follows_upstream_step_for_step(gen_length, steps, block_length, cfg_scale):
     model, p = toy("llada"), prompts()
     with torch.no_grad():
-        want, want_trace = naive_llada(model, p, gen_length=gen_length, steps=steps, block_length=block_length,
-                                       cfg_scale=cfg_scale)
+        want, want_trace = naive_llada(
+            model, p, gen_length=gen_length, steps=steps, block_length=block_length, cfg_scale=cfg_scale
+        )
     trace, hook = recorder(3)
-    got = generate_llada(model, p, gen_length=gen_length, steps=steps, block_length=block_length,
-                         cfg_scale=cfg_scale, on_step=hook, progress=False)
+    got = generate_llada(
+        model,
+        p,
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        cfg_scale=cfg_scale,
+        on_step=hook,
+        progress=False,
+    )
     assert trace == want_trace
     assert torch.equal(got, want)
     assert not (got == MASK).any()
 
 
-@pytest.mark.parametrize("threshold,P,dtype", [(None, 5, torch.float32), (0.3, 5, torch.float32),
-                                               (0.3, 8, torch.float64), (None, 2, torch.float32)])
+@pytest.mark.parametrize(
+    "threshold,P,dtype",
+    [(None, 5, torch.float32), (0.3, 5, torch.float32), (0.3, 8, torch.float64), (None, 2, torch.float32)],
+)
 def test_greedy_sdar_with_cache_equals_without(threshold, P, dtype):
     model, p = toy("sdar", dtype=dtype), prompts(P=P)
     kw = dict(gen_length=16, steps=4, threshold=threshold, progress=False)
@@ -185,10 +204,14 @@ def test_generate_dispatch_and_schedules():
         generate(toy("llada"), p, gen_length=8, steps=3, block_length=4)
     assert num_transfer_tokens(torch.tensor([6, 3, 0]), 4).tolist() == [[2, 2, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0]]
     conf = torch.tensor([[0.9, 0.2, 0.95, -float("inf")], [0.1, 0.3, -float("inf"), -float("inf")]])
-    assert select_transfer(conf, torch.tensor([1, 5])).tolist() == [[False, False, True, False],
-                                                                    [True, True, False, False]]
-    assert select_transfer(conf, torch.tensor([1, 1]), threshold=0.5).tolist() == [[True, False, True, False],
-                                                                                  [False, True, False, False]]
+    assert select_transfer(conf, torch.tensor([1, 5])).tolist() == [
+        [False, False, True, False],
+        [True, True, False, False],
+    ]
+    assert select_transfer(conf, torch.tensor([1, 1]), threshold=0.5).tolist() == [
+        [True, False, True, False],
+        [False, True, False, False],
+    ]
 
 
 def test_progress_bar_runs(capsys):

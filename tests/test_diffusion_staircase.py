@@ -23,7 +23,7 @@ def data(B=3, n=8 * BS, prompt=6):
     ids = torch.randint(0, 15, (B, n), generator=gen(1))
     comp = torch.zeros(B, n, dtype=torch.bool)
     comp[:, prompt:] = True
-    comp[1, n - 7:] = False  # a shorter completion (prompt ends mid-block too)
+    comp[1, n - 7 :] = False  # a shorter completion (prompt ends mid-block too)
     return ids, comp
 
 

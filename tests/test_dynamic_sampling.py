@@ -10,15 +10,14 @@ import os
 
 import pytest
 import torch
+from test_trainer import CONFIG, DigitsTask, overrides
 
-from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups, keep_groups, varied_groups
 from stabledrl_mcore.rl.rollout import RolloutBatch
 from stabledrl_mcore.tasks.base import register_task
-
-from test_trainer import CONFIG, DigitsTask, overrides
 
 
 class HalfUniformTask(DigitsTask):
@@ -78,15 +77,21 @@ def inprocess():
 def _batch(rewards, group_size):
     n = len(rewards)
     seq = torch.arange(n * 3).reshape(n, 3)
-    return RolloutBatch(sequences=seq, prompt_len=1, prompt_valid=torch.ones(n, 3, dtype=torch.bool),
-                        completion_mask=torch.ones(n, 3, dtype=torch.bool),
-                        group_index=torch.arange(n // group_size).repeat_interleave(group_size),
-                        completions=[f"c{i}" for i in range(n)], references=[i // group_size for i in range(n)],
-                        rewards=torch.tensor(rewards), advantages=torch.zeros(n))
+    return RolloutBatch(
+        sequences=seq,
+        prompt_len=1,
+        prompt_valid=torch.ones(n, 3, dtype=torch.bool),
+        completion_mask=torch.ones(n, 3, dtype=torch.bool),
+        group_index=torch.arange(n // group_size).repeat_interleave(group_size),
+        completions=[f"c{i}" for i in range(n)],
+        references=[i // group_size for i in range(n)],
+        rewards=torch.tensor(rewards),
+        advantages=torch.zeros(n),
+    )
 
 
 def test_filter_keeps_exactly_the_varied_groups_whole_and_in_order(monkeypatch):
-    rewards = [0.1, 0.1, 0.1,  1.0, 0.0, 1.0,  0.0, 0.0, 0.0,  0.3, 0.3, 0.30001]
+    rewards = [0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.30001]
     batch = _batch(rewards, 3)
     assert varied_groups(batch.rewards, 3).tolist() == [False, True, False, True]
     kept = filter_uniform_groups(batch, 3)
@@ -119,16 +124,23 @@ def test_the_filtered_update_is_the_unfiltered_one_over_the_kept_groups(inproces
     G / G_kept times the unfiltered one: checked on the weights after one SGD update."""
     from stabledrl_mcore.rl.rollout import score_rollouts
     from stabledrl_mcore.rl.setup import build_training
-    from stabledrl_mcore.rl.trainer import PhaseTimer, filter_phase, likelihood_spec, old_logp_phase, \
-        policy_update, rollout_phase
+    from stabledrl_mcore.rl.trainer import (
+        PhaseTimer,
+        filter_phase,
+        likelihood_spec,
+        old_logp_phase,
+        policy_update,
+        rollout_phase,
+    )
 
-    cfg = _config(tmp_path, **FILTER, **SGD, **{"algo.inner_iterations": 1, "optim.clip_grad": 0.0,
-                                                "rollout.prompts_per_step": 8})
+    cfg = _config(
+        tmp_path, **FILTER, **SGD, **{"algo.inner_iterations": 1, "optim.clip_grad": 0.0, "rollout.prompts_per_step": 8}
+    )
     s = build_training(cfg)
     spec = likelihood_spec(cfg, s.model)
     batch = score_rollouts(rollout_phase(s, 0), s.task, advantage=cfg.algo.advantage)
     kept = filter_phase(s, batch, PhaseTimer())
-    varied = [g for g in range(8) if batch.rewards[4 * g:4 * g + 4].unique().numel() > 1]
+    varied = [g for g in range(8) if batch.rewards[4 * g : 4 * g + 4].unique().numel() > 1]
     assert 0 < len(varied) < 8, "the test task should make some groups uniform and some not"
     assert kept.source_rows.tolist() == [4 * g + i for g in varied for i in range(4)]
     start = {k: v.detach().clone() for k, v in s.model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -175,17 +187,18 @@ def test_filtered_runs_log_the_kept_share_and_resume_exactly(inprocess, tmp_path
     b = _weights(train(_config(tmp_path / "b", **extra), resume="auto"))
     assert _timeless(_rows(tmp_path / "b")) == _timeless(rows), "metrics differ after resume"
     assert all(torch.equal(a[k], b[k]) for k in a), "resume with filtering is not bitwise exact"
-    over = train(_config(tmp_path / "c", **dict(extra, **{"rollout.prompts_per_step": 2,
-                                                          "rollout.oversample_prompts": 2})))
+    over = train(
+        _config(tmp_path / "c", **dict(extra, **{"rollout.prompts_per_step": 2, "rollout.oversample_prompts": 2}))
+    )
     assert over.prompts.per_step == 4  # four prompts generated per step, at most two trained on
     rows = _rows(tmp_path / "c")  # step 1: 3 of the 4 groups vary, the first 2 are kept; step 2: none varies
     assert [(r["groups_varied"], r["groups_kept"]) for r in rows] == [(3 / 4, 2 / 4), (0.0, 0.0)]
 
 
 def test_a_step_without_any_kept_group_is_no_update_and_such_a_run_fails(inprocess, tmp_path, capsys):
+    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
     from stabledrl_mcore.rl.setup import build_training
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     cfg = _config(tmp_path, **dict(FILTER, **{"rollout.task": "test_all_uniform", "rollout.prompts_per_step": 2}))
     s = build_training(cfg)
@@ -201,12 +214,17 @@ def test_a_step_without_any_kept_group_is_no_update_and_such_a_run_fails(inproce
     assert all(torch.equal(v, start[k]) for k, v in _weights(s).items()), "no update means unchanged weights"
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"rollout.oversample_prompts": 4}, "rollout.oversample_prompts needs rollout.filter_uniform_groups"),
-    ({"rollout.filter_uniform_groups": True, "rollout.oversample_prompts": -1},
-     "rollout.oversample_prompts must be >= 0"),
-    ({"rollout.filter_uniform_groups": True, "algo.kl_coef": 0.1}, "algo.kl_coef=0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"rollout.oversample_prompts": 4}, "rollout.oversample_prompts needs rollout.filter_uniform_groups"),
+        (
+            {"rollout.filter_uniform_groups": True, "rollout.oversample_prompts": -1},
+            "rollout.oversample_prompts must be >= 0",
+        ),
+        ({"rollout.filter_uniform_groups": True, "algo.kl_coef": 0.1}, "algo.kl_coef=0"),
+    ],
+)
 def test_nonsense_combinations_are_refused_by_name(inprocess, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, **extra)
@@ -215,8 +233,9 @@ def test_nonsense_combinations_are_refused_by_name(inprocess, tmp_path, extra, m
 def test_oversampled_prompts_must_split_over_data_parallel_ranks(inprocess, tmp_path):
     from stabledrl_mcore.cli.preflight import preflight
 
-    cfg = _config(tmp_path, **{"rollout.filter_uniform_groups": True, "rollout.oversample_prompts": 1,
-                               "rollout.task": "sudoku"})
+    cfg = _config(
+        tmp_path, **{"rollout.filter_uniform_groups": True, "rollout.oversample_prompts": 1, "rollout.task": "sudoku"}
+    )
     with pytest.raises(ConfigError, match="rollout.oversample_prompts .1. must be divisible by the data-parallel"):
         preflight(cfg, world_size=2)
 

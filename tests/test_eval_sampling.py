@@ -7,13 +7,14 @@ import os
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_checkpoint
+
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, majority_vote, pass_at_k, sample_metrics
 from stabledrl_mcore.tasks.base import Example, Task
 
-TEMPLATE = ("{% for m in messages %}tok7 {{ m['content'] }} tok8 {% endfor %}"
-            "{% if add_generation_prompt %}tok9{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}tok7 {{ m['content'] }} tok8 {% endfor %}{% if add_generation_prompt %}tok9{% endif %}"
+)
 
 
 def test_pass_at_k_matches_the_hand_computed_estimator():
@@ -34,8 +35,9 @@ def test_majority_vote_ties_go_to_the_earliest_answer_and_none_does_not_vote():
     assert majority_vote(["7", None, "8", "8", "7"]) == (0, 2)  # 2 - 2 tie: "7" came first
     assert majority_vote([None, "8", "7", "7"]) == (2, 2)
     assert majority_vote([None, None]) == (None, 0)
-    samples = [{"extracted": e, "reward": r, "correct": e == "7"}
-               for e, r in (("8", 0.0), ("7", 1.0), ("7", 1.0), (None, 0.0))]
+    samples = [
+        {"extracted": e, "reward": r, "correct": e == "7"} for e, r in (("8", 0.0), ("7", 1.0), ("7", 1.0), (None, 0.0))
+    ]
     m = sample_metrics(samples, [1, 2, 4], lambda a, b: a == b)
     # maj@1: "8" (wrong); maj@2: tie 8/7 -> "8" (earliest); maj@4: "7" has 2 votes
     assert (m["maj@1"], m["maj@2"], m["maj@4"]) == (0.0, 0.0, 1.0)
@@ -91,16 +93,28 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
     _, model, tokenizer = tiny
     task = _EvenFirstToken()
     examples = [Example(prompt=f"tok{10 + i} tok{20 + i}", reference="even", meta={"index": i}) for i in range(5)]
-    sampling = dict(gen_length=4, steps=4, block_length=4, temperature=1.0, threshold=None, progress=False,
-                    cache="none")
-    result = evaluate_model(model, tokenizer, task, examples, micro_batch=8, seed=3, n=4, ks=[1, 2, 4],
-                            **{k: v for k, v in sampling.items() if k != "progress"})
+    sampling = dict(
+        gen_length=4, steps=4, block_length=4, temperature=1.0, threshold=None, progress=False, cache="none"
+    )
+    result = evaluate_model(
+        model,
+        tokenizer,
+        task,
+        examples,
+        micro_batch=8,
+        seed=3,
+        n=4,
+        ks=[1, 2, 4],
+        **{k: v for k, v in sampling.items() if k != "progress"},
+    )
     assert result.num_examples == 5 and result.n == 4 and [r["index"] for r in result.records] == list(range(5))
     for rec in result.records:
         assert len(rec["samples"]) == 4 and rec["completion"] == rec["samples"][0]["completion"]
         c = sum(s["correct"] for s in rec["samples"])
         assert rec["num_correct"] == c and rec["pass@1"] == pytest.approx(c / 4)
-        assert rec["pass@4"] == float(c > 0) and rec["mean@4"] == pytest.approx(sum(s["reward"] for s in rec["samples"]) / 4)
+        assert rec["pass@4"] == float(c > 0) and rec["mean@4"] == pytest.approx(
+            sum(s["reward"] for s in rec["samples"]) / 4
+        )
     assert len({s["completion"] for r in result.records for s in r["samples"]}) > 1  # really sampled
     assert result.metrics["pass@1"] == pytest.approx(result.accuracy)
     assert result.metrics["pass@1"] <= result.metrics["pass@2"] <= result.metrics["pass@4"]
@@ -111,8 +125,17 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
     for world in (2, 3):
         parts = [r for rank in range(world) for r in _sampled_records(*args, rank, world, 8, 3, 4, [1, 2, 4], sampling)]
         assert parts == whole
-    again = evaluate_model(model, tokenizer, task, examples, micro_batch=8, seed=4, n=4, ks=[1],
-                           **{k: v for k, v in sampling.items() if k != "progress"})
+    again = evaluate_model(
+        model,
+        tokenizer,
+        task,
+        examples,
+        micro_batch=8,
+        seed=4,
+        n=4,
+        ks=[1],
+        **{k: v for k, v in sampling.items() if k != "progress"},
+    )
     assert [r["samples"] for r in again.records] != [r["samples"] for r in whole]  # the seed matters
 
 
@@ -122,8 +145,26 @@ def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch,
 
     path = tiny[0]
     monkeypatch.chdir(tmp_path)
-    args = ["eval", "--ckpt", path, "--task", "sudoku", "--limit", "3", "--gen-length", "4", "--steps", "4",
-            "--block-length", "4", "--batch-size", "8", "--no-progress", "--temperature", "1.0"]
+    args = [
+        "eval",
+        "--ckpt",
+        path,
+        "--task",
+        "sudoku",
+        "--limit",
+        "3",
+        "--gen-length",
+        "4",
+        "--steps",
+        "4",
+        "--block-length",
+        "4",
+        "--batch-size",
+        "8",
+        "--no-progress",
+        "--temperature",
+        "1.0",
+    ]
     assert main(args + ["--n", "4", "--k", "1,4"]) == 0
     records = [json.loads(line) for line in open(tmp_path / "eval_sudoku_test.jsonl")]
     summary = json.loads((tmp_path / "eval_sudoku_test.summary.json").read_text())
@@ -139,9 +180,11 @@ def test_eval_cli_writes_every_sample_and_a_summary(tiny, tmp_path, monkeypatch,
     assert not os.path.exists(tmp_path / "checked.jsonl")
     # refused by name before any rank starts, one line each
     monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: pytest.fail("a rank started"))
-    for extra, needle in ((["--n", "4", "--temperature", "0"], "--temperature"),
-                          (["--n", "2", "--k", "4", "--overwrite"], "--k"),
-                          (["--n", "0", "--overwrite"], "--n")):
+    for extra, needle in (
+        (["--n", "4", "--temperature", "0"], "--temperature"),
+        (["--n", "2", "--k", "4", "--overwrite"], "--k"),
+        (["--n", "0", "--overwrite"], "--n"),
+    ):
         capsys.readouterr()
         assert main(args + extra) == 2, extra
         err = capsys.readouterr().err.strip()

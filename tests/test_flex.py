@@ -11,13 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
-from stabledrl_mcore.models import AttentionLayout, build_model, get_preset
-from stabledrl_mcore.models import flex
-from stabledrl_mcore.models.masks import (block_causal_mask, left_pad_counts, padding_mask, staircase_mask,
-                                          staircase_position_ids)
+from stabledrl_mcore.models import AttentionLayout, build_model, flex, get_preset
+from stabledrl_mcore.models.masks import (
+    block_causal_mask,
+    left_pad_counts,
+    padding_mask,
+    staircase_mask,
+    staircase_position_ids,
+)
 
 BS = 4
 
@@ -56,7 +59,7 @@ def _reference_blocked(layout, sq, sk):
         valid = torch.cat([valid, valid], 1)[:, :sk]
     else:
         valid = _valid(layout.pad, sk)
-    return pattern | padding_mask(valid), valid[:, sk - sq:]
+    return pattern | padding_mask(valid), valid[:, sk - sq :]
 
 
 # ------------------------------------------------------------------------------- masks
@@ -129,8 +132,14 @@ def test_staircase_block_mask_compiles():
     eager = flex.block_mask(layout, 56, 56, "cpu", block_size=8, compile=False)
     compiled = flex.block_mask(layout, 56, 56, "cpu", block_size=8, compile=True)
     assert compiled is not eager
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                 "full_q_num_blocks"):
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "full_q_num_blocks",
+    ):
         assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
     assert torch.equal(compiled.to_dense(), eager.to_dense())
     assert eager.full_kv_num_blocks.sum() > 0  # the case exercises full tiles
@@ -146,8 +155,9 @@ def _qkv(batch, sq, sk, heads=4, groups=2, dim=8, seed=0):
 
 def _sdpa(q, k, v, layout):
     blocked = layout.dense(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if blocked is None else ~blocked,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if blocked is None else ~blocked, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -155,10 +165,12 @@ def test_eager_flex_forward_and_backward_match_sdpa(name, monkeypatch):
     layout, sq, sk = CASES[name]
     q, k, v = _qkv(max(len(layout.pad), 2), sq, sk)
     with torch.no_grad():
-        torch.testing.assert_close(flex.flex_attention(q, k, v, layout, enable_gqa=True),
-                                   _sdpa(q, k, v, layout), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            flex.flex_attention(q, k, v, layout, enable_gqa=True), _sdpa(q, k, v, layout), atol=1e-5, rtol=1e-5
+        )
     # torch refuses the backward on CPU by a device check only; the eager reference has one
     import torch.nn.attention.flex_attention as torch_flex
+
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
     grads = []
     for fn in (lambda *t: flex.flex_attention(*t, layout, enable_gqa=True), lambda *t: _sdpa(*t, layout)):
@@ -232,19 +244,27 @@ def test_token_logp_with_layouts_equals_the_dense_masks(megatron_tp1):
     """The RL loop's likelihood forward (staircase for SDAR, bidirectional for LLaDA) with
     padded layouts gives the log-probs of the old ``pattern | padding_mask`` forward."""
     from stabledrl_mcore.diffusion.likelihood import gather_log_probs
-    from stabledrl_mcore.rl.rollout import RolloutBatch
     from stabledrl_mcore.rl.estimates import LikelihoodSpec, draw_plan, token_logp
+    from stabledrl_mcore.rl.rollout import RolloutBatch
 
     P, C, pads = 6, 8, (3, 0, 5)
     n = P + C
     valid = torch.cat([_valid(pads, P), torch.ones(3, C, dtype=torch.bool)], 1)
     comp = torch.zeros(3, n, dtype=torch.bool)
     comp[:, P:] = True
-    batch = RolloutBatch(sequences=torch.randint(3, 250, (3, n)), prompt_len=P, prompt_valid=valid,
-                         completion_mask=comp, group_index=torch.arange(3), completions=[""] * 3,
-                         references=[None] * 3)
-    for preset, spec in (("sdar-tiny", LikelihoodSpec("staircase", num_mc=1, block_size=BS)),
-                         ("llada-tiny", LikelihoodSpec("elbo", num_mc=1))):
+    batch = RolloutBatch(
+        sequences=torch.randint(3, 250, (3, n)),
+        prompt_len=P,
+        prompt_valid=valid,
+        completion_mask=comp,
+        group_index=torch.arange(3),
+        completions=[""] * 3,
+        references=[None] * 3,
+    )
+    for preset, spec in (
+        ("sdar-tiny", LikelihoodSpec("staircase", num_mc=1, block_size=BS)),
+        ("llada-tiny", LikelihoodSpec("elbo", num_mc=1)),
+    ):
         torch.manual_seed(0)
         model = build_model(get_preset(preset, init_std=0.2)).eval()
         plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(k), micro_batch=2)

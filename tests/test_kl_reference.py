@@ -7,20 +7,22 @@ import os
 
 import pytest
 import torch
+from test_mask_sampling import toy_batch
 
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, draw_plan, estimate, sequence_estimates
 from stabledrl_mcore.rl.update import loss_coefficients
 
-from test_mask_sampling import toy_batch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def toy(seed):
-    return ToyDiffusionLM(ToyDLLMConfig(vocab_size=12, mask_token_id=11, eos_token_id=1, pad_token_id=1,
-                                        hidden_size=16), seed=seed, dtype=torch.float64)
+    return ToyDiffusionLM(
+        ToyDLLMConfig(vocab_size=12, mask_token_id=11, eos_token_id=1, pad_token_id=1, hidden_size=16),
+        seed=seed,
+        dtype=torch.float64,
+    )
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -36,7 +38,7 @@ def test_kl_term_is_the_estimator_on_the_sequence_estimates(estimator):
     coef, m = loss_coefficients(tok, batch, spec, kl_coef=0.3, kl_estimator=estimator, ref_tok=ref_tok, **common)
     theta, ref = sequence_estimates(tok, plan, batch, spec), sequence_estimates(ref_tok, plan, batch, spec)
     d = theta - ref
-    per_seq = {"k1": d, "k2": 0.5 * d ** 2, "k3": torch.exp(-d) + d - 1}[estimator]
+    per_seq = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) + d - 1}[estimator]
     groups = batch.group_index
     want = torch.stack([per_seq[groups == g].mean() for g in groups.unique()]).mean()
     assert m["kl"] == pytest.approx(float(want), rel=1e-9)
@@ -45,18 +47,32 @@ def test_kl_term_is_the_estimator_on_the_sequence_estimates(estimator):
 
 
 def _kl_worker(run_dir):
+    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task
 
     Task.reward = probe_reward  # dense: a random tiny model would earn 0 everywhere
 
-    cfg = load_config(os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"), [
-        f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false", "steps=2",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.gen_length=8", "rollout.steps=4",
-        "rollout.block_length=8", "parallel.micro_batch_size=4", "algo.kl_coef=0.05", "algo.kl_estimator=k2",
-        "optim.lr=0.01", "checkpoint.save_every=0"])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"),
+        [
+            f"logging.run_dir={run_dir}",
+            "logging.wandb_mode=disabled",
+            "logging.progress=false",
+            "steps=2",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.gen_length=8",
+            "rollout.steps=4",
+            "rollout.block_length=8",
+            "parallel.micro_batch_size=4",
+            "algo.kl_coef=0.05",
+            "algo.kl_estimator=k2",
+            "optim.lr=0.01",
+            "checkpoint.save_every=0",
+        ],
+    )
     from stabledrl_mcore.rl.setup import build_training
 
     s = build_training(cfg)
@@ -66,9 +82,10 @@ def _kl_worker(run_dir):
     moved = max((s.model.state_dict()[k] - initial[k]).abs().max().item() for k in initial)
     frozen = max((ref[k] - initial[k]).abs().max().item() for k in initial)
     with open(os.path.join(run_dir, "kl.json"), "w") as handle:
-        json.dump({"moved": moved, "frozen": frozen, "requires_grad": any(p.requires_grad
-                                                                         for p in s.reference.parameters())},
-                  handle)
+        json.dump(
+            {"moved": moved, "frozen": frozen, "requires_grad": any(p.requires_grad for p in s.reference.parameters())},
+            handle,
+        )
 
 
 @pytest.mark.multiprocess
@@ -84,8 +101,9 @@ def test_training_with_a_kl_penalty_keeps_the_reference_frozen(tmp_path):
 
 
 def test_plan_counts_the_reference_weights():
+    from stabledrl_mcore.bench.plan import PlanSpec
+    from stabledrl_mcore.bench.plan import estimate as plan_estimate
     from stabledrl_mcore.models import get_preset
-    from stabledrl_mcore.bench.plan import PlanSpec, estimate as plan_estimate
 
     base = PlanSpec(model=get_preset("llada-8b"), nodes=4, tp=2)
     with_ref = PlanSpec(model=get_preset("llada-8b"), nodes=4, tp=2, reference_model=True)
@@ -94,20 +112,37 @@ def test_plan_counts_the_reference_weights():
 
 
 def _sync_worker(run_dir, steps, resume):
+    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.bench.device_check import probe_reward
     from stabledrl_mcore.tasks.base import Task
 
     Task.reward = probe_reward  # dense: a random tiny model would earn 0 everywhere
-    cfg = load_config(os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"), [
-        f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false", f"steps={steps}",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.gen_length=8", "rollout.steps=4",
-        "rollout.block_length=8", "parallel.micro_batch_size=4", "algo.kl_coef=0.05", "optim.lr=0.01",
-        "algo.reference_sync_every=1", "algo.reference_mixup=0.5", "checkpoint.save_every=1"])
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml"),
+        [
+            f"logging.run_dir={run_dir}",
+            "logging.wandb_mode=disabled",
+            "logging.progress=false",
+            f"steps={steps}",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.gen_length=8",
+            "rollout.steps=4",
+            "rollout.block_length=8",
+            "parallel.micro_batch_size=4",
+            "algo.kl_coef=0.05",
+            "optim.lr=0.01",
+            "algo.reference_sync_every=1",
+            "algo.reference_mixup=0.5",
+            "checkpoint.save_every=1",
+        ],
+    )
     s = train(cfg, resume=resume)
-    torch.save({k: v.clone() for k, v in s.reference.state_dict().items() if isinstance(v, torch.Tensor)},
-               os.path.join(run_dir, "reference.pt"))
+    torch.save(
+        {k: v.clone() for k, v in s.reference.state_dict().items() if isinstance(v, torch.Tensor)},
+        os.path.join(run_dir, "reference.pt"),
+    )
 
 
 @pytest.mark.multiprocess
@@ -117,8 +152,9 @@ def test_a_synced_reference_is_checkpointed_and_resumes_exactly(tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     spawn(_sync_worker, 1, (straight, 2, None), timeout=300)
     os.makedirs(os.path.join(resumed, "checkpoints"))
-    shutil.copytree(os.path.join(straight, "checkpoints", "step_00000001"),
-                    os.path.join(resumed, "checkpoints", "step_00000001"))
+    shutil.copytree(
+        os.path.join(straight, "checkpoints", "step_00000001"), os.path.join(resumed, "checkpoints", "step_00000001")
+    )
     spawn(_sync_worker, 1, (resumed, 2, "auto"), timeout=300)
     a = torch.load(os.path.join(straight, "reference.pt"))
     b = torch.load(os.path.join(resumed, "reference.pt"))

@@ -72,11 +72,13 @@ def _preemptible_worker(out_dir):
     return 75 if caught else 0
 
 
-LAUNCHER = ("import sys; sys.path[:0] = [{here!r}, {root!r}]\n"
-            "from test_launch import _preemptible_worker\n"
-            "from stabledrl_mcore.parallel.launch import exit_status, spawn\n"
-            "sys.exit(exit_status(spawn(_preemptible_worker, 2, ({out!r},), timeout=60, threads=None,"
-            " expected_codes=(75,), hold_signals=True)))\n")
+LAUNCHER = (
+    "import sys; sys.path[:0] = [{here!r}, {root!r}]\n"
+    "from test_launch import _preemptible_worker\n"
+    "from stabledrl_mcore.parallel.launch import exit_status, spawn\n"
+    "sys.exit(exit_status(spawn(_preemptible_worker, 2, ({out!r},), timeout=60, threads=None,"
+    " expected_codes=(75,), hold_signals=True)))\n"
+)
 
 
 def _start_launcher(out_dir):
@@ -144,19 +146,38 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
 
 # ------------------------------------------------------------------ real training runs (gloo, 2 ranks)
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
-TINY = ["logging.wandb_mode=disabled", "logging.progress=false", "rollout.prompts_per_step=4",
-        "rollout.group_size=4", "rollout.gen_length=8", "rollout.steps=4", "rollout.block_length=8",
-        "parallel.micro_batch_size=4", "algo.inner_iterations=1", "algo.num_mc=1", "steps=200"]
+TINY = [
+    "logging.wandb_mode=disabled",
+    "logging.progress=false",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.gen_length=8",
+    "rollout.steps=4",
+    "rollout.block_length=8",
+    "parallel.micro_batch_size=4",
+    "algo.inner_iterations=1",
+    "algo.num_mc=1",
+    "steps=200",
+]
 
 
 def _train(run_dir, launcher, *extra, env=None):
     """A 2-rank tiny run (200 steps: it never ends by itself within the test's time)."""
     over = TINY + [f"logging.run_dir={run_dir}", *extra]
     cli = ["-m", "stabledrl_mcore.cli", "train", "--config", CONFIG, *over]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cli] if launcher == "torchrun"
-           else [sys.executable, *cli, "--nproc", "2"])
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cli]
+        if launcher == "torchrun"
+        else [sys.executable, *cli, "--nproc", "2"]
+    )
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(proc, ready, timeout=150):
@@ -213,8 +234,10 @@ def test_sigkill_of_the_launcher_mid_save_leaves_no_rank_or_writer_process(tmp_p
 
     run_dir = str(tmp_path / "run")
     ckpt = os.path.join(run_dir, "checkpoints")
-    proc, pids = _train(run_dir, "nproc", "checkpoint.save_every=1",
-                        env={"STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT": "60"}), []
+    proc, pids = (
+        _train(run_dir, "nproc", "checkpoint.save_every=1", env={"STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT": "60"}),
+        [],
+    )
     try:
         _wait_for(proc, lambda: os.path.isdir(ckpt) and any(n.startswith(".tmp-") for n in os.listdir(ckpt)))
         time.sleep(1.0)  # the ranks are now in the pause after the dist-checkpoint write

@@ -31,8 +31,11 @@ LAYERS = (
     ("models", "LLaDA / SDAR on Megatron-Core: presets, specs, attention, masks, MoE, KV cache"),
     ("diffusion", "forward process, mask plans, likelihood estimators, samplers, SFT loss"),
     ("checkpoint", "formats: HF <-> Megatron, safetensors, training state, optimizer state"),
-    ("engine", "the runtime RL, SFT and bench share: model/optimizer set-up, seeding, gradients, "
-               "pipeline and expert lockstep, run directory, resume, saves, pre-emption, health, logger"),
+    (
+        "engine",
+        "the runtime RL, SFT and bench share: model/optimizer set-up, seeding, gradients, "
+        "pipeline and expert lockstep, run directory, resume, saves, pre-emption, health, logger",
+    ),
     ("evaluation", "distributed generate + score, pass@k"),
     ("rl", "StableDRL: set-up, rollout, estimates, update, dynamic sampling, metrics, the loop"),
     ("sft", "masked-diffusion SFT: data, set-up, the loop"),
@@ -42,9 +45,21 @@ LAYERS = (
 )
 """Bottom up. The package's own ``__init__.py`` and the ``demo.py`` entry point stand above all."""
 
-HEAVY_OPTIONAL = ("megatron", "transformer_engine", "transformers", "wandb", "matplotlib", "datasets",
-                  "torch.utils.tensorboard", "torch.nn.attention.flex_attention", "math_verify",
-                  "sentencepiece", "pyarrow", "flash_attn", "apex")
+HEAVY_OPTIONAL = (
+    "megatron",
+    "transformer_engine",
+    "transformers",
+    "wandb",
+    "matplotlib",
+    "datasets",
+    "torch.utils.tensorboard",
+    "torch.nn.attention.flex_attention",
+    "math_verify",
+    "sentencepiece",
+    "pyarrow",
+    "flash_attn",
+    "apex",
+)
 """Packages a function may import when it needs them: slow to import (megatron-core, transformers,
 matplotlib, flex attention's compiler) or used by one optional path only."""
 
@@ -135,8 +150,10 @@ def _scan(module: Module, modules: Dict[str, Module], package: str) -> None:
             for name, attribute in pairs:
                 project = name == package or name.startswith(package + ".")
                 if in_function and not (not project and (_heavy(name) or _import_probe(stack))):
-                    module.problems.append(f"{module.name}:{node.lineno}: import inside a function: "
-                                           f"{ast.unparse(node)} (move it to the module's top)")
+                    module.problems.append(
+                        f"{module.name}:{node.lineno}: import inside a function: "
+                        f"{ast.unparse(node)} (move it to the module's top)"
+                    )
                 if not project:
                     continue
                 target = _project_target(name, modules)
@@ -146,20 +163,29 @@ def _scan(module: Module, modules: Dict[str, Module], package: str) -> None:
                 module.imports.append((target, node.lineno, in_function))
                 their = target.split(".")[1] if "." in target else ""
                 if attribute and attribute.startswith("_") and not attribute.startswith("__") and their != own:
-                    module.problems.append(f"{module.name}:{node.lineno}: private name {attribute} taken from "
-                                           f"{target} (another package): make it public or move it")
+                    module.problems.append(
+                        f"{module.name}:{node.lineno}: private name {attribute} taken from "
+                        f"{target} (another package): make it public or move it"
+                    )
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             target = module_aliases.get(node.value.id)
             attr = node.attr
             if target and attr.startswith("_") and not attr.startswith("__"):
                 their = target.split(".")[1] if "." in target else ""
                 if their != own:
-                    module.problems.append(f"{module.name}:{node.lineno}: private name {attr} used from "
-                                           f"{target} (another package)")
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-                and module.name not in DYNAMIC_IMPORTS):
-            module.problems.append(f"{module.name}:{node.lineno}: importlib.import_module hides a dependency "
-                                   f"(import at the top, or add the module to DYNAMIC_IMPORTS with a reason)")
+                    module.problems.append(
+                        f"{module.name}:{node.lineno}: private name {attr} used from {target} (another package)"
+                    )
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and module.name not in DYNAMIC_IMPORTS
+        ):
+            module.problems.append(
+                f"{module.name}:{node.lineno}: importlib.import_module hides a dependency "
+                f"(import at the top, or add the module to DYNAMIC_IMPORTS with a reason)"
+            )
         for child in ast.iter_child_nodes(node):
             visit(child, stack + [node])
 
@@ -237,8 +263,10 @@ def check(src_root: str = ROOT, package: str = PACKAGE, layers: Sequence[str] = 
         mine = _layer_of(name, package, order)
         parts = name.split(".")
         if len(parts) > 1 and mine is None:
-            problems.append(f"{name}: package {parts[1]} is in no layer: add it to LAYERS in tests/test_layers.py "
-                            f"and to docs/architecture.md")
+            problems.append(
+                f"{name}: package {parts[1]} is in no layer: add it to LAYERS in tests/test_layers.py "
+                f"and to docs/architecture.md"
+            )
             continue
         for target, line, _ in module.imports:
             theirs = _layer_of(target, package, order)
@@ -252,9 +280,11 @@ def check(src_root: str = ROOT, package: str = PACKAGE, layers: Sequence[str] = 
                 continue
             layer_imports[parts[1]].add(tparts[1])
             if theirs >= mine:
-                problems.append(f"{name}:{line}: {layers[mine]} imports {target} ({layers[theirs]}, "
-                                f"{'the same layer' if theirs == mine else 'a higher layer'}): "
-                                f"move the code down or the import up")
+                problems.append(
+                    f"{name}:{line}: {layers[mine]} imports {target} ({layers[theirs]}, "
+                    f"{'the same layer' if theirs == mine else 'a higher layer'}): "
+                    f"move the code down or the import up"
+                )
     return Report(modules, problems, _cycles(modules), layer_imports)
 
 
@@ -284,8 +314,11 @@ def test_no_import_circle_remains(report):
 
 
 def test_every_folder_of_the_package_is_a_layer():
-    folders = {d for d in os.listdir(os.path.join(ROOT, PACKAGE))
-               if os.path.isfile(os.path.join(ROOT, PACKAGE, d, "__init__.py"))}
+    folders = {
+        d
+        for d in os.listdir(os.path.join(ROOT, PACKAGE))
+        if os.path.isfile(os.path.join(ROOT, PACKAGE, d, "__init__.py"))
+    }
     assert folders == {name for name, _ in LAYERS}
     top_files = sorted(f for f in os.listdir(os.path.join(ROOT, PACKAGE)) if f.endswith(".py"))
     assert top_files == ["__init__.py", "demo.py"]  # everything else lives in a layer
@@ -332,8 +365,10 @@ def test_the_checker_fails_on_an_upward_import_hidden_in_a_function(tmp_path):
 
 
 def test_the_checker_allows_heavy_optional_packages_and_probes_in_functions(tmp_path):
-    source = ("def f():\n    import megatron.core\n    try:\n        import jinja2\n    except ImportError:\n"
-              "        jinja2 = None\n    return megatron, jinja2\n")
+    source = (
+        "def f():\n    import megatron.core\n    try:\n        import jinja2\n    except ImportError:\n"
+        "        jinja2 = None\n    return megatron, jinja2\n"
+    )
     assert _toy(tmp_path, {"toy/low/lazy.py": source}).ok
     assert not _toy(tmp_path, {"toy/low/lazy.py": "def f():\n    import json\n    return json\n"}).ok
 
@@ -351,8 +386,10 @@ def test_the_checker_finds_an_import_circle(tmp_path):
 
 
 def test_the_checker_refuses_a_folder_in_no_layer_and_the_facade(tmp_path):
-    result = _toy(tmp_path, {"toy/extra/__init__.py": "", "toy/extra/x.py": "",
-                              "toy/high/facade.py": "from toy import something\n"})
+    result = _toy(
+        tmp_path,
+        {"toy/extra/__init__.py": "", "toy/extra/x.py": "", "toy/high/facade.py": "from toy import something\n"},
+    )
     assert any("package extra is in no layer" in p for p in result.problems)
     assert any("imports the package facade toy" in p for p in result.problems)
 

@@ -28,8 +28,9 @@ CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
 
 def toy(arch="llada", seed=0):
-    cfg = ToyDLLMConfig(arch=arch, vocab_size=16, mask_token_id=MASK, eos_token_id=1, hidden_size=32,
-                        num_layers=2, logit_scale=3.0)
+    cfg = ToyDLLMConfig(
+        arch=arch, vocab_size=16, mask_token_id=MASK, eos_token_id=1, hidden_size=32, num_layers=2, logit_scale=3.0
+    )
     return ToyDiffusionLM(cfg, seed=seed, dtype=torch.float64)
 
 
@@ -45,18 +46,32 @@ def trace_hook(trace):
 
 
 def run(model, cache="none", stats=None, trace=None, **kw):
-    return generate_llada(model, prompts(), generator=torch.Generator().manual_seed(2), progress=False,
-                          cache=cache, stats=stats, on_step=None if trace is None else trace_hook(trace), **kw)
+    return generate_llada(
+        model,
+        prompts(),
+        generator=torch.Generator().manual_seed(2),
+        progress=False,
+        cache=cache,
+        stats=stats,
+        on_step=None if trace is None else trace_hook(trace),
+        **kw,
+    )
 
 
 # the completions of main's sampler (before issue 24) for these cases, recorded
 CASES = {
-    "greedy_padded": (dict(gen_length=8, steps=4, block_length=4, prompt_valid=VALID),
-                      [[3, 3, 6, 6, 3, 8, 8, 3], [3, 3, 12, 12, 3, 3, 8, 8]]),
-    "sampled_random": (dict(gen_length=8, steps=8, block_length=4, temperature=1.0, remasking="random"),
-                       [[3, 6, 12, 6, 8, 3, 3, 14], [14, 12, 8, 14, 12, 3, 6, 8]]),
-    "cfg": (dict(gen_length=8, steps=4, block_length=8, cfg_scale=0.5, temperature=0.7),
-            [[3, 3, 3, 3, 8, 8, 12, 3], [3, 3, 3, 8, 12, 3, 3, 12]]),
+    "greedy_padded": (
+        dict(gen_length=8, steps=4, block_length=4, prompt_valid=VALID),
+        [[3, 3, 6, 6, 3, 8, 8, 3], [3, 3, 12, 12, 3, 3, 8, 8]],
+    ),
+    "sampled_random": (
+        dict(gen_length=8, steps=8, block_length=4, temperature=1.0, remasking="random"),
+        [[3, 6, 12, 6, 8, 3, 3, 14], [14, 12, 8, 14, 12, 3, 6, 8]],
+    ),
+    "cfg": (
+        dict(gen_length=8, steps=4, block_length=8, cfg_scale=0.5, temperature=0.7),
+        [[3, 3, 3, 3, 8, 8, 12, 3], [3, 3, 3, 8, 12, 3, 3, 12]],
+    ),
 }
 
 
@@ -101,6 +116,7 @@ def test_decode_stats_count_forwards_and_measure_the_gap():
 
 # ------------------------------------------------------------------ Fast-dLLM's threshold rule
 
+
 def naive_get_transfer_index(logits, mask_index, x, threshold):
     """Fast-dLLM ``llada/generate.py`` ``get_transfer_index`` (greedy, low_confidence, with a threshold),
     written naively: per row, rank the masked positions by confidence; keep the first, and each
@@ -141,7 +157,7 @@ def naive_fast_dllm_generate(model, prompt, *, gen_length, block_length, thresho
     trace = []
     for blk in range(gen_length // block_length):
         end = P + (blk + 1) * block_length
-        while bool((x[:, end - block_length:end] == MASK).any()):
+        while bool((x[:, end - block_length : end] == MASK).any()):
             mask_index = x == MASK
             mask_index[:, end:] = False
             x0, transfer = naive_get_transfer_index(model(x), mask_index, x, threshold)
@@ -156,8 +172,17 @@ def test_threshold_decoding_follows_fast_dllm_step_for_step(cache):
     with torch.no_grad():
         want, want_trace = naive_fast_dllm_generate(model, prompts(), gen_length=8, block_length=4, threshold=0.35)
     trace, stats = [], DecodeStats()
-    got = run(model, cache, stats=stats, trace=trace, gen_length=8, steps=8, block_length=4, threshold=0.35,
-              refresh_every_step=cache != "none")
+    got = run(
+        model,
+        cache,
+        stats=stats,
+        trace=trace,
+        gen_length=8,
+        steps=8,
+        block_length=4,
+        threshold=0.35,
+        refresh_every_step=cache != "none",
+    )
     assert torch.equal(got, want) and not (got == MASK).any()
     assert len(trace) == len(want_trace) < 8  # blocks end early: fewer forwards than tokens
     assert all(torch.equal(a[:, 4:], b[:, 4:]) for a, b in zip(trace, want_trace))
@@ -165,9 +190,10 @@ def test_threshold_decoding_follows_fast_dllm_step_for_step(cache):
 
 # ------------------------------------------------------------------ refusals for SDAR
 
+
 def test_cache_gap_needs_a_cache():
-    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
 
     with pytest.raises(ConfigError, match="rollout.cache_gap_every=2 .*rollout.cache=prefix"):
         load_config(CONFIG, ["rollout.cache_gap_every=2"])
@@ -177,9 +203,8 @@ def test_cache_gap_needs_a_cache():
 def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.cli.args import sampling_options
+    from stabledrl_mcore.common.errors import ConfigError, UserError
     from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.common.errors import ConfigError
-    from stabledrl_mcore.common.errors import UserError
 
     with pytest.raises(ConfigError, match="rollout.cache must be one of"):
         load_config(CONFIG, ["rollout.cache=full"])
@@ -187,13 +212,13 @@ def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
         generate(toy("sdar"), prompts(), gen_length=4, steps=4, block_length=None, cache="dual")
     with pytest.raises(ValueError, match="cache must be one of"):
         generate_llada(toy(), prompts(), gen_length=4, steps=4, block_length=4, cache="full")
-    args = type("Args", (), dict(steps=None, block_length=None, gen_length=8, temperature=0.0, threshold=None,
-                                 cache="prefix"))()
+    args = type(
+        "Args", (), dict(steps=None, block_length=None, gen_length=8, temperature=0.0, threshold=None, cache="prefix")
+    )()
     with pytest.raises(UserError, match="--cache prefix is LLaDA's"):
         sampling_options(args, ToyDLLMConfig(arch="sdar"))
     assert sampling_options(args, ToyDLLMConfig(arch="llada"))["cache"] == "prefix"
-    assert main(["train", "--config", CONFIG, "model.preset=sdar-tiny", "rollout.cache=dual",
-                 "--print-config"]) == 2
+    assert main(["train", "--config", CONFIG, "model.preset=sdar-tiny", "rollout.cache=dual", "--print-config"]) == 2
     line = capsys.readouterr().err.strip()
     assert len(line.splitlines()) == 1 and "rollout.cache=dual is LLaDA's" in line and "rollout.cache=none" in line
 
@@ -207,9 +232,32 @@ def test_generate_cli_with_dual_cache_and_threshold(tmp_path):
     ckpt = write_hf_checkpoint(str(tmp_path / "llada"), "llada", seed=3)
     out = tmp_path / "out.jsonl"
     try:
-        assert main(["generate", "--ckpt", ckpt, "--prompt", "tok5 tok6", "--prompt", "tok7", "--gen-length", "8",
-                     "--block-length", "4", "--cache", "dual", "--threshold", "0.9", "--no-progress",
-                     "--no-chat-template", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--ckpt",
+                    ckpt,
+                    "--prompt",
+                    "tok5 tok6",
+                    "--prompt",
+                    "tok7",
+                    "--gen-length",
+                    "8",
+                    "--block-length",
+                    "4",
+                    "--cache",
+                    "dual",
+                    "--threshold",
+                    "0.9",
+                    "--no-progress",
+                    "--no-chat-template",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         bootstrap.destroy()
         cpu_compat.disable()
@@ -218,14 +266,15 @@ def test_generate_cli_with_dual_cache_and_threshold(tmp_path):
 
 # ------------------------------------------------------------------ Megatron model, TP=2 == TP=1, trainer
 
+
 def _worker(result_dir, run_dir):
     from megatron.core import parallel_state
+    from test_models_hf import hf_to_megatron, load_into, make_hf_model, tiny_cfg
 
     from stabledrl_mcore.diffusion.sampling_llada import BlockLogits
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.models.masks import padding_mask
     from stabledrl_mcore.parallel import bootstrap
-    from test_models_hf import hf_to_megatron, load_into, make_hf_model, tiny_cfg
 
     rank = int(os.environ["RANK"])
     cfg = tiny_cfg("llada")
@@ -240,14 +289,22 @@ def _worker(result_dir, run_dir):
     for tp in (2, 1):
         bootstrap.initialize(tp, 1, seed=0)
         model = build_model(cfg).eval()
-        load_into(model, hf_to_megatron(hf.state_dict(), cfg, tp_size=tp,
-                                        tp_rank=parallel_state.get_tensor_model_parallel_rank()))
+        load_into(
+            model,
+            hf_to_megatron(hf.state_dict(), cfg, tp_size=tp, tp_rank=parallel_state.get_tensor_model_parallel_rank()),
+        )
         torch.manual_seed(0)
         result = {}
         with torch.no_grad():
             # a middle block, earlier ones committed: the cached forward at the block's first step
-            x = torch.cat([prompt, torch.randint(0, 90, (2, 4), generator=torch.Generator().manual_seed(1)),
-                           torch.full((2, 8), cfg.mask_token_id)], 1)
+            x = torch.cat(
+                [
+                    prompt,
+                    torch.randint(0, 90, (2, 4), generator=torch.Generator().manual_seed(1)),
+                    torch.full((2, 8), cfg.mask_token_id),
+                ],
+                1,
+            )
             keys = torch.cat([valid, torch.ones(2, 12, dtype=torch.bool)], 1)
             for name, net in (("", model), ("separated/", build_model(separated).eval())):
                 for mode in ("prefix", "dual"):
@@ -258,8 +315,17 @@ def _worker(result_dir, run_dir):
                     result[f"{name}{mode}/block_start_diff"] = (cached - full).abs().max().item()
             for mode in ("none", "prefix", "dual"):
                 stats = DecodeStats()
-                out = generate_llada(model, prompt, gen_length=12, steps=6, block_length=4, prompt_valid=valid,
-                                     cache=mode, stats=stats, progress=False)
+                out = generate_llada(
+                    model,
+                    prompt,
+                    gen_length=12,
+                    steps=6,
+                    block_length=4,
+                    prompt_valid=valid,
+                    cache=mode,
+                    stats=stats,
+                    progress=False,
+                )
                 result[f"{mode}/tokens"] = out
                 result[f"{mode}/forwards"] = (stats.full_forwards, stats.block_forwards)
         torch.save(result, os.path.join(result_dir, f"tp{tp}_rank{rank}.pt"))
@@ -268,12 +334,28 @@ def _worker(result_dir, run_dir):
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
 
-    train(load_config(CONFIG, [f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "steps=1",
-                               "parallel.tensor_parallel=2", "rollout.cache=dual", "rollout.threshold=0.9",
-                               "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.gen_length=8",
-                               "rollout.steps=4", "rollout.block_length=4", "parallel.micro_batch_size=4",
-                               "checkpoint.save_every=0", "algo.inner_iterations=1",
-                               "rollout.cache_gap_every=1"]))
+    train(
+        load_config(
+            CONFIG,
+            [
+                f"logging.run_dir={run_dir}",
+                "logging.wandb_mode=disabled",
+                "steps=1",
+                "parallel.tensor_parallel=2",
+                "rollout.cache=dual",
+                "rollout.threshold=0.9",
+                "rollout.prompts_per_step=2",
+                "rollout.group_size=2",
+                "rollout.gen_length=8",
+                "rollout.steps=4",
+                "rollout.block_length=4",
+                "parallel.micro_batch_size=4",
+                "checkpoint.save_every=0",
+                "algo.inner_iterations=1",
+                "rollout.cache_gap_every=1",
+            ],
+        )
+    )
 
 
 @pytest.mark.multiprocess

@@ -291,8 +291,9 @@ def test_convex_hull_bound_on_tiny_model(tiny_setup, name):
         # the convex hull itself: non-negative weights summing to 1 per group, and the update is
         # exactly -(1/groups) sum_i w_i A_i grad logp_i
         w = expected_weights(name, log_ratio, gi)
-        assert (w >= 0).all() and torch.allclose(torch.stack([w[gi == k].sum() for k in (0, 1)]),
-                                                 torch.ones(2, dtype=w.dtype))
+        assert (w >= 0).all() and torch.allclose(
+            torch.stack([w[gi == k].sum() for k in (0, 1)]), torch.ones(2, dtype=w.dtype)
+        )
         torch.testing.assert_close(grad, -(w * adv) @ per_sample / 2, rtol=1e-9, atol=1e-12)
 
 
@@ -323,13 +324,25 @@ def test_grpo_outlier_spike_vs_stabledrl_on_tiny_model(tiny_setup):
 @pytest.mark.parametrize("tensor", ["logp", "old_logp", "advantages", "ref_logp", "lengths"])
 def test_nonfinite_inputs_raise_naming_tensor(tensor, bad):
     logp, old, adv, gi = make_inputs(0)
-    inputs = {"logp": logp.detach().clone(), "old_logp": old.clone(), "advantages": adv.clone(),
-              "ref_logp": old.clone(), "lengths": torch.full((13,), 10.0, dtype=torch.float64)}
+    inputs = {
+        "logp": logp.detach().clone(),
+        "old_logp": old.clone(),
+        "advantages": adv.clone(),
+        "ref_logp": old.clone(),
+        "lengths": torch.full((13,), 10.0, dtype=torch.float64),
+    }
     inputs[tensor][[1, 5, 8]] = bad
     with pytest.raises(ValueError, match=f"non-finite values in {tensor}: 3 of 13 entries"):
-        sequence_policy_loss("espo", inputs["logp"].requires_grad_(True), inputs["old_logp"],
-                             inputs["advantages"], gi, ref_logp=inputs["ref_logp"], kl_coef=0.1,
-                             lengths=inputs["lengths"])
+        sequence_policy_loss(
+            "espo",
+            inputs["logp"].requires_grad_(True),
+            inputs["old_logp"],
+            inputs["advantages"],
+            gi,
+            ref_logp=inputs["ref_logp"],
+            kl_coef=0.1,
+            lengths=inputs["lengths"],
+        )
 
 
 def test_token_nonfinite_inputs_raise_naming_tensor():
@@ -337,8 +350,9 @@ def test_token_nonfinite_inputs_raise_naming_tensor():
     old = torch.zeros(2, 3)
     old[0, 1] = float("nan")
     with pytest.raises(ValueError, match="non-finite values in old_logp_tok: 1 of 6 entries"):
-        token_policy_loss("diffu_grpo", logp, old, torch.ones(2), torch.ones(2, 3, dtype=torch.bool),
-                          torch.tensor([0, 0]))
+        token_policy_loss(
+            "diffu_grpo", logp, old, torch.ones(2), torch.ones(2, 3, dtype=torch.bool), torch.tensor([0, 0])
+        )
 
 
 def test_shape_and_dtype_errors():
@@ -444,8 +458,9 @@ def test_loss_noise_switch_shifts_old_logp():
     logp, old, adv, gi = make_inputs(4)
     noise = RatioNoise("student_t", sigma=0.8, dof=3.0)
     for name in ("stabledrl", "grpo", "stabledrl_released"):
-        loss, m = sequence_policy_loss(name, logp, old, adv, gi, ratio_noise=noise,
-                                       noise_generator=torch.Generator().manual_seed(11))
+        loss, m = sequence_policy_loss(
+            name, logp, old, adv, gi, ratio_noise=noise, noise_generator=torch.Generator().manual_seed(11)
+        )
         n = noise.sample((13,), generator=torch.Generator().manual_seed(11), dtype=torch.float64)
         ref, m_ref = sequence_policy_loss(name, logp, old - n, adv, gi)
         assert loss.item() == pytest.approx(ref.item(), rel=1e-12)

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
-from stabledrl_mcore.rl.estimates import (LikelihoodSpec, elbo_estimates, iteration_inputs,
-                                          old_policy_likelihood)
+from stabledrl_mcore.rl.estimates import LikelihoodSpec, elbo_estimates, iteration_inputs, old_policy_likelihood
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 P, L = 2, 4  # prompt and completion lengths
@@ -28,18 +27,28 @@ def toy_batch(n=4, seed=0, vocab=12):
     seqs = torch.randint(2, vocab - 2, (n, P + L), generator=g)
     comp = torch.zeros(n, P + L, dtype=torch.bool)
     comp[:, P:] = True
-    return RolloutBatch(sequences=seqs, prompt_len=P, prompt_valid=torch.ones_like(comp), completion_mask=comp,
-                        group_index=torch.arange(n) // 2, completions=[""] * n, references=[None] * n,
-                        advantages=torch.tensor([1.0, -1.0] * (n // 2)))
+    return RolloutBatch(
+        sequences=seqs,
+        prompt_len=P,
+        prompt_valid=torch.ones_like(comp),
+        completion_mask=comp,
+        group_index=torch.arange(n) // 2,
+        completions=[""] * n,
+        references=[None] * n,
+        advantages=torch.tensor([1.0, -1.0] * (n // 2)),
+    )
 
 
 def toy_model():
-    return ToyDiffusionLM(ToyDLLMConfig(vocab_size=12, mask_token_id=11, eos_token_id=1, pad_token_id=1,
-                                        hidden_size=16), seed=3, dtype=torch.float64).eval()
+    return ToyDiffusionLM(
+        ToyDLLMConfig(vocab_size=12, mask_token_id=11, eos_token_id=1, pad_token_id=1, hidden_size=16),
+        seed=3,
+        dtype=torch.float64,
+    ).eval()
 
 
 def generators(step):
-    return lambda phase: (lambda k: torch.Generator().manual_seed(hash((step, phase, k)) % 2**62))
+    return lambda phase: lambda k: torch.Generator().manual_seed(hash((step, phase, k)) % 2**62)
 
 
 def exact_estimator_variance(model, batch):
@@ -65,10 +74,27 @@ def exact_estimator_variance(model, batch):
 
 def first_log_ratio(model, batch, spec, sampling, step, inner=0):
     gens = generators(step)
-    old_policy_likelihood(model, batch, spec, micro_batch=batch.size, mask_id=11, chunk_generator=gens("masks"),
-                          sampling=sampling, iteration_generators=lambda k: gens(f"masks/iter{k}"), iterations=2)
-    old, plan, current, _ = iteration_inputs(model, batch, spec, inner, sampling=sampling, micro_batch=batch.size,
-                                             mask_id=11, chunk_generator=gens(f"masks/iter{inner}"))
+    old_policy_likelihood(
+        model,
+        batch,
+        spec,
+        micro_batch=batch.size,
+        mask_id=11,
+        chunk_generator=gens("masks"),
+        sampling=sampling,
+        iteration_generators=lambda k: gens(f"masks/iter{k}"),
+        iterations=2,
+    )
+    old, plan, current, _ = iteration_inputs(
+        model,
+        batch,
+        spec,
+        inner,
+        sampling=sampling,
+        micro_batch=batch.size,
+        mask_id=11,
+        chunk_generator=gens(f"masks/iter{inner}"),
+    )
     return elbo_estimates(current, plan, batch, spec) - old.ratio_logp
 
 
@@ -96,11 +122,30 @@ def test_plans_per_sampling_mode():
     spec = LikelihoodSpec(kind="elbo", num_mc=2)
     gens = generators(7)
     for sampling in ("fresh", "replay", "per_iteration"):
-        old_policy_likelihood(model, batch, spec, micro_batch=2, mask_id=11, chunk_generator=gens("masks"),
-                              sampling=sampling, iteration_generators=lambda k: gens(f"masks/iter{k}"),
-                              iterations=3)
-        plans = [iteration_inputs(model, batch, spec, k, sampling=sampling, micro_batch=2, mask_id=11,
-                                  chunk_generator=gens(f"masks/iter{k}"))[1] for k in range(3)]
+        old_policy_likelihood(
+            model,
+            batch,
+            spec,
+            micro_batch=2,
+            mask_id=11,
+            chunk_generator=gens("masks"),
+            sampling=sampling,
+            iteration_generators=lambda k: gens(f"masks/iter{k}"),
+            iterations=3,
+        )
+        plans = [
+            iteration_inputs(
+                model,
+                batch,
+                spec,
+                k,
+                sampling=sampling,
+                micro_batch=2,
+                mask_id=11,
+                chunk_generator=gens(f"masks/iter{k}"),
+            )[1]
+            for k in range(3)
+        ]
         same = [torch.equal(p.masked, batch.plan.masked) for p in plans]
         if sampling == "replay":
             assert same == [True, True, True]

@@ -16,9 +16,9 @@ from stabledrl_mcore.diffusion import (
     elbo_from_draws,
     eubo_from_draws,
     get_mask_scheme,
+    mask_schemes,
     register_mask_scheme,
 )
-from stabledrl_mcore.diffusion import mask_schemes
 
 P, G, BL = 3, 12, 4  # prompt width, generated length, block length: nb = 3 blocks
 LENGTHS = (12, 9, 6, 2, 0)  # completion lengths up to the first EOS: nc = 3, 3, 2, 1, 0
@@ -35,7 +35,7 @@ def batch(lengths=LENGTHS, pads=PADS, prompt=P, generated=G):
     comp = torch.zeros(B, S, dtype=torch.bool)
     valid = torch.ones(B, prompt, dtype=torch.bool)
     for b, (L, pad) in enumerate(zip(lengths, pads)):
-        comp[b, prompt:prompt + L] = True
+        comp[b, prompt : prompt + L] = True
         valid[b, :pad] = False
     return seq, comp, valid
 
@@ -49,13 +49,15 @@ def per_draw_elbo(plan, logp, completion):
     """[M, B] length-normalised ELBO of each single draw (elbo_from_draws on one-draw plans)."""
     out = []
     for m in range(plan.num_mc):
-        one = type(plan)(masked=plan.masked[m:m + 1], weight=plan.weight[m:m + 1], ratio=plan.ratio[m:m + 1],
-                         mode=plan.mode)
-        out.append(elbo_from_draws(logp[m:m + 1], one, completion, length_normalize=True)[0])
+        one = type(plan)(
+            masked=plan.masked[m : m + 1], weight=plan.weight[m : m + 1], ratio=plan.ratio[m : m + 1], mode=plan.mode
+        )
+        out.append(elbo_from_draws(logp[m : m + 1], one, completion, length_normalize=True)[0])
     return torch.stack(out)
 
 
 # ----------------------------------------------------------------------------- regions and registry
+
 
 def test_regions_from_batch_eos_shapes_and_checks():
     seq = torch.tensor([[0, 7, 7, 5, 2, 9, 9], [7, 7, 7, 5, 5, 5, 5], [0, 0, 7, 2, 9, 2, 9]])
@@ -162,8 +164,9 @@ def test_post_eos_policies(key, policy):
     elif policy == "visible":
         assert not post.any() and not (plan.weight[:, r.post_eos] != 0).any()
     else:  # scored like completion tokens: same as the scheme on completion | post_eos
-        want = build_mask_plan(MaskRegions.of(r.completion | r.post_eos, r.prompt), name, num_mc=6,
-                               generator=gen(), **opts)
+        want = build_mask_plan(
+            MaskRegions.of(r.completion | r.post_eos, r.prompt), name, num_mc=6, generator=gen(), **opts
+        )
         assert torch.equal(plan.masked, want.masked) and torch.equal(plan.weight, want.weight)
         assert (plan.weight[:, r.post_eos] > 0).any()
     scored = plan.weight > 0
@@ -179,8 +182,17 @@ def test_post_eos_policies(key, policy):
 
 # ----------------------------------------------------------------------------- uniform and full
 
-@pytest.mark.parametrize("opts", [dict(), dict(mode="ratio", eps=0.01), dict(coupled=True),
-                                  dict(mode="ratio", coupled=True, stratified=False), dict(block_size=4)])
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(mode="ratio", eps=0.01),
+        dict(coupled=True),
+        dict(mode="ratio", coupled=True, stratified=False),
+        dict(block_size=4),
+    ],
+)
 def test_uniform_is_build_plan_on_the_completion(opts):
     r = regions()
     plan = build_mask_plan(r, "uniform", num_mc=4, generator=gen(3), **opts)
@@ -221,6 +233,7 @@ def test_full_masks_the_whole_completion_with_unit_weight():
 
 # ----------------------------------------------------------------------------- block_random
 
+
 def _block_of(r):
     rank = r.completion.long().cumsum(-1) - 1
     return torch.where(r.completion, rank // BL, -1)  # [B, S] completion block of each position
@@ -249,7 +262,7 @@ def test_block_random_block_index_is_uniform_mod_completion_blocks():
     r10 = regions(lengths=(10, 10), pads=(0, 0), generated=10)
     d = block_random_draw(r10, num_mc=40, generator=gen(), block_length=BL, num_blocks=2, prefix_mask_prob=0.0)
     assert set(d.block.flatten().tolist()) == {0, 1}
-    assert d.plan.masked[:, :, P + 8:].all()  # the partial last block is never chosen, so always masked
+    assert d.plan.masked[:, :, P + 8 :].all()  # the partial last block is never chosen, so always masked
     d = block_random_draw(r10, num_mc=60, generator=gen(), block_length=BL)  # default: ceil(10 / 4) = 3 blocks
     assert set(d.block.flatten().tolist()) == {0, 1, 2} and set(d.count[d.block == 2].tolist()) == {1, 2}
 
@@ -257,8 +270,7 @@ def test_block_random_block_index_is_uniform_mod_completion_blocks():
 def test_block_random_mask_distribution():
     r = regions()
     M, p = 4000, 0.15
-    d = block_random_draw(r, num_mc=M, generator=gen(1), block_length=BL, prefix_mask_prob=p,
-                          post_eos="mask_and_skip")
+    d = block_random_draw(r, num_mc=M, generator=gen(1), block_length=BL, prefix_mask_prob=p, post_eos="mask_and_skip")
     masked, blk = d.plan.masked, _block_of(r)
     pos = torch.arange(P + G)
     L = r.completion.sum(-1)
@@ -352,8 +364,9 @@ def _release_bounds(logp, masked, completion_mask, beta):
 @pytest.mark.parametrize("num_mc", [1, 3])
 def test_block_random_matches_the_release_estimator(num_mc):
     r = regions()
-    plan = build_mask_plan(r, "block_random", num_mc=num_mc, generator=gen(5), block_length=BL,
-                           post_eos="mask_and_skip")
+    plan = build_mask_plan(
+        r, "block_random", num_mc=num_mc, generator=gen(5), block_length=BL, post_eos="mask_and_skip"
+    )
     logp = -3.0 * torch.rand(plan.masked.shape, generator=gen(6), dtype=torch.float64)
     # the release sees only the generation: scored = completion_mask * (token == mask id)
     rel_elbo, rel_eubo = _release_bounds(logp[..., P:], plan.masked[..., P:], r.completion[:, P:], 1.5)

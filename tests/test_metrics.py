@@ -8,8 +8,9 @@ from stabledrl_mcore.engine.metrics import MetricsLogger, NullLogger, create_log
 
 def test_rank0_writes_jsonl_console_and_offline_wandb(tmp_path):
     stream = io.StringIO()
-    with create_logger(str(tmp_path), rank=0, config={"a": 1}, stream=stream,
-                       console_keys=("reward", "loss")) as logger:
+    with create_logger(
+        str(tmp_path), rank=0, config={"a": 1}, stream=stream, console_keys=("reward", "loss")
+    ) as logger:
         assert isinstance(logger, MetricsLogger)
         logger.log(1, {"reward": 0.25, "loss": 1.5, "note": "x"})
         logger.log(2, {"reward": 0.5, "loss": float("nan")})
@@ -69,8 +70,16 @@ def test_wandb_init_gets_entity_name_group_tags_and_the_kept_run_id(tmp_path, mo
     from stabledrl_mcore.engine.metrics import WANDB_ID_FILE, logger_options
 
     calls = _capture_wandb_init(monkeypatch)
-    cfg = load_config(None, ["logging.wandb_entity=team", "logging.wandb_name=exp-1", "logging.wandb_group=abl",
-                             "logging.wandb_tags=[rl, llada]", "logging.wandb_project=proj"])
+    cfg = load_config(
+        None,
+        [
+            "logging.wandb_entity=team",
+            "logging.wandb_name=exp-1",
+            "logging.wandb_group=abl",
+            "logging.wandb_tags=[rl, llada]",
+            "logging.wandb_project=proj",
+        ],
+    )
     for _ in range(2):  # a requeue: the same run directory, the same wandb run
         with create_logger(str(tmp_path), rank=0, stream=io.StringIO(), **logger_options(cfg.logging)) as lg:
             lg.log(1, {"reward": 0.5})
@@ -78,14 +87,19 @@ def test_wandb_init_gets_entity_name_group_tags_and_the_kept_run_id(tmp_path, mo
     assert len(run_id) == 12 and run_id.isalnum()
     for call in calls:
         assert (call["entity"], call["name"], call["group"], call["tags"], call["project"]) == (
-            "team", "exp-1", "abl", ["rl", "llada"], "proj")
+            "team",
+            "exp-1",
+            "abl",
+            ["rl", "llada"],
+            "proj",
+        )
         assert call["id"] == run_id and call["resume"] == "allow" and call["mode"] == "offline"
 
 
 def test_overwrite_moves_the_wandb_id_aside_so_a_fresh_run_gets_a_new_one(tmp_path, monkeypatch):
-    from stabledrl_mcore.engine.run_dir import move_run_aside
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.engine.metrics import WANDB_ID_FILE
+    from stabledrl_mcore.engine.run_dir import move_run_aside
 
     calls = _capture_wandb_init(monkeypatch)
     cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
@@ -116,8 +130,9 @@ def test_tensorboard_sink_writes_scalars_and_a_resume_purges_repeated_steps(tmp_
     with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", tensorboard=True, stream=io.StringIO()) as lg:
         for step in (1, 2, 3):
             lg.log(step, {"reward": step / 10, "note": "text"})
-    with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", tensorboard=True, start_step=2,
-                       stream=io.StringIO()) as lg:  # resumed from step 2: step 3 again
+    with create_logger(
+        str(tmp_path), rank=0, wandb_mode="disabled", tensorboard=True, start_step=2, stream=io.StringIO()
+    ) as lg:  # resumed from step 2: step 3 again
         lg.log(3, {"reward": 0.9})
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -128,10 +143,10 @@ def test_tensorboard_sink_writes_scalars_and_a_resume_purges_repeated_steps(tmp_
 def test_wandb_fields_without_wandb_and_tensorboard_missing_are_refused_by_name(monkeypatch):
     import pytest
 
-    from stabledrl_mcore.engine import metrics
-    from stabledrl_mcore.config.schema import load_config
-    from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.cli.preflight import _check_logging
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.engine import metrics
 
     with pytest.raises(ConfigError, match="logging.wandb_tags has no effect with logging.wandb_mode=disabled"):
         load_config(None, ["logging.wandb_mode=disabled", "logging.wandb_tags=[a]"])

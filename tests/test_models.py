@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
-from stabledrl_mcore.models import (AttentionLayout, DLLMConfig, KVCache, ModelConfigError,
-                                    available_presets, block_causal_mask, build_model,
-                                    get_preset, segment_positions, staircase_mask, staircase_position_ids,
-                                    to_transformer_config, vocab_parallel_log_probs)
+from stabledrl_mcore.models import (
+    AttentionLayout,
+    DLLMConfig,
+    KVCache,
+    ModelConfigError,
+    available_presets,
+    block_causal_mask,
+    build_model,
+    get_preset,
+    segment_positions,
+    staircase_mask,
+    staircase_position_ids,
+    to_transformer_config,
+    vocab_parallel_log_probs,
+)
 
 
 def _model(name, seed=0, **overrides):
@@ -21,11 +31,9 @@ def _model(name, seed=0, **overrides):
 
 # ----------------------------------------------------------------------------- configs
 def test_presets_have_the_published_shapes():
-    assert set(available_presets()) >= {"llada-8b", "sdar-8b", "llada-tiny", "sdar-tiny",
-                                        "llada-100m", "sdar-100m"}
+    assert set(available_presets()) >= {"llada-8b", "sdar-8b", "llada-tiny", "sdar-tiny", "llada-100m", "sdar-100m"}
     llada, sdar = get_preset("llada-8b"), get_preset("sdar-8b")
-    assert (llada.vocab_size, llada.num_layers, llada.num_query_groups, llada.mask_token_id) == \
-        (126464, 32, 32, 126336)
+    assert (llada.vocab_size, llada.num_layers, llada.num_query_groups, llada.mask_token_id) == (126464, 32, 32, 126336)
     assert (sdar.num_layers, sdar.num_query_groups, sdar.kv_channels, sdar.block_size) == (36, 8, 128, 4)
     assert abs(llada.num_parameters() / 1e9 - 8.02) < 0.01
     assert abs(sdar.num_parameters() / 1e9 - 8.19) < 0.01
@@ -57,8 +65,7 @@ def test_config_validation_and_round_trip():
 # --------------------------------------------------------------------- position schemes
 def test_segment_positions_restart_after_the_separator():
     sep = 9
-    ids = torch.tensor([[5, 6, 7, sep, 5, 6, 7, 2],
-                        [sep, 1, sep, sep, 4, 4, 4, 4]])
+    ids = torch.tensor([[5, 6, 7, sep, 5, 6, 7, 2], [sep, 1, sep, sep, 4, 4, 4, 4]])
     positions, segments = segment_positions(ids, sep)
     assert positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 1, 0, 0, 1, 2, 3]]
     assert segments.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 2, 3, 3, 3, 3]]
@@ -79,8 +86,13 @@ def test_position_config_errors_are_named():
 
 
 def _learned(name="llada-tiny", **overrides):
-    settings = dict(position_embedding="learned", segment_separator_id=9, num_segments=2,
-                    embedding_init_std=1.0, max_position_embeddings=32)
+    settings = dict(
+        position_embedding="learned",
+        segment_separator_id=9,
+        num_segments=2,
+        embedding_init_std=1.0,
+        max_position_embeddings=32,
+    )
     return _model(name, **{**settings, **overrides})
 
 
@@ -90,7 +102,8 @@ def test_learned_positions_add_word_position_and_segment_rows(megatron_tp1, name
     ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 2, 0], [9, 1, 1, 9, 4, 4, 4, 4, 4]])
     captured = {}
     hook = model.decoder.register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True
+    )
     try:
         model(ids)
     finally:
@@ -98,8 +111,11 @@ def test_learned_positions_add_word_position_and_segment_rows(megatron_tp1, name
     table = model.embedding
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 0, 1, 2, 0, 1, 2, 3, 4]])
     segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1]])  # clamped to 2 rows
-    expected = (table.word_embeddings.weight[ids] + table.position_embeddings.weight[positions]
-                + table.tokentype_embeddings.weight[segments])
+    expected = (
+        table.word_embeddings.weight[ids]
+        + table.position_embeddings.weight[positions]
+        + table.tokentype_embeddings.weight[segments]
+    )
     assert torch.allclose(captured["hidden_states"].transpose(0, 1), expected, atol=1e-6)
     assert captured["rotary_pos_emb"] is None, "learned positions replace RoPE"
     assert table.word_embeddings.weight.std() > 0.5, "embedding_init_std=1.0 reaches the tables"
@@ -172,17 +188,19 @@ def test_staircase_equals_each_block_after_its_clean_prefix(megatron_tp1):
     x0 = torch.randint(0, 255, (2, n))
     xt = torch.where(torch.rand(2, n) < 0.5, torch.full_like(x0, 255), x0)
     with torch.no_grad():
-        stair = model(torch.cat([xt, x0], 1), staircase_position_ids(n),
-                      AttentionLayout.staircase(bs))[:, :n]
+        stair = model(torch.cat([xt, x0], 1), staircase_position_ids(n), AttentionLayout.staircase(bs))[:, :n]
         for b in range(n // bs):
             lo, hi = b * bs, (b + 1) * bs
-            alone = model(torch.cat([x0[:, :lo], xt[:, lo:hi]], 1),
-                          attention_mask=AttentionLayout.block_causal(bs))[:, lo:hi]
+            alone = model(torch.cat([x0[:, :lo], xt[:, lo:hi]], 1), attention_mask=AttentionLayout.block_causal(bs))[
+                :, lo:hi
+            ]
             assert (stair[:, lo:hi] - alone).abs().max() < 1e-5, f"block {b}"
             # negative control: seeing its own clean copy changes the result
-            leaky = model(torch.cat([x0[:, :hi], xt[:, lo:hi]], 1),
-                          torch.cat([torch.arange(hi), torch.arange(lo, hi)])[None],
-                          AttentionLayout.bidirectional())[:, hi:]
+            leaky = model(
+                torch.cat([x0[:, :hi], xt[:, lo:hi]], 1),
+                torch.cat([torch.arange(hi), torch.arange(lo, hi)])[None],
+                AttentionLayout.bidirectional(),
+            )[:, hi:]
             assert (stair[:, lo:hi] - leaky).abs().max() > 1e-3
 
 
@@ -191,8 +209,10 @@ def test_flex_backend_matches_sdpa(megatron_tp1):
     flex = _model("sdar-tiny", attention_backend="flex")
     flex.load_state_dict(sdpa.state_dict())
     ids = torch.randint(0, 255, (2, 24))
-    cases = [(ids, None, AttentionLayout.block_causal(4)),
-             (ids, staircase_position_ids(12), AttentionLayout.staircase(4))]
+    cases = [
+        (ids, None, AttentionLayout.block_causal(4)),
+        (ids, staircase_position_ids(12), AttentionLayout.staircase(4)),
+    ]
     with torch.no_grad():
         for ids_, pos, layout in cases:
             assert (sdpa(ids_, pos, layout) - flex(ids_, pos, layout)).abs().max() < 1e-5
@@ -209,11 +229,11 @@ def test_kv_cache_block_decoding_matches_full_pass(megatron_tp1):
             model(ids[:, :8], attention_mask=AttentionLayout.block_causal(bs), kv_cache=cache)
         assert cache.length == 8
         for lo in (8, 12):
-            step = model(ids[:, lo:lo + bs], kv_cache=cache)  # current block sees cache + itself
-            assert (step - full[:, lo:lo + bs]).abs().max() < 1e-5
+            step = model(ids[:, lo : lo + bs], kv_cache=cache)  # current block sees cache + itself
+            assert (step - full[:, lo : lo + bs]).abs().max() < 1e-5
             assert cache.length == lo
             with cache.storing():
-                model(ids[:, lo:lo + bs], kv_cache=cache)
+                model(ids[:, lo : lo + bs], kv_cache=cache)
         last = model(ids[:, 16:], attention_mask=block_causal_mask(4, bs, offset=16), kv_cache=cache)
         assert (last - full[:, 16:]).abs().max() < 1e-5
         cache.truncate(8)  # two blocks at once after the prompt, block-causal between them
@@ -265,20 +285,27 @@ def test_sharded_state_dict_uses_te_names(megatron_tp1):
     def keys(model):
         return {v.key for v in model.sharded_state_dict().values()}
 
-    want = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
-            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-            "decoder.layers.self_attention.linear_qkv.weight",
-            "decoder.layers.self_attention.q_layernorm.weight",
-            "decoder.layers.self_attention.k_layernorm.weight",
-            "decoder.layers.self_attention.linear_proj.weight",
-            "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.mlp.linear_fc1.weight",
-            "decoder.layers.mlp.linear_fc2.weight"}
+    want = {
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "decoder.layers.self_attention.q_layernorm.weight",
+        "decoder.layers.self_attention.k_layernorm.weight",
+        "decoder.layers.self_attention.linear_proj.weight",
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.mlp.linear_fc1.weight",
+        "decoder.layers.mlp.linear_fc2.weight",
+    }
     local = build_model(get_preset("sdar-tiny"), use_te=False)
     got = {k for k in keys(local) if not k.endswith("_extra_state")}
     assert got == want
     llada = {k for k in keys(build_model(get_preset("llada-tiny"))) if not k.endswith("_extra_state")}
-    assert llada == want - {"decoder.layers.self_attention.q_layernorm.weight",
-                            "decoder.layers.self_attention.k_layernorm.weight"}
+    assert llada == want - {
+        "decoder.layers.self_attention.q_layernorm.weight",
+        "decoder.layers.self_attention.k_layernorm.weight",
+    }
     if te_available():  # GPU machines: the TE spec must produce the same checkpoint keys
         assert keys(build_model(get_preset("sdar-tiny"), use_te=True)) == keys(local)
 
@@ -288,8 +315,11 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
     outputs and gradients, and defer to it whenever a collective or fusion is in play."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from stabledrl_mcore.models.linear import (AutogradColumnParallelLinear, AutogradRowParallelLinear,
-                                               _plain_matmul_applies)
+    from stabledrl_mcore.models.linear import (
+        AutogradColumnParallelLinear,
+        AutogradRowParallelLinear,
+        _plain_matmul_applies,
+    )
     from stabledrl_mcore.models.specs import te_available
 
     model = _model("sdar-tiny")
@@ -299,11 +329,14 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
         assert isinstance(layer.mlp.linear_fc2, AutogradRowParallelLinear)
     assert isinstance(model.output_layer, AutogradColumnParallelLinear)
     config = model.config
-    for plain_cls, ours_cls in ((ColumnParallelLinear, AutogradColumnParallelLinear),
-                                (RowParallelLinear, AutogradRowParallelLinear)):
+    for plain_cls, ours_cls in (
+        (ColumnParallelLinear, AutogradColumnParallelLinear),
+        (RowParallelLinear, AutogradRowParallelLinear),
+    ):
         kwargs = dict(config=config, init_method=config.init_method, bias=False)
-        kwargs.update(gather_output=False) if plain_cls is ColumnParallelLinear else \
-            kwargs.update(input_is_parallel=True, skip_bias_add=True)  # as in the layer
+        kwargs.update(gather_output=False) if plain_cls is ColumnParallelLinear else kwargs.update(
+            input_is_parallel=True, skip_bias_add=True
+        )  # as in the layer
         reference, ours = plain_cls(64, 48, **kwargs), ours_cls(64, 48, **kwargs)
         ours.load_state_dict(reference.state_dict())
         x = torch.randn(5, 3, 64)
@@ -317,16 +350,22 @@ def test_local_linears_use_a_plain_matmul_with_megatrons_gradients(megatron_tp1)
         assert any(n.startswith("LinearWithGradAccumulation") for n in graphs[0])
         assert not any(n.startswith("LinearWithGradAccumulation") for n in graphs[1])
         # TP=1: no identity tensor-parallel region functions around our matmul either
-        region = "_CopyToModelParallelRegion" if plain_cls is ColumnParallelLinear \
-            else "_ReduceFromModelParallelRegion"
+        region = "_CopyToModelParallelRegion" if plain_cls is ColumnParallelLinear else "_ReduceFromModelParallelRegion"
         assert any(n.startswith(region) for n in graphs[0])
         assert not any(n.startswith(region) for n in graphs[1]) and ours.explicit_expert_comm
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    assert _plain_matmul_applies(dict(allreduce_dgrad=False, sequence_parallel=False,
-                                      gradient_accumulation_fusion=False, grad_output_buffer=None))
-    for key, value in (("allreduce_dgrad", True), ("sequence_parallel", True),
-                       ("gradient_accumulation_fusion", True), ("grad_output_buffer", [])):
+    assert _plain_matmul_applies(
+        dict(
+            allreduce_dgrad=False, sequence_parallel=False, gradient_accumulation_fusion=False, grad_output_buffer=None
+        )
+    )
+    for key, value in (
+        ("allreduce_dgrad", True),
+        ("sequence_parallel", True),
+        ("gradient_accumulation_fusion", True),
+        ("grad_output_buffer", []),
+    ):
         assert not _plain_matmul_applies({key: value})
 
 
@@ -345,6 +384,7 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention
     from stabledrl_mcore.models.gated_mlp import SwiGLU
     from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
+
     cfg = get_preset(name, init_std=0.2)
     ours = build_model(cfg, use_te=False)  # the local spec, also where TE is installed
     assert isinstance(ours.decoder.layers[0].self_attention, HeadsMajorRotarySelfAttention)
@@ -359,17 +399,18 @@ def test_local_spec_matches_the_stock_megatron_layer_bitwise(megatron_tp1, name)
     ids = torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
     shifted = torch.arange(24)[None] + torch.tensor([[0], [5], [11]])
     # The last case hands our attention Megatron's angles, as a stock GPTModel would.
-    for position_ids, mask, rotary in ((staircase_position_ids(12), AttentionLayout.staircase(4),
-                                        rotary_cos_sin), (shifted, None, rotary_cos_sin),
-                                       (shifted, None, rotary_angles)):
+    for position_ids, mask, rotary in (
+        (staircase_position_ids(12), AttentionLayout.staircase(4), rotary_cos_sin),
+        (shifted, None, rotary_cos_sin),
+        (shifted, None, rotary_angles),
+    ):
         ours._rotary = rotary
         results = []
         for model in (reference, ours):
             model.zero_grad(set_to_none=True)
             logits = model(ids, position_ids, mask)
             logits.float().pow(2).mean().backward()
-            results.append([("logits", logits.detach())]
-                           + [(n, p.grad) for n, p in model.named_parameters()])
+            results.append([("logits", logits.detach())] + [(n, p.grad) for n, p in model.named_parameters()])
         for (label, a), (_, b) in zip(*results):
             if "_layernorm." in label:  # q_layernorm / k_layernorm weights (SDAR)
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -383,6 +424,7 @@ def test_fc1_gate_up_split_matches_the_fused_fc1(megatron_tp1, name):
     blocks (the local spec, TP=1): logits and every gradient match fc1's fused output
     chunked in two (Megatron's layout) to fp32 rounding; the parameter is the same."""
     from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear
+
     cfg = get_preset(name, init_std=0.2)
     split = build_model(cfg, use_te=False)  # the local spec, also where TE is installed
     fused = build_model(cfg, use_te=False)
@@ -417,8 +459,7 @@ def test_swiglu_module_only_with_megatrons_plain_or_fused_swiglu(monkeypatch):
 
     def config(**overrides):
         overrides.setdefault("bias_activation_fusion", False)
-        return to_transformer_config(get_preset("llada-tiny"), {"tensor_model_parallel_size": 1},
-                                     **overrides)
+        return to_transformer_config(get_preset("llada-tiny"), {"tensor_model_parallel_size": 1}, **overrides)
 
     local, stock = dllm_layer_spec(use_te=False), dllm_layer_spec(use_te=False, stock_local=True)
     assert with_module_activation(config(), local).use_te_activation_func
@@ -437,8 +478,9 @@ def test_swiglu_module_only_with_megatrons_plain_or_fused_swiglu(monkeypatch):
     from megatron.core.fusions import fused_bias_swiglu
 
     fused_calls = []
-    monkeypatch.setattr(fused_bias_swiglu, "bias_swiglu_impl",
-                        lambda x, bias, *a: fused_calls.append(x.shape) or expected)
+    monkeypatch.setattr(
+        fused_bias_swiglu, "bias_swiglu_impl", lambda x, bias, *a: fused_calls.append(x.shape) or expected
+    )
     fused = SwiGLU(fused_config)
     assert fused(y) is expected and fused_calls == [y.shape]  # training: Megatron's fused kernel
     with torch.no_grad():

@@ -21,8 +21,15 @@ def tiny_cfg(arch: str, **overrides):
     """A small config with GQA for SDAR (4 heads, 2 groups) so TP=2 splits whole groups."""
     from stabledrl_mcore.models import get_preset
 
-    base = dict(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
-                ffn_hidden_size=48, mask_token_id=95, max_position_embeddings=64)
+    base = dict(
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        mask_token_id=95,
+        max_position_embeddings=64,
+    )
     if arch == "llada":
         return get_preset("llada-tiny", num_query_groups=4, **base, **overrides)
     return get_preset("sdar-tiny", num_query_groups=2, head_dim=16, block_size=4, **base, **overrides)
@@ -32,13 +39,21 @@ def make_hf_model(cfg, seed: int = 0):
     """Random ``LlamaForCausalLM`` (LLaDA) or ``Qwen3ForCausalLM`` (SDAR) of the same shape."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
-                  rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                  max_position_embeddings=cfg.max_position_embeddings, initializer_range=0.1,
-                  attention_bias=False)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=0.1,
+        attention_bias=False,
+    )
     torch.manual_seed(seed)
     if cfg.arch == "llada":
         model = LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
@@ -52,8 +67,18 @@ def make_hf_model(cfg, seed: int = 0):
     return model.float().eval()
 
 
-def hf_to_megatron(hf_sd, cfg, *, tp_size=1, tp_rank=0, layer_offset=0, num_local_layers=None,
-                   pre_process=True, post_process=True, padded_vocab=None):
+def hf_to_megatron(
+    hf_sd,
+    cfg,
+    *,
+    tp_size=1,
+    tp_rank=0,
+    layer_offset=0,
+    num_local_layers=None,
+    pre_process=True,
+    post_process=True,
+    padded_vocab=None,
+):
     """Mapping table HF -> Megatron names for one (TP rank, PP stage); returns a state dict."""
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     per_group = heads // groups
@@ -77,8 +102,9 @@ def hf_to_megatron(hf_sd, cfg, *, tp_size=1, tp_rank=0, layer_offset=0, num_loca
         v = hf_sd[src + "self_attn.v_proj.weight"].view(groups, d, -1)
         qkv = torch.cat([q, k, v], 1).chunk(tp_size, 0)[tp_rank]  # whole groups per rank
         out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, cfg.hidden_size)
-        out[dst + "self_attention.linear_proj.weight"] = \
-            hf_sd[src + "self_attn.o_proj.weight"].chunk(tp_size, 1)[tp_rank]
+        out[dst + "self_attention.linear_proj.weight"] = hf_sd[src + "self_attn.o_proj.weight"].chunk(tp_size, 1)[
+            tp_rank
+        ]
         out[dst + "input_layernorm.weight"] = hf_sd[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf_sd[src + "post_attention_layernorm.weight"]
         gate = hf_sd[src + "mlp.gate_proj.weight"].chunk(tp_size, 0)[tp_rank]
@@ -115,25 +141,27 @@ def hf_logits(hf_model, ids, blocked=None, position_ids=None):
 
 def reference_cases(cfg, seed=3):
     """(name, ids, position_ids, our mask argument, HF bool mask) tuples to compare."""
-    from stabledrl_mcore.models import (AttentionLayout, block_causal_mask, staircase_mask,
-                                        staircase_position_ids)
+    from stabledrl_mcore.models import AttentionLayout, block_causal_mask, staircase_mask, staircase_position_ids
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)
     # per-row position ids [B, S]; row 1 is not a shift of row 0, so rotation errors show
     rows = torch.stack([torch.arange(12), torch.randperm(40, generator=gen)[:12]])
     if cfg.arch == "llada":
-        return [("bidirectional", ids, None, None, None),
-                ("bidirectional_per_row_positions", ids, rows, None, None)]
+        return [("bidirectional", ids, None, None, None), ("bidirectional_per_row_positions", ids, rows, None, None)]
     bs = cfg.block_size
     pair = torch.cat([ids, torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)], 1)
     return [
         ("block_causal", ids, None, AttentionLayout.block_causal(bs), block_causal_mask(12, bs)),
         ("block_causal_bool", ids, None, block_causal_mask(12, bs), block_causal_mask(12, bs)),
-        ("block_causal_per_row_positions", ids, rows, AttentionLayout.block_causal(bs),
-         block_causal_mask(12, bs)),
-        ("staircase", pair, staircase_position_ids(12).expand(2, -1),
-         AttentionLayout.staircase(bs), staircase_mask(12, bs)),
+        ("block_causal_per_row_positions", ids, rows, AttentionLayout.block_causal(bs), block_causal_mask(12, bs)),
+        (
+            "staircase",
+            pair,
+            staircase_position_ids(12).expand(2, -1),
+            AttentionLayout.staircase(bs),
+            staircase_mask(12, bs),
+        ),
     ]
 
 
@@ -185,5 +213,6 @@ def test_vocab_padding_is_invisible(megatron_tp1):
     assert full.shape[-1] == cfg.vocab_size and shard.shape[-1] == 128
     assert (full - hf_logits(hf, ids)).abs().max() < TOL
     targets = torch.randint(0, cfg.vocab_size, (2, 10))
-    torch.testing.assert_close(vocab_parallel_log_probs(shard, targets),
-                               vocab_parallel_log_probs(full, targets), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        vocab_parallel_log_probs(shard, targets), vocab_parallel_log_probs(full, targets), atol=1e-5, rtol=0
+    )

@@ -24,9 +24,9 @@ from stabledrl_mcore.parallel.launch import spawn
 
 def _tp_checks(result):
     from megatron.core import parallel_state as ps
+    from test_models_hf import hf_logits, hf_to_megatron, load_into, make_hf_model, reference_cases, tiny_cfg
 
     from stabledrl_mcore.models import AttentionLayout, KVCache, build_model, vocab_parallel_log_probs
-    from test_models_hf import hf_logits, hf_to_megatron, load_into, make_hf_model, reference_cases, tiny_cfg
 
     rank = ps.get_tensor_model_parallel_rank()
     for arch in ("llada", "sdar"):
@@ -49,9 +49,11 @@ def _tp_checks(result):
         lp_explicit = vocab_parallel_log_probs(shard, targets, vocab_parallel=True)
         (lp_full.sum() + lp_shard.sum()).backward()
         my_cols = full.grad.chunk(2, -1)[rank]
-        result[f"{arch}/log_probs"] = max((lp_full - lp_shard).abs().max().item(),
-                                          (lp_full - lp_explicit).abs().max().item(),
-                                          (my_cols - shard.grad).abs().max().item())
+        result[f"{arch}/log_probs"] = max(
+            (lp_full - lp_shard).abs().max().item(),
+            (lp_full - lp_explicit).abs().max().item(),
+            (my_cols - shard.grad).abs().max().item(),
+        )
 
         if arch == "sdar":
             bs, ids = cfg.block_size, torch.randint(0, cfg.vocab_size, (2, 16))
@@ -62,19 +64,19 @@ def _tp_checks(result):
                     model(ids[:, :8], attention_mask=AttentionLayout.block_causal(bs), kv_cache=cache)
                 worst = 0.0
                 for lo in (8, 12):
-                    step = model(ids[:, lo:lo + bs], kv_cache=cache)
-                    worst = max(worst, (step - want[:, lo:lo + bs]).abs().max().item())
+                    step = model(ids[:, lo : lo + bs], kv_cache=cache)
+                    worst = max(worst, (step - want[:, lo : lo + bs]).abs().max().item())
                     with cache.storing():
-                        model(ids[:, lo:lo + bs], kv_cache=cache)
+                        model(ids[:, lo : lo + bs], kv_cache=cache)
             result["sdar/kv_cache"] = worst
 
 
 def _pp_checks(result):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from test_models_hf import hf_logits, hf_to_megatron, load_into, make_hf_model, reference_cases, tiny_cfg
 
     from stabledrl_mcore.models import build_model
-    from test_models_hf import hf_logits, hf_to_megatron, load_into, make_hf_model, reference_cases, tiny_cfg
 
     stage, last = ps.get_pipeline_model_parallel_rank(), ps.is_pipeline_last_stage()
     for arch in ("llada", "sdar"):
@@ -82,19 +84,33 @@ def _pp_checks(result):
         hf = make_hf_model(cfg)
         model = build_model(cfg).eval()
         per_stage = cfg.num_layers // 2
-        load_into(model, hf_to_megatron(hf.state_dict(), cfg, layer_offset=stage * per_stage,
-                                        num_local_layers=per_stage, pre_process=stage == 0,
-                                        post_process=last))
+        load_into(
+            model,
+            hf_to_megatron(
+                hf.state_dict(),
+                cfg,
+                layer_offset=stage * per_stage,
+                num_local_layers=per_stage,
+                pre_process=stage == 0,
+                post_process=last,
+            ),
+        )
         for name, ids, pos, ours, theirs in reference_cases(cfg):
+
             def forward_step(data_iterator, module):
                 batch = next(data_iterator)
                 return module(batch[0], batch[1], batch[2]), None
 
             with torch.no_grad():
                 outputs = get_forward_backward_func()(
-                    forward_step_func=forward_step, data_iterator=iter([(ids, pos, ours)]),
-                    model=[model], num_microbatches=1, seq_length=ids.shape[1],
-                    micro_batch_size=ids.shape[0], forward_only=True)
+                    forward_step_func=forward_step,
+                    data_iterator=iter([(ids, pos, ours)]),
+                    model=[model],
+                    num_microbatches=1,
+                    seq_length=ids.shape[1],
+                    micro_batch_size=ids.shape[0],
+                    forward_only=True,
+                )
             if last:
                 want = hf_logits(hf, ids, theirs, pos)
                 result[f"{arch}/{name}"] = (outputs[0] - want).abs().max().item()
@@ -122,13 +138,38 @@ def parallel_results(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout,ranks,expected", [
-    ("tp2", (0, 1), {"llada/bidirectional", "llada/bidirectional_per_row_positions", "llada/log_probs",
-                     "sdar/block_causal", "sdar/block_causal_bool", "sdar/block_causal_per_row_positions",
-                     "sdar/staircase", "sdar/log_probs", "sdar/kv_cache"}),
-    ("pp2", (1,), {"llada/bidirectional", "llada/bidirectional_per_row_positions", "sdar/block_causal",
-                   "sdar/block_causal_bool", "sdar/block_causal_per_row_positions", "sdar/staircase"}),
-])
+@pytest.mark.parametrize(
+    "layout,ranks,expected",
+    [
+        (
+            "tp2",
+            (0, 1),
+            {
+                "llada/bidirectional",
+                "llada/bidirectional_per_row_positions",
+                "llada/log_probs",
+                "sdar/block_causal",
+                "sdar/block_causal_bool",
+                "sdar/block_causal_per_row_positions",
+                "sdar/staircase",
+                "sdar/log_probs",
+                "sdar/kv_cache",
+            },
+        ),
+        (
+            "pp2",
+            (1,),
+            {
+                "llada/bidirectional",
+                "llada/bidirectional_per_row_positions",
+                "sdar/block_causal",
+                "sdar/block_causal_bool",
+                "sdar/block_causal_per_row_positions",
+                "sdar/staircase",
+            },
+        ),
+    ],
+)
 def test_parallel_layouts_match_transformers(parallel_results, layout, ranks, expected):
     for rank in ranks:
         result = torch.load(parallel_results / f"{layout}_rank{rank}.pt")

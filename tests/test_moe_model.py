@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
 from stabledrl_mcore.models import build_model, get_preset
@@ -50,8 +49,11 @@ def test_moe_config_is_validated_by_name():
     assert routing["moe_router_load_balancing_type"] == "none" and routing["moe_aux_loss_coeff"] == 0.0
     assert not routing["moe_router_pre_softmax"] and routing["moe_router_dtype"] == "fp32"
     on = moe_transformer_config(get_preset("sdar-moe-tiny", moe_aux_loss_coeff=1e-3, moe_z_loss_coeff=1e-4))
-    assert (on["moe_router_load_balancing_type"], on["moe_aux_loss_coeff"], on["moe_z_loss_coeff"]) == \
-        ("aux_loss", 1e-3, 1e-4)
+    assert (on["moe_router_load_balancing_type"], on["moe_aux_loss_coeff"], on["moe_z_loss_coeff"]) == (
+        "aux_loss",
+        1e-3,
+        1e-4,
+    )
 
 
 def test_moe_layer_routes_as_qwen3_moe(megatron_tp1):  # noqa: F811
@@ -128,12 +130,12 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
     n, compared = final.shape[1], 0
     for j, block_state, start in decoding:
         noisy = final.clone()
-        noisy[:, start:start + bs] = block_state
+        noisy[:, start : start + bs] = block_state
         with torch.no_grad(), RoutingRecorder(model, keep_maps=True) as scored:
             staircase_forward_logp(model, bs)(noisy, final, noisy == mask_id)
         for layer in range(2):
             in_sampler = sampled.maps[layer][j][-bs:]  # [4 tokens, experts]
-            in_likelihood = scored.maps[layer][0][start:start + bs]  # the noisy copy of the block
+            in_likelihood = scored.maps[layer][0][start : start + bs]  # the noisy copy of the block
             assert torch.equal(in_sampler, in_likelihood), f"step {j} layer {layer}: routing differs"
             compared += 1
         assert n >= start + bs
@@ -144,22 +146,37 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
     with torch.no_grad(), RoutingRecorder(model, keep_maps=True) as shifted:
         staircase_forward_logp(model, bs)(other, other, other == mask_id)
     j, block_state, start = decoding[-1]
-    assert not all(torch.equal(sampled.maps[layer][j], shifted.maps[layer][0][start:start + bs])
-                   for layer in range(2))
+    assert not all(
+        torch.equal(sampled.maps[layer][j], shifted.maps[layer][0][start : start + bs]) for layer in range(2)
+    )
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["parallel.expert_parallel=2"], "need a mixture-of-experts model (num_experts); this one is dense"),
-    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=3"], "num_experts (4) is not divisible by expert_parallel (3)"),
-    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.pipeline_parallel=2"],
-     "expert parallelism runs with PP=1"),
-    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.retain_update_graph=true"],
-     "parallel.retain_update_graph=true with parallel.expert_parallel=2"),
-    (["model.preset=sdar-moe-tiny", "parallel.pipeline_parallel=2", "model.overrides.moe_aux_loss_coeff=0.01"],
-     "moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel=2"),
-    (["model.preset=sdar-moe-tiny", "parallel.expert_parallel=4", "--nproc", "2"],
-     "world size 2 / pipeline_parallel 1 is not divisible by expert_tensor_parallel x expert_parallel = 1 x 4"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.expert_parallel=2"], "need a mixture-of-experts model (num_experts); this one is dense"),
+        (
+            ["model.preset=sdar-moe-tiny", "parallel.expert_parallel=3"],
+            "num_experts (4) is not divisible by expert_parallel (3)",
+        ),
+        (
+            ["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.pipeline_parallel=2"],
+            "expert parallelism runs with PP=1",
+        ),
+        (
+            ["model.preset=sdar-moe-tiny", "parallel.expert_parallel=2", "parallel.retain_update_graph=true"],
+            "parallel.retain_update_graph=true with parallel.expert_parallel=2",
+        ),
+        (
+            ["model.preset=sdar-moe-tiny", "parallel.pipeline_parallel=2", "model.overrides.moe_aux_loss_coeff=0.01"],
+            "moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel=2",
+        ),
+        (
+            ["model.preset=sdar-moe-tiny", "parallel.expert_parallel=4", "--nproc", "2"],
+            "world size 2 / pipeline_parallel 1 is not divisible by expert_tensor_parallel x expert_parallel = 1 x 4",
+        ),
+    ],
+)
 def test_expert_layouts_the_run_cannot_honour_are_refused_by_name(capsys, overrides, expected):
     from test_preflight import CONFIG, _refused
 
@@ -171,8 +188,8 @@ def test_router_losses_are_averaged_over_the_update_and_absent_from_lockstep_dum
     """With ``moe_aux_loss_coeff`` the router gets the load-balancing gradient, weighted by
     :func:`router_loss_scale` (the update sets 1 / forwards); the lockstep's dummy forward and
     backward add no gradient at all, router loss included."""
-    from stabledrl_mcore.models.moe import router_loss_scale
     from stabledrl_mcore.engine.expert import LockstepModel
+    from stabledrl_mcore.models.moe import router_loss_scale
 
     model = _moe_model(moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.5).train()
     ids = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(3))

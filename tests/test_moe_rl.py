@@ -14,11 +14,10 @@ import os
 
 import pytest
 import torch
-
 from hf_fixtures import write_tokenizer
-from stabledrl_mcore.parallel.launch import spawn
 from test_pipeline_rl import CONFIG, TokenDigitsTask, _assert_replicas_equal, _metrics
 
+from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.tasks.base import register_task
 
 
@@ -34,8 +33,19 @@ class UnevenDigitsTask(TokenDigitsTask):
             return 0.5
         return super()._reward(completion, reference)
 
-COMPARED = ("reward_mean", "loss", "grad_norm", "clip_frac_high", "log_ratio_var_first", "skipped_updates",
-            "router_load_max", "router_load_min", "router_load_cv", "router_dropped_frac")
+
+COMPARED = (
+    "reward_mean",
+    "loss",
+    "grad_norm",
+    "clip_frac_high",
+    "log_ratio_var_first",
+    "skipped_updates",
+    "router_load_max",
+    "router_load_min",
+    "router_load_cv",
+    "router_dropped_frac",
+)
 LAYOUTS = {
     "single": (1, {}),
     "ep2": (2, {"parallel.expert_parallel": 2}),
@@ -46,15 +56,34 @@ RESUME = {"optim.name": "adam", "optim.distributed": True, "optim.lr": 1e-3, "ch
 
 
 def _overrides(root, name, **extra):
-    base = {"logging.run_dir": os.path.join(root, name), "logging.wandb_mode": "disabled",
-            "model.preset": "sdar-moe-tiny", "model.checkpoint": os.path.join(root, "start"),
-            "model.tokenizer": os.path.join(root, "tokenizer"), "rollout.task": "test_uneven_digits",
-            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.gen_length": 8,
-            "rollout.steps": 4, "rollout.block_length": 4, "parallel.micro_batch_size": 2,
-            "checkpoint.save_every": 2, "steps": 2, "optim.name": "sgd", "optim.distributed": False,
-            "optim.weight_decay": 0.0, "optim.lr": 0.05, "optim.clip_grad": 0.0, "algo.inner_iterations": 2,
-            "algo.num_mc": 2, "algo.mask_sampling": "fresh", "algo.likelihood": "staircase",
-            "eval.every": 2, "eval.num_examples": 3, "eval.micro_batch_size": 1}
+    base = {
+        "logging.run_dir": os.path.join(root, name),
+        "logging.wandb_mode": "disabled",
+        "model.preset": "sdar-moe-tiny",
+        "model.checkpoint": os.path.join(root, "start"),
+        "model.tokenizer": os.path.join(root, "tokenizer"),
+        "rollout.task": "test_uneven_digits",
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.gen_length": 8,
+        "rollout.steps": 4,
+        "rollout.block_length": 4,
+        "parallel.micro_batch_size": 2,
+        "checkpoint.save_every": 2,
+        "steps": 2,
+        "optim.name": "sgd",
+        "optim.distributed": False,
+        "optim.weight_decay": 0.0,
+        "optim.lr": 0.05,
+        "optim.clip_grad": 0.0,
+        "algo.inner_iterations": 2,
+        "algo.num_mc": 2,
+        "algo.mask_sampling": "fresh",
+        "algo.likelihood": "staircase",
+        "eval.every": 2,
+        "eval.num_examples": 3,
+        "eval.micro_batch_size": 1,
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -119,21 +148,31 @@ def runs(tmp_path_factory):
     os.makedirs(os.path.join(root, "tokenizer"))
     write_tokenizer(os.path.join(root, "tokenizer"), 256, "<|MASK|>", 255, 2, 0)
     spawn(_start_checkpoint, 1, (root,), timeout=120)
-    spawn(_runs_worker, 2, (root, [("ep2", LAYOUTS["ep2"][1], None, None),
-                                   ("resumed", dict(RESUME, **LAYOUTS["ep2"][1]), 1, None),
-                                   ("resumed", dict(RESUME, **LAYOUTS["ep2"][1]), None, "auto")]), timeout=400)
+    spawn(
+        _runs_worker,
+        2,
+        (
+            root,
+            [
+                ("ep2", LAYOUTS["ep2"][1], None, None),
+                ("resumed", dict(RESUME, **LAYOUTS["ep2"][1]), 1, None),
+                ("resumed", dict(RESUME, **LAYOUTS["ep2"][1]), None, "auto"),
+            ],
+        ),
+        timeout=400,
+    )
     spawn(_runs_worker, 4, (root, [(n, LAYOUTS[n][1], None, None) for n in ("ep2tp2", "ep2dp2")]), timeout=500)
     names = list(LAYOUTS) + ["straight", "resumed"]
-    spawn(_runs_worker, 1, (root, [("single", {}, None, None), ("straight", RESUME, None, None)], names),
-          timeout=300)
+    spawn(_runs_worker, 1, (root, [("single", {}, None, None), ("straight", RESUME, None, None)], names), timeout=300)
     return root, torch.load(os.path.join(root, "weights.pt"))
 
 
 def _assert_same_weights(got, want, label):
     assert got.keys() == want.keys(), label
     for key in want:
-        assert torch.allclose(got[key], want[key], atol=1e-5, rtol=0), \
+        assert torch.allclose(got[key], want[key], atol=1e-5, rtol=0), (
             f"{label}: {key} differs by {(got[key] - want[key]).abs().max():.2e}"
+        )
 
 
 def _assert_same_metrics(root, name, reference):

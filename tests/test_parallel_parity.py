@@ -35,45 +35,54 @@ def _global_name(name, layer_offset):
 
 def _worker(tp, pp, ref_dir, result_dir):
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron_helpers import build_tiny_gpt
 
     from stabledrl_mcore.parallel import bootstrap
 
-    bootstrap.initialize(tp, pp, seed=7, model_shape=dict(num_layers=LAYERS, num_attention_heads=4,
-                                                          num_query_groups=2))
+    bootstrap.initialize(tp, pp, seed=7, model_shape=dict(num_layers=LAYERS, num_attention_heads=4, num_query_groups=2))
     config, model = build_tiny_gpt(tp, pp, layers=LAYERS, vocab=VOCAB, seq=SEQ)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), tp
     offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // pp)
     reference = tp == pp == 1 and torch.distributed.get_world_size() == 1
     if reference:
-        torch.save({k: v.clone() for k, v in model.state_dict().items() if v is not None
-                    and isinstance(v, torch.Tensor)}, os.path.join(ref_dir, "before.pt"))
+        torch.save(
+            {k: v.clone() for k, v in model.state_dict().items() if v is not None and isinstance(v, torch.Tensor)},
+            os.path.join(ref_dir, "before.pt"),
+        )
     else:
         before = torch.load(os.path.join(ref_dir, "before.pt"))
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(_full_to_shard(name, before[_global_name(name, offset)], param,
-                                           tp_rank, tp_size, offset))
+                param.copy_(_full_to_shard(name, before[_global_name(name, offset)], param, tp_rank, tp_size, offset))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, weight_decay=0.0,
-                        clip_grad=0.05, bf16=False, params_dtype=torch.float32), [ddp])
+        OptimizerConfig(
+            optimizer="sgd",
+            lr=0.5,
+            sgd_momentum=0.0,
+            weight_decay=0.0,
+            clip_grad=0.05,
+            bf16=False,
+            params_dtype=torch.float32,
+        ),
+        [ddp],
+    )
 
     gen = torch.Generator().manual_seed(123)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = GLOBAL_BATCH // dp_size
-    tokens, labels = (t[dp_rank * local:(dp_rank + 1) * local] for t in (tokens, labels))
+    tokens, labels = (t[dp_rank * local : (dp_rank + 1) * local] for t in (tokens, labels))
     micro = local // MICRO_BATCHES
-    batches = iter([(tokens[i * micro:(i + 1) * micro], labels[i * micro:(i + 1) * micro])
-                    for i in range(MICRO_BATCHES)])
+    batches = iter(
+        [(tokens[i * micro : (i + 1) * micro], labels[i * micro : (i + 1) * micro]) for i in range(MICRO_BATCHES)]
+    )
 
     def forward_step(data_iterator, module):
         tok, lab = next(data_iterator)
@@ -88,14 +97,22 @@ def _worker(tp, pp, ref_dir, result_dir):
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[ddp],
-                                num_microbatches=MICRO_BATCHES, seq_length=SEQ,
-                                micro_batch_size=micro, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[ddp],
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=micro,
+        forward_only=False,
+    )
     ok, grad_norm, _ = optimizer.step()
     assert ok, "optimizer step was skipped"
     if reference:
-        torch.save({k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
-                   os.path.join(ref_dir, "after.pt"))
+        torch.save(
+            {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+            os.path.join(ref_dir, "after.pt"),
+        )
         torch.save({"grad_norm": grad_norm}, os.path.join(ref_dir, "grad_norm.pt"))
         return
     after = torch.load(os.path.join(ref_dir, "after.pt"))
@@ -109,8 +126,10 @@ def _worker(tp, pp, ref_dir, result_dir):
         max_move = max(max_move, (param.detach() - start).abs().max().item())
     ref_norm = torch.load(os.path.join(ref_dir, "grad_norm.pt"))["grad_norm"]
     rank = torch.distributed.get_rank()
-    torch.save({"max_diff": max_diff, "max_move": max_move, "grad_norm": grad_norm,
-                "ref_grad_norm": ref_norm}, os.path.join(result_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"max_diff": max_diff, "max_move": max_move, "grad_norm": grad_norm, "ref_grad_norm": ref_norm},
+        os.path.join(result_dir, f"rank{rank}.pt"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +140,9 @@ def reference_dir(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp,pp,world", [(2, 1, 2), (1, 2, 2), (1, 1, 2), (2, 2, 4)],
-                         ids=["TP2", "PP2", "DP2", "TP2xPP2"])
+@pytest.mark.parametrize(
+    "tp,pp,world", [(2, 1, 2), (1, 2, 2), (1, 1, 2), (2, 2, 4)], ids=["TP2", "PP2", "DP2", "TP2xPP2"]
+)
 def test_one_step_matches_single_process(reference_dir, tmp_path, tp, pp, world):
     spawn(_worker, world, (tp, pp, str(reference_dir), str(tmp_path)), timeout=400)
     for rank in range(world):

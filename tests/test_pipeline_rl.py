@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-
 from hf_fixtures import write_hf_checkpoint
+
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.tasks.base import register_task
 from stabledrl_mcore.tasks.sudoku import SudokuTask
@@ -36,13 +36,31 @@ class TokenDigitsTask(SudokuTask):
 
 
 def _overrides(run_dir, checkpoint, arch, **extra):
-    base = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "model.checkpoint": checkpoint,
-            "rollout.task": "test_token_digits", "rollout.prompts_per_step": 2, "rollout.group_size": 4,
-            "rollout.gen_length": 8, "rollout.steps": 4, "rollout.block_length": 4,
-            "parallel.micro_batch_size": 4, "checkpoint.save_every": 2, "steps": 2, "optim.name": "sgd",
-            "optim.distributed": False, "optim.weight_decay": 0.0, "optim.lr": 0.05, "optim.clip_grad": 0.0,
-            "algo.inner_iterations": 2, "algo.num_mc": 2, "algo.mask_sampling": "fresh", "eval.every": 2,
-            "eval.num_examples": 4, "eval.micro_batch_size": 2}
+    base = {
+        "logging.run_dir": run_dir,
+        "logging.wandb_mode": "disabled",
+        "model.checkpoint": checkpoint,
+        "rollout.task": "test_token_digits",
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "rollout.gen_length": 8,
+        "rollout.steps": 4,
+        "rollout.block_length": 4,
+        "parallel.micro_batch_size": 4,
+        "checkpoint.save_every": 2,
+        "steps": 2,
+        "optim.name": "sgd",
+        "optim.distributed": False,
+        "optim.weight_decay": 0.0,
+        "optim.lr": 0.05,
+        "optim.clip_grad": 0.0,
+        "algo.inner_iterations": 2,
+        "algo.num_mc": 2,
+        "algo.mask_sampling": "fresh",
+        "eval.every": 2,
+        "eval.num_examples": 4,
+        "eval.micro_batch_size": 2,
+    }
     if arch == "sdar":
         base.update({"algo.likelihood": "staircase"})
     base.update(extra)
@@ -73,8 +91,7 @@ def _runs_worker(root, runs, final_weights=None):
     for name, arch, extra, stop_after, resume in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        cfg = load_config(CONFIG, _overrides(os.path.join(root, name), os.path.join(root, f"hf_{arch}"), arch,
-                                             **extra))
+        cfg = load_config(CONFIG, _overrides(os.path.join(root, name), os.path.join(root, f"hf_{arch}"), arch, **extra))
         _assert_replicas_equal(train(cfg, stop_after=stop_after, resume=resume).model)
     if final_weights:
         if parallel_state.model_parallel_is_initialized():
@@ -125,18 +142,40 @@ def runs(tmp_path_factory):
     for arch in ARCHS:
         write_hf_checkpoint(os.path.join(root, f"hf_{arch}"), arch, seed=5)
     pp2 = LAYOUTS["pp2"]
-    spawn(_runs_worker, 2, (root, [(f"{a}_pp2", a, pp2, None, None) for a in ARCHS]
-                            + [("from_pp2", "llada", dict(RESUME_OPTIM, **pp2), 1, None)]), timeout=300)
-    spawn(_runs_worker, 4, (root, [(f"{a}_{n}", a, LAYOUTS[n], None, None) for a in ARCHS
-                                   for n in ("tp2pp2", "dp2pp2")]), timeout=600)
-    spawn(_runs_worker, 1, (root, [(f"{a}_single", a, {}, None, None) for a in ARCHS]
-                            + [("straight", "llada", RESUME_OPTIM, None, None),
-                               ("from_pp2", "llada", RESUME_OPTIM, None, "auto"),
-                               ("from_pp1", "llada", RESUME_OPTIM, 1, None)]), timeout=300)
-    names = [(f"{a}_{n}", a) for a in ARCHS for n in LAYOUTS] + [(n, "llada") for n in ("straight", "from_pp2",
-                                                                                         "from_pp1")]
-    spawn(_runs_worker, 2, (root, [("from_pp1", "llada", dict(RESUME_OPTIM, **pp2), None, "auto")], names),
-          timeout=300)
+    spawn(
+        _runs_worker,
+        2,
+        (
+            root,
+            [(f"{a}_pp2", a, pp2, None, None) for a in ARCHS]
+            + [("from_pp2", "llada", dict(RESUME_OPTIM, **pp2), 1, None)],
+        ),
+        timeout=300,
+    )
+    spawn(
+        _runs_worker,
+        4,
+        (root, [(f"{a}_{n}", a, LAYOUTS[n], None, None) for a in ARCHS for n in ("tp2pp2", "dp2pp2")]),
+        timeout=600,
+    )
+    spawn(
+        _runs_worker,
+        1,
+        (
+            root,
+            [(f"{a}_single", a, {}, None, None) for a in ARCHS]
+            + [
+                ("straight", "llada", RESUME_OPTIM, None, None),
+                ("from_pp2", "llada", RESUME_OPTIM, None, "auto"),
+                ("from_pp1", "llada", RESUME_OPTIM, 1, None),
+            ],
+        ),
+        timeout=300,
+    )
+    names = [(f"{a}_{n}", a) for a in ARCHS for n in LAYOUTS] + [
+        (n, "llada") for n in ("straight", "from_pp2", "from_pp1")
+    ]
+    spawn(_runs_worker, 2, (root, [("from_pp1", "llada", dict(RESUME_OPTIM, **pp2), None, "auto")], names), timeout=300)
     return root, torch.load(os.path.join(root, "weights.pt"))
 
 
@@ -177,12 +216,17 @@ def test_resume_at_another_pipeline_size_continues_the_run(runs):
 
 
 def test_split_rows_slices_per_row_inputs_and_keeps_shared_ones():
-    from stabledrl_mcore.models.masks import AttentionLayout
     from stabledrl_mcore.engine.pipeline import split_rows
+    from stabledrl_mcore.models.masks import AttentionLayout
 
     ids = torch.arange(5 * 3).view(5, 3)
-    batch = {"input_ids": ids, "position_ids": torch.arange(3)[None], "segment_ids": ids * 2,
-             "attention_mask": AttentionLayout.bidirectional(pad=[0, 1, 2, 0, 0]), "gather_output": False}
+    batch = {
+        "input_ids": ids,
+        "position_ids": torch.arange(3)[None],
+        "segment_ids": ids * 2,
+        "attention_mask": AttentionLayout.bidirectional(pad=[0, 1, 2, 0, 0]),
+        "gather_output": False,
+    }
     parts = split_rows(batch, 2)
     assert [p["input_ids"].shape[0] for p in parts] == [3, 2]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ids)

@@ -2,18 +2,21 @@
 
 import pytest
 
-from stabledrl_mcore.cli.app import main
-from stabledrl_mcore.models import get_preset
 from stabledrl_mcore.bench.plan import PlanSpec, all_layouts
 from stabledrl_mcore.bench.plan_plot import COMPONENTS, memory_components
+from stabledrl_mcore.cli.app import main
+from stabledrl_mcore.models import get_preset
 
 
-@pytest.mark.parametrize("preset, kw", [
-    ("llada-8b", dict(recompute="full")),
-    ("llada-8b", dict(recompute="none", reference_model=True, distributed_optimizer=False)),
-    ("sdar-8b", dict(recompute="selective", likelihood="staircase", seq_len=4096, gen_length=2048)),
-    ("sdar-30b-a3b", dict(recompute="full", likelihood="staircase", ep=2)),
-])
+@pytest.mark.parametrize(
+    "preset, kw",
+    [
+        ("llada-8b", dict(recompute="full")),
+        ("llada-8b", dict(recompute="none", reference_model=True, distributed_optimizer=False)),
+        ("sdar-8b", dict(recompute="selective", likelihood="staircase", seq_len=4096, gen_length=2048)),
+        ("sdar-30b-a3b", dict(recompute="full", likelihood="staircase", ep=2)),
+    ],
+)
 def test_components_add_up_to_the_total_of_every_layout(preset, kw):
     rows = all_layouts(PlanSpec(model=get_preset(preset), **kw).validate())
     assert len(rows) >= 4
@@ -30,12 +33,21 @@ def test_components_add_up_to_the_total_of_every_layout(preset, kw):
 
 
 def test_a_rollout_peak_above_the_training_peak_shows_as_its_excess():
-    row = dict(weights=8.0, reference_weights=0.0, gradients=16.0, optimizer=12.0, activations=5.0,
-               recomputed_layer=2.0, training_peak=6.0, rollout_peak=10.0, overhead=4.0)
+    row = dict(
+        weights=8.0,
+        reference_weights=0.0,
+        gradients=16.0,
+        optimizer=12.0,
+        activations=5.0,
+        recomputed_layer=2.0,
+        training_peak=6.0,
+        rollout_peak=10.0,
+        overhead=4.0,
+    )
     row["total"] = 8 + 16 + 12 + max(6, 10) + 4
     parts = dict(memory_components(row))
-    assert parts["activations kept for the backward"] == 3.0                 # 5 - the recomputed layer
-    assert parts["LM head or one recomputed layer (the larger)"] == 3.0      # training peak 6 - 3 kept
+    assert parts["activations kept for the backward"] == 3.0  # 5 - the recomputed layer
+    assert parts["LM head or one recomputed layer (the larger)"] == 3.0  # training peak 6 - 3 kept
     assert parts["rollout beyond the training peak"] == 4.0 and sum(parts.values()) == row["total"]
 
 

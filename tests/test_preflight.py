@@ -16,8 +16,8 @@ import pytest
 from hf_fixtures import write_hf_checkpoint
 
 from stabledrl_mcore.cli.app import main
-from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.common.errors import DataError
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.tasks import get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +31,10 @@ def _gsm8k_row(question, answer):
 @pytest.fixture
 def gsm8k_file(tmp_path):
     path = tmp_path / "gsm8k_train.jsonl"
-    path.write_text(_gsm8k_row("Tom has 3 apples and buys 4. How many?", "3 + 4 = 7\n#### 7")
-                    + _gsm8k_row("What is 6 x 7?", "6 x 7 = 42\n#### 42"))
+    path.write_text(
+        _gsm8k_row("Tom has 3 apples and buys 4. How many?", "3 + 4 = 7\n#### 7")
+        + _gsm8k_row("What is 6 x 7?", "6 x 7 = 42\n#### 42")
+    )
     return str(path)
 
 
@@ -58,16 +60,20 @@ def _print_config(capsys, *overrides):
 
 # ------------------------------------------------------------------- item 1: --print-config refuses
 
-@pytest.mark.parametrize("override, expected", [
-    ("algo.loss=ppo", "algo.loss: unknown loss 'ppo'"),
-    ("rollout.task=gsm9k", "rollout.task must be one of"),
-    ("model.preset=llada-9b", "model.preset: unknown preset 'llada-9b'; did you mean llada-8b?"),
-    ("parallel.tensor_parallel=3", "num_attention_heads (4) is not divisible by tensor_parallel (3)"),
-    ("model.overrides.num_layerz=2", "'num_layerz' is not a DLLMConfig field; did you mean num_layers?"),
-    ("algo.likelihood=staircase", "algo.likelihood=staircase needs a block-diffusion (SDAR) model"),
-    ("parallel.pipeline_parallel=3", "num_layers (4) is not divisible by pipeline_parallel (3)"),
-    ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume: /no/such/step_00000005 is not"),
-])
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algo.loss=ppo", "algo.loss: unknown loss 'ppo'"),
+        ("rollout.task=gsm9k", "rollout.task must be one of"),
+        ("model.preset=llada-9b", "model.preset: unknown preset 'llada-9b'; did you mean llada-8b?"),
+        ("parallel.tensor_parallel=3", "num_attention_heads (4) is not divisible by tensor_parallel (3)"),
+        ("model.overrides.num_layerz=2", "'num_layerz' is not a DLLMConfig field; did you mean num_layers?"),
+        ("algo.likelihood=staircase", "algo.likelihood=staircase needs a block-diffusion (SDAR) model"),
+        ("parallel.pipeline_parallel=3", "num_layers (4) is not divisible by pipeline_parallel (3)"),
+        ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume: /no/such/step_00000005 is not"),
+    ],
+)
 def test_print_config_refuses_bad_names_and_layouts(capsys, override, expected):
     line = _print_config(capsys, override)
     assert expected in line, line
@@ -103,8 +109,22 @@ def test_print_config_checks_the_layout_against_the_world_size(capsys, monkeypat
 
 
 def test_print_config_passes_and_reports_what_it_checked(capsys, gsm8k_file, hf_llada):
-    assert main(["train", "--config", CONFIG, "rollout.task=gsm8k", f"rollout.data_path={gsm8k_file}",
-                 f"model.checkpoint={hf_llada}", "--nproc", "2", "--print-config"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                CONFIG,
+                "rollout.task=gsm8k",
+                f"rollout.data_path={gsm8k_file}",
+                f"model.checkpoint={hf_llada}",
+                "--nproc",
+                "2",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"checkpoint: {hf_llada}" in out
     assert out.strip().splitlines()[-1].startswith("# preflight ok: model.checkpoint")
@@ -126,6 +146,7 @@ def test_heldout_evaluation_reads_its_own_split_never_the_training_file(capsys, 
 
 
 # --------------------------------------------------------------------- item 8: data errors, early
+
 
 def test_missing_gsm8k_file_names_the_config_field_and_the_eval_flag(capsys, tmp_path):
     missing = tmp_path / "gsm8k" / "train.jsonl"
@@ -166,22 +187,38 @@ def test_training_data_is_read_before_any_model_is_built(tmp_path, monkeypatch):
 def test_eval_refuses_an_empty_or_missing_file_before_loading_the_model(capsys, tmp_path, hf_llada):
     empty = tmp_path / "test.jsonl"
     empty.write_text("")
-    line = _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm8k", "--data-path", str(empty),
-                    "--no-progress")
+    line = _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm8k", "--data-path", str(empty), "--no-progress")
     assert f"{empty} holds no examples" in line
-    line = _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm8k", "--data-path",
-                    str(tmp_path / "missing.jsonl"), "--no-progress")
+    line = _refused(
+        capsys,
+        "eval",
+        "--ckpt",
+        hf_llada,
+        "--task",
+        "gsm8k",
+        "--data-path",
+        str(tmp_path / "missing.jsonl"),
+        "--no-progress",
+    )
     assert "--data-path FILE" in line
     assert "valid tasks" in _refused(capsys, "eval", "--ckpt", hf_llada, "--task", "gsm9k")
 
 
 # ------------------------------------------------------------------ item 8: checkpoints and layout
 
+
 def test_train_names_a_missing_checkpoint_not_its_tokenizer(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("stabledrl_mcore.engine.preemption.install_preemption_handlers", lambda: None)
     missing = str(tmp_path / "llada-8b-instruct-mcore")
-    line = _refused(capsys, "train", "--config", CONFIG, f"model.checkpoint={missing}", "steps=1",
-                    f"logging.run_dir={tmp_path / 'run'}")
+    line = _refused(
+        capsys,
+        "train",
+        "--config",
+        CONFIG,
+        f"model.checkpoint={missing}",
+        "steps=1",
+        f"logging.run_dir={tmp_path / 'run'}",
+    )
     assert f"model.checkpoint: {missing} does not exist" in line and "tokenizer" not in line
 
 
@@ -210,9 +247,24 @@ def test_nproc_with_a_bad_layout_fails_before_any_rank_starts():
     import psutil
 
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", CONFIG,
-                             "parallel.tensor_parallel=3", "steps=1", "--nproc", "3"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stabledrl_mcore.cli",
+            "train",
+            "--config",
+            CONFIG,
+            "parallel.tensor_parallel=3",
+            "steps=1",
+            "--nproc",
+            "3",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _, err = proc.communicate(timeout=60)
     finally:  # the old code spawned three ranks that ran into a time-out: stop them by PID

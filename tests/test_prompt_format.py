@@ -13,8 +13,10 @@ from stabledrl_mcore.tasks.prompts import PromptFormat, build_prompt, prompt_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
-JINJA = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
-         "{% if add_generation_prompt %}<assistant>{% endif %}")
+JINJA = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def _write(tmp_path, name, text):
@@ -42,9 +44,11 @@ def test_the_file_renders_as_the_tokenizers_own_template_would():
     tok = Tokenizer(models.WordLevel({"a": 0, "<s>": 1}, unk_token="a"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no "
-                "system role') }}{% endif %}[{{ m['content'] | trim }}]\n{% endfor %}{% if add_generation_prompt "
-                "%}>{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no "
+        "system role') }}{% endif %}[{{ m['content'] | trim }}]\n{% endfor %}{% if add_generation_prompt "
+        "%}>{% endif %}"
+    )
     messages = [{"role": "user", "content": " hi "}]
     want = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
 
@@ -64,8 +68,16 @@ def test_train_eval_and_generate_render_the_same_prompt(tmp_path, monkeypatch):
     from stabledrl_mcore.tasks.prompts import rollout_prompt_format
 
     jinja = _write(tmp_path, "chat.jinja", JINJA)
-    cfg = load_config(TINY, ["rollout.task=gsm8k", "rollout.prompt_style=chat", "rollout.system_prompt=SYS",
-                             "rollout.prompt_template='Q: {question}'", f"rollout.chat_template={jinja}"])
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.task=gsm8k",
+            "rollout.prompt_style=chat",
+            "rollout.system_prompt=SYS",
+            "rollout.prompt_template='Q: {question}'",
+            f"rollout.chat_template={jinja}",
+        ],
+    )
     seen = []
 
     class Stop(Exception):
@@ -93,18 +105,23 @@ class _NoTemplate:
     backend = None
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("{% for m in messages %}{{ m['content'] }", "line 1"),                      # does not parse
-    ("{{ raise_exception('this template needs a tool list') }}", "needs a tool list"),  # parses, cannot render
-    ("{{ messages[5]['content'] }}", "does not render"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{% for m in messages %}{{ m['content'] }", "line 1"),  # does not parse
+        ("{{ raise_exception('this template needs a tool list') }}", "needs a tool list"),  # parses, cannot render
+        ("{{ messages[5]['content'] }}", "does not render"),
+    ],
+)
 def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, capsys, monkeypatch, text, needle):
     from stabledrl_mcore.cli import eval as eval_cmd
     from stabledrl_mcore.cli.app import main
 
     bad = _write(tmp_path, "bad.jinja", text)
-    assert main(["train", "--config", TINY, "rollout.prompt_style=chat", f"rollout.chat_template={bad}",
-                 "--print-config"]) == 2
+    assert (
+        main(["train", "--config", TINY, "rollout.prompt_style=chat", f"rollout.chat_template={bad}", "--print-config"])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rollout.chat_template" in err and bad in err and needle in err, err
     monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: pytest.fail("a rank started"))
@@ -119,22 +136,38 @@ def test_a_bad_chat_template_is_refused_in_one_line_before_any_rank(tmp_path, ca
 def test_missing_file_placeholder_and_compact_style_are_refused_by_name(tmp_path, capsys):
     from stabledrl_mcore.cli.app import main
 
-    cases = [(["rollout.prompt_style=chat", f"rollout.chat_template={tmp_path / 'nope.jinja'}"],
-              "rollout.chat_template", "does not exist"),
-             (["rollout.prompt_style=chat", "rollout.prompt_template=Solve it"], "rollout.prompt_template",
-              "{question}"),
-             (["rollout.system_prompt=Be brief."], "rollout.system_prompt", "prompt_style=chat")]
+    cases = [
+        (
+            ["rollout.prompt_style=chat", f"rollout.chat_template={tmp_path / 'nope.jinja'}"],
+            "rollout.chat_template",
+            "does not exist",
+        ),
+        (["rollout.prompt_style=chat", "rollout.prompt_template=Solve it"], "rollout.prompt_template", "{question}"),
+        (["rollout.system_prompt=Be brief."], "rollout.system_prompt", "prompt_style=chat"),
+    ]
     for overrides, field, needle in cases:
         assert main(["train", "--config", TINY, *overrides, "--print-config"]) == 2, overrides
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and field in err and needle in err, err
-    assert main(["train", "--config", TINY, "rollout.prompt_style=chat", "rollout.system_prompt=Be brief.",
-                 "--print-config"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                TINY,
+                "rollout.prompt_style=chat",
+                "rollout.system_prompt=Be brief.",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
     assert "system_prompt: Be brief." in capsys.readouterr().out  # saved with the config (and checkpoints)
 
 
 def test_generate_takes_the_prompt_flags(tmp_path):
     from hf_fixtures import write_hf_checkpoint
+
     from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
@@ -142,14 +175,32 @@ def test_generate_takes_the_prompt_flags(tmp_path):
     jinja = _write(tmp_path, "chat.jinja", "{% for m in messages %}tok3 {{ m['content'] }} {% endfor %}tok4")
     out = tmp_path / "g.jsonl"
     try:
-        assert main(["generate", "--ckpt", ckpt, "--prompt", "tok5", "--gen-length", "4", "--no-progress",
-                     "--chat-template", jinja, "--prompt-template", "tok6 {question}", "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--ckpt",
+                    ckpt,
+                    "--prompt",
+                    "tok5",
+                    "--gen-length",
+                    "4",
+                    "--no-progress",
+                    "--chat-template",
+                    jinja,
+                    "--prompt-template",
+                    "tok6 {question}",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         bootstrap.destroy()
         cpu_compat.disable()
     assert json.loads(out.read_text())["prompt"] == "tok3 tok6 tok5 tok4"
-    assert main(["generate", "--ckpt", ckpt, "--prompt", "tok5", "--chat-template", jinja,
-                 "--no-chat-template"]) == 2
+    assert main(["generate", "--ckpt", ckpt, "--prompt", "tok5", "--chat-template", jinja, "--no-chat-template"]) == 2
 
 
 def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys):
@@ -157,8 +208,9 @@ def test_eval_names_the_flags_of_a_training_checkpoints_prompts(tmp_path, capsys
 
     from stabledrl_mcore.cli import eval as eval_cmd
 
-    (tmp_path / "config.yaml").write_text("rollout:\n  task: gsm8k\n  system_prompt: SYS\n"
-                                          "  prompt_template: 'Q: {question}'\n  chat_template: null\n")
+    (tmp_path / "config.yaml").write_text(
+        "rollout:\n  task: gsm8k\n  system_prompt: SYS\n  prompt_template: 'Q: {question}'\n  chat_template: null\n"
+    )
     args = argparse.Namespace(ckpt=str(tmp_path), task="gsm8k")
     eval_cmd._note_training_prompts(args, prompt_format("SYS", "Q: {question}"))
     assert capsys.readouterr().err == ""  # the same prompts: nothing to say

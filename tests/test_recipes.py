@@ -38,7 +38,6 @@ import sys
 import pytest
 import torch
 import yaml
-
 from hf_fixtures import upstream_config, upstream_shapes, write_hf_checkpoint
 
 from stabledrl_mcore.parallel.launch import spawn
@@ -48,8 +47,15 @@ RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml")))
 # A recipe that differs from another only in these (the per-task variants of the release recipe,
 # a layout variant such as TP x PP) gets the two-step run, in its own scaled-down layout; the fully
 # tested twin also the resume and export.
-VARIANT_KEYS = {"rollout.task", "rollout.data_path", "optim.lr", "logging.run_dir",
-                "parallel.tensor_parallel", "parallel.pipeline_parallel", "parallel.micro_batch_size"}
+VARIANT_KEYS = {
+    "rollout.task",
+    "rollout.data_path",
+    "optim.lr",
+    "logging.run_dir",
+    "parallel.tensor_parallel",
+    "parallel.pipeline_parallel",
+    "parallel.micro_batch_size",
+}
 
 
 def _flat(tree, prefix=""):
@@ -87,9 +93,14 @@ def _cli(*args, timeout=300):
     """``python -m stabledrl_mcore.cli ...`` as its own process (stopped by PID on time-out)."""
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "stabledrl_mcore.cli", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stabledrl_mcore.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -108,8 +119,17 @@ def tiny_checkpoints(tmp_path_factory):
     out = {}
     for kind in ("llada", "sdar", "sdar_moe"):  # sdar_moe: the SDAR-30B-A3B (Qwen3-MoE) layout
         hf = write_hf_checkpoint(str(root / f"hf_{kind}"), kind)
-        _cli("convert", "hf-to-mcore", "--model", kind.split("_")[0], "--hf-dir", hf,
-             "--out", str(root / f"mcore_{kind}"), "--no-progress")
+        _cli(
+            "convert",
+            "hf-to-mcore",
+            "--model",
+            kind.split("_")[0],
+            "--hf-dir",
+            hf,
+            "--out",
+            str(root / f"mcore_{kind}"),
+            "--no-progress",
+        )
         out[kind] = (hf, str(root / f"mcore_{kind}"))
     return out
 
@@ -136,10 +156,19 @@ def scaled_down(recipe: dict, checkpoints: dict, run_dir: str):
     arch, rollout = _arch(recipe), recipe["rollout"]
     tp, pp, world = scaled_layout(recipe)
     gen = 16
-    over = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "logging.progress": False,
-            "parallel.tensor_parallel": tp, "parallel.threads": 1, "steps": 2, "checkpoint.save_every": 1,
-            "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.gen_length": gen,
-            "parallel.micro_batch_size": min(recipe.get("parallel", {}).get("micro_batch_size", 4), 4)}
+    over = {
+        "logging.run_dir": run_dir,
+        "logging.wandb_mode": "disabled",
+        "logging.progress": False,
+        "parallel.tensor_parallel": tp,
+        "parallel.threads": 1,
+        "steps": 2,
+        "checkpoint.save_every": 1,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "rollout.gen_length": gen,
+        "parallel.micro_batch_size": min(recipe.get("parallel", {}).get("micro_batch_size", 4), 4),
+    }
     if recipe["model"].get("checkpoint"):
         over["model.checkpoint"] = checkpoints[_kind(recipe)][1]
     if arch == "llada":  # same steps per token as the recipe, blocks no longer than the answer
@@ -211,8 +240,10 @@ def _group_worker(primaries, variants):
     if rank0:  # resume from step 1 in a fresh run directory
         for job in primaries:
             os.makedirs(os.path.join(job["resumed"], "checkpoints"))
-            shutil.copytree(os.path.join(job["first"], "checkpoints", "step_00000001"),
-                            os.path.join(job["resumed"], "checkpoints", "step_00000001"))
+            shutil.copytree(
+                os.path.join(job["first"], "checkpoints", "step_00000001"),
+                os.path.join(job["resumed"], "checkpoints", "step_00000001"),
+            )
     if primaries:
         import torch.distributed as dist
 
@@ -226,8 +257,7 @@ def _group_worker(primaries, variants):
         for job in primaries:
             for name in ("first", "resumed"):
                 ckpt = os.path.join(job[name], "checkpoints", "step_00000002")
-                status = main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", job[f"hf_{name}"],
-                               "--no-progress"])
+                status = main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", job[f"hf_{name}"], "--no-progress"])
                 assert status == 0, f"{os.path.basename(job['recipe'])}: mcore-to-hf of {name} exited {status}"
 
 
@@ -247,9 +277,15 @@ def recipe_runs(tiny_checkpoints, tmp_path_factory):
     def dirs(path):
         name = os.path.basename(path)[:-5]
         base = root / name
-        return {"recipe": path, "first": str(base / "first"), "resumed": str(base / "resumed"),
-                "run": str(base / "run"), "config_out": str(base / "config.yaml"),
-                "hf_first": str(base / "hf_first"), "hf_resumed": str(base / "hf_resumed")}
+        return {
+            "recipe": path,
+            "first": str(base / "first"),
+            "resumed": str(base / "resumed"),
+            "run": str(base / "run"),
+            "config_out": str(base / "config.yaml"),
+            "hf_first": str(base / "hf_first"),
+            "hf_resumed": str(base / "hf_resumed"),
+        }
 
     def run_group(group):
         primaries, variants = [], []
@@ -289,8 +325,9 @@ def recipe_runs(tiny_checkpoints, tmp_path_factory):
 def _metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         rows = [json.loads(line) for line in handle]
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS and not k.startswith(("time/", "tokens_per_s"))}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if k not in TIME_KEYS and not k.startswith(("time/", "tokens_per_s"))} for r in rows
+    ]
 
 
 def _hf_tensors(path):
@@ -389,8 +426,12 @@ def test_recipe_trains_checkpoints_resumes_bitwise_and_exports(recipe_path, reci
 
 def test_recipe_sources_doc_is_current():
     """docs/recipes.md lists every recipe line with its source (tools/recipe_sources.py --check)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "recipe_sources.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "recipe_sources.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -39,7 +39,12 @@ def test_an_unknown_name_lists_the_valid_ones_closest_first_or_as_told():
 
 
 def test_every_registry_of_the_project_is_this_one():
-    tables = [losses._REGISTRY, token_losses._REGISTRY, advantages._REGISTRY, mask_schemes._SCHEMES,
-              task_base._REGISTRY]
+    tables = [
+        losses._REGISTRY,
+        token_losses._REGISTRY,
+        advantages._REGISTRY,
+        mask_schemes._SCHEMES,
+        task_base._REGISTRY,
+    ]
     assert all(type(t) is Registry for t in tables)
     assert "stabledrl" in tables[0] and "uniform" in tables[3] and "sudoku" in tables[4]

@@ -36,24 +36,36 @@ def make_batch():
     comp = torch.zeros(n, P + GEN, dtype=torch.bool)
     for i, e in enumerate(eos_at):
         seqs[i, e:] = EOS
-        comp[i, P:e + 1] = True
-    comp[:, P + GEN:] = False
-    return RolloutBatch(sequences=seqs, prompt_len=P, prompt_valid=torch.ones_like(comp), completion_mask=comp,
-                        group_index=torch.arange(n) // 4, completions=[""] * n, references=[None] * n,
-                        advantages=torch.tensor([0.7, -0.2, -0.5, 0.0, 1.0, -1.0, 0.25, -0.25]))
+        comp[i, P : e + 1] = True
+    comp[:, P + GEN :] = False
+    return RolloutBatch(
+        sequences=seqs,
+        prompt_len=P,
+        prompt_valid=torch.ones_like(comp),
+        completion_mask=comp,
+        group_index=torch.arange(n) // 4,
+        completions=[""] * n,
+        references=[None] * n,
+        advantages=torch.tensor([0.7, -0.2, -0.5, 0.0, 1.0, -1.0, 0.25, -0.25]),
+    )
 
 
 def model(seed):
-    return ToyDiffusionLM(ToyDLLMConfig(vocab_size=12, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS,
-                                        hidden_size=16), seed=seed, dtype=torch.float64)
+    return ToyDiffusionLM(
+        ToyDLLMConfig(vocab_size=12, mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS, hidden_size=16),
+        seed=seed,
+        dtype=torch.float64,
+    )
 
 
 def plan_for(batch, seed, scheme, post_eos):
-    regions = MaskRegions.from_batch(batch.sequences, P, completion_mask=batch.completion_mask,
-                                     prompt_valid=batch.prompt_valid)
+    regions = MaskRegions.from_batch(
+        batch.sequences, P, completion_mask=batch.completion_mask, prompt_valid=batch.prompt_valid
+    )
     options = {"block_length": 4, "prefix_mask_prob": 0.15} if scheme == "block_random" else {}
-    return build_mask_plan(regions, scheme, num_mc=2, generator=torch.Generator().manual_seed(seed),
-                           post_eos=post_eos, **options)
+    return build_mask_plan(
+        regions, scheme, num_mc=2, generator=torch.Generator().manual_seed(seed), post_eos=post_eos, **options
+    )
 
 
 def release_terms(net, batch, plan):
@@ -71,8 +83,9 @@ def release_terms(net, batch, plan):
     elbo = torch.stack(elbo_d).mean(0)
     avg = torch.stack(probs).mean(0)
     covered = avg > 0
-    eubo = (torch.where(covered, avg, torch.ones_like(avg)).log() * covered).sum(-1) \
-        / covered.sum(-1).clamp_min(1) / BETA
+    eubo = (
+        (torch.where(covered, avg, torch.ones_like(avg)).log() * covered).sum(-1) / covered.sum(-1).clamp_min(1) / BETA
+    )
     adv = batch.advantages.double()
     return elbo, torch.where(adv > 0, elbo, OMEGA * eubo + (1 - OMEGA) * elbo)
 
@@ -101,11 +114,21 @@ def test_released_loss_and_gradient_match_the_release_formulas(scheme, post_eos)
     assert (log_w > CAP - 1e-9).any() or (log_w < CAP).all()
 
     # the project's trainer path
-    old = estimate(all_token_logp(old_policy, batch, old_plan, spec, micro_batch=4, mask_id=MASK), old_plan,
-                   batch, spec)
+    old = estimate(
+        all_token_logp(old_policy, batch, old_plan, spec, micro_batch=4, mask_id=MASK), old_plan, batch, spec
+    )
     current = all_token_logp(policy, batch, plan, spec, micro_batch=4, mask_id=MASK)
-    coef, metrics = loss_coefficients(current, batch, spec, plan=plan, old=old, loss="stabledrl_released",
-                                      eps=0.2, ratio_noise=None, noise_generator=None)
+    coef, metrics = loss_coefficients(
+        current,
+        batch,
+        spec,
+        plan=plan,
+        old=old,
+        loss="stabledrl_released",
+        eps=0.2,
+        ratio_noise=None,
+        noise_generator=None,
+    )
     assert coef is not None, metrics
     accumulate_gradients(policy, batch, spec, coef, plan=plan, micro_batch=4, mask_id=MASK)
     # float64 throughout except the plan's ELBO weights (L/n), stored in float32: ~1e-7 relative
@@ -124,6 +147,7 @@ def test_the_ratio_comes_from_the_elbo_not_the_bound():
     tok = all_token_logp(policy, batch, plan, spec, micro_batch=8, mask_id=MASK)
     old = estimate(tok, plan, batch, spec)
     assert not torch.allclose(old.logp, old.ratio_logp)  # the sandwich differs from the ELBO
-    _, metrics = loss_coefficients(tok, batch, spec, plan=plan, old=old, loss="stabledrl_released", eps=0.2,
-                                   ratio_noise=None, noise_generator=None)
+    _, metrics = loss_coefficients(
+        tok, batch, spec, plan=plan, old=old, loss="stabledrl_released", eps=0.2, ratio_noise=None, noise_generator=None
+    )
     assert metrics["ratio_max"] == pytest.approx(1.0) and metrics["log_ratio_var"] == pytest.approx(0.0, abs=1e-12)

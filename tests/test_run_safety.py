@@ -22,11 +22,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-TINY = {"logging.wandb_mode": "disabled", "logging.progress": False, "rollout.prompts_per_step": 2,
-        "rollout.group_size": 2, "rollout.gen_length": 4, "rollout.steps": 2, "rollout.block_length": 4,
-        "parallel.micro_batch_size": 4, "algo.inner_iterations": 1, "algo.num_mc": 1,
-        "checkpoint.save_every": 1, "checkpoint.keep_last": 5, "steps": 3, "optim.lr": 1e-3,
-        "optim.decay_style": "linear"}
+TINY = {
+    "logging.wandb_mode": "disabled",
+    "logging.progress": False,
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.gen_length": 4,
+    "rollout.steps": 2,
+    "rollout.block_length": 4,
+    "parallel.micro_batch_size": 4,
+    "algo.inner_iterations": 1,
+    "algo.num_mc": 1,
+    "checkpoint.save_every": 1,
+    "checkpoint.keep_last": 5,
+    "steps": 3,
+    "optim.lr": 1e-3,
+    "optim.decay_style": "linear",
+}
 
 
 def tiny_config(run_dir, **extra):
@@ -75,7 +87,7 @@ def _corrupt_tensor(ckpt, tensor, value=b"\xff" * 4000):
                 offset = data.find(raw[:256])
                 while offset >= 0:
                     handle.seek(offset)
-                    handle.write(value[:len(raw)])
+                    handle.write(value[: len(raw)])
                     hit, offset = hit or name, data.find(raw[:256], offset + 1)
     assert hit, "tensor not found in any shard"
     return hit
@@ -87,13 +99,13 @@ def _safety_worker(base, record_path):
     except ImportError:  # main (b5f6cc5) writes no manifest: the worker still runs every case there
         write_checksums = lambda path: None  # noqa: E731
     from stabledrl_mcore.checkpoint.state import find_latest, list_checkpoints, load_checkpoint
-    from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
+    from stabledrl_mcore.rl.trainer import train
 
     rec = {}
     run = os.path.join(base, "run")
     root = os.path.join(run, "checkpoints")
-    train(tiny_config(run))                                              # steps 1..3, a checkpoint each
+    train(tiny_config(run))  # steps 1..3, a checkpoint each
     rec["first_steps"] = _steps(run)
     rec["first_ckpts"] = [os.path.basename(p) for p in list_checkpoints(root)]
     # case 3: a fresh run into it is refused before anything is built
@@ -107,11 +119,15 @@ def _safety_worker(base, record_path):
         train(tiny_config(over, steps=1, **{"checkpoint.overwrite": True}))
         over_root = os.path.join(over, "checkpoints")
         aside = [d for d in os.listdir(over_root) if d.startswith("overwritten-")]
-        rec["overwrite"] = {"steps": _steps(over), "listing": sorted(os.listdir(over)),
-                            "ckpts": sorted(os.listdir(over_root)),
-                            "attic": [sorted(os.listdir(os.path.join(over, "attic", d)))
-                                      for d in os.listdir(os.path.join(over, "attic"))],
-                            "moved_ckpts": sorted(os.listdir(os.path.join(over_root, aside[0]))) if aside else []}
+        rec["overwrite"] = {
+            "steps": _steps(over),
+            "listing": sorted(os.listdir(over)),
+            "ckpts": sorted(os.listdir(over_root)),
+            "attic": [
+                sorted(os.listdir(os.path.join(over, "attic", d))) for d in os.listdir(os.path.join(over, "attic"))
+            ],
+            "moved_ckpts": sorted(os.listdir(os.path.join(over_root, aside[0]))) if aside else [],
+        }
 
     rec["overwrite_error"] = _error(overwrite)
     # cases 3 + 6: resume from step 1 (a later history, steps 2 and 3, exists) with keep_last=1
@@ -120,8 +136,16 @@ def _safety_worker(base, record_path):
 
     def lr_after_first_resumed_step(setup, step):
         group = setup.optimizer.param_groups[0]
-        rec.setdefault("lr", {"lr": group["lr"], "max_lr": group["max_lr"], "scheduler_max_lr": setup.scheduler.max_lr,
-                              "decay_steps": setup.scheduler.lr_decay_steps, "num_steps": setup.scheduler.num_steps})
+        rec.setdefault(
+            "lr",
+            {
+                "lr": group["lr"],
+                "max_lr": group["max_lr"],
+                "scheduler_max_lr": setup.scheduler.max_lr,
+                "decay_steps": setup.scheduler.lr_decay_steps,
+                "num_steps": setup.scheduler.num_steps,
+            },
+        )
         return {}
 
     s = train(resumed, resume=os.path.join(root, "step_00000001"), hooks=[lr_after_first_resumed_step])
@@ -129,9 +153,12 @@ def _safety_worker(base, record_path):
     rec["resumed_ckpts"] = [os.path.basename(p) for p in list_checkpoints(root)]
     rec["latest"] = os.path.basename(find_latest(root))
     abandoned = [d for d in os.listdir(root) if d.startswith("abandoned-")]
-    rec["abandoned"] = {d: sorted(n for n in os.listdir(os.path.join(root, d))
-                                  if os.path.isfile(os.path.join(root, d, n, "train_state.json")))
-                        for d in abandoned}
+    rec["abandoned"] = {
+        d: sorted(
+            n for n in os.listdir(os.path.join(root, d)) if os.path.isfile(os.path.join(root, d, n, "train_state.json"))
+        )
+        for d in abandoned
+    }
     # case 5: a run already at its steps trains nothing and says so
     before = _steps(run)
     train(resumed, resume="auto")
@@ -197,7 +224,8 @@ def test_overwrite_moves_the_old_run_aside_and_starts_fresh(record):
     assert over["ckpts"][0].startswith("overwritten-") and over["ckpts"][1:] == ["step_00000001"], over
     assert over["moved_ckpts"] == ["step_00000001", "step_00000002", "step_00000003"], over
     assert "attic" in over["listing"] and over["attic"] == [
-        ["checkpoint_timing.json", "config.yaml", "metrics.jsonl", "tokenizer"]], over
+        ["checkpoint_timing.json", "config.yaml", "metrics.jsonl", "tokenizer"]
+    ], over
 
 
 @pytest.mark.multiprocess
@@ -252,13 +280,18 @@ def test_rng_file_roundtrip_and_refusal(tmp_path):
 
     from stabledrl_mcore.checkpoint.integrity import CheckpointError, load_rng_file, save_rng_file
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": {"model-parallel-rng": torch.get_rng_state()}}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": {"model-parallel-rng": torch.get_rng_state()},
+    }
     save_rng_file(str(tmp_path / "r.pt"), state)
     back = load_rng_file(str(tmp_path / "r.pt"))
     assert back["python"] == state["python"] and torch.equal(back["torch"], state["torch"])
-    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-               for a, b in zip(back["numpy"], state["numpy"]))
+    assert all(
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(back["numpy"], state["numpy"])
+    )
     marker = tmp_path / "ran"
     write_exploit(str(tmp_path / "evil.pt"), marker)
     with pytest.raises(CheckpointError, match="not a safe RNG state file"):
@@ -282,8 +315,8 @@ def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeyp
     """train_state.json vs its directory, steps past the checkpoint, frozen keys, the CLI refusal."""
     from stabledrl_mcore import cli
     from stabledrl_mcore.checkpoint.integrity import CheckpointError
-    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
     from stabledrl_mcore.engine import preemption
+    from stabledrl_mcore.engine.resume import ResumeConfigError, plan_resume
 
     base = record[1]
     run = os.path.join(base, "run")

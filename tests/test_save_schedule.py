@@ -16,13 +16,14 @@ def tiny_run():
     """``run(run_dir, hooks, **overrides)``: an in-process training run (one gloo rank); Megatron torn
     down after."""
     import torch
+    from test_trainer import CONFIG, DigitsTask, overrides
 
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks, base as task_base
+    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import base as task_base
     from stabledrl_mcore.tasks.base import register_task
-    from test_trainer import CONFIG, DigitsTask, overrides
 
     added = DigitsTask.name not in available_tasks()
     if added:
@@ -31,8 +32,9 @@ def tiny_run():
     torch.set_num_threads(1)
 
     def run(run_dir, hooks=(), **extra):
-        cfg = load_config(CONFIG, overrides(str(run_dir), **{"logging.progress": False,
-                                                              "rollout.prompts_per_step": 2, **extra}))
+        cfg = load_config(
+            CONFIG, overrides(str(run_dir), **{"logging.progress": False, "rollout.prompts_per_step": 2, **extra})
+        )
         return train(cfg, hooks=hooks)
 
     yield run
@@ -147,11 +149,20 @@ def test_a_requeue_continues_the_wandb_run_tensorboard_and_saves_on_the_clock(ti
     monkeypatch.setattr(save_schedule, "clock", lambda: now[0])
     tick = lambda setup, step: now.__setitem__(0, now[0] + 40.0) or {}  # noqa: E731 - a 40 s step
     run_dir = tmp_path / "run"
-    options = {"logging.wandb_mode": "offline", "logging.wandb_entity": "team", "logging.wandb_name": "requeued",
-               "logging.wandb_group": "abl", "logging.wandb_tags": "[ops-tag]", "logging.tensorboard": True,
-               "checkpoint.save_every_minutes": 1, "checkpoint.keep_last": 5, "checkpoint.resume": "auto",
-               "checkpoint.preemption_lead_s": 0.001}
+    options = {
+        "logging.wandb_mode": "offline",
+        "logging.wandb_entity": "team",
+        "logging.wandb_name": "requeued",
+        "logging.wandb_group": "abl",
+        "logging.wandb_tags": "[ops-tag]",
+        "logging.tensorboard": True,
+        "checkpoint.save_every_minutes": 1,
+        "checkpoint.keep_last": 5,
+        "checkpoint.resume": "auto",
+        "checkpoint.preemption_lead_s": 0.001,
+    }
     tiny_run(run_dir, hooks=[tick], steps=3, **options)
+
     def steps():
         return sorted(int(p.name.rsplit("_", 1)[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 
 from stabledrl_mcore.diffusion import generate_sdar
@@ -12,8 +11,16 @@ MASK = 15
 
 
 def toy():
-    cfg = ToyDLLMConfig(arch="sdar", vocab_size=16, mask_token_id=MASK, eos_token_id=1, block_size=4,
-                        hidden_size=32, num_layers=2, logit_scale=3.0)
+    cfg = ToyDLLMConfig(
+        arch="sdar",
+        vocab_size=16,
+        mask_token_id=MASK,
+        eos_token_id=1,
+        block_size=4,
+        hidden_size=32,
+        num_layers=2,
+        logit_scale=3.0,
+    )
     return ToyDiffusionLM(cfg, seed=0, dtype=torch.float64)
 
 
@@ -45,8 +52,13 @@ def test_shared_prefill_gives_the_tokens_of_repeated_prompts(threshold, P, tempe
     kw = dict(gen_length=8, steps=2, threshold=threshold, temperature=temperature, progress=False)
     spy = Spy(toy())
     shared = generate_sdar(spy, ids, prompt_valid=valid, repeats=3, generator=torch.Generator().manual_seed(5), **kw)
-    plain = generate_sdar(toy(), ids.repeat_interleave(3, 0), prompt_valid=valid.repeat_interleave(3, 0),
-                          generator=torch.Generator().manual_seed(5), **kw)
+    plain = generate_sdar(
+        toy(),
+        ids.repeat_interleave(3, 0),
+        prompt_valid=valid.repeat_interleave(3, 0),
+        generator=torch.Generator().manual_seed(5),
+        **kw,
+    )
     assert shared.shape == plain.shape == (9, -(-(P + 8) // 4) * 4)
     assert torch.equal(shared, plain)
     assert spy.calls[0] == (3, P // 4 * 4), "the prompt blocks are prefilled once per prompt"
@@ -59,8 +71,9 @@ def test_uneven_repeats_and_no_cache_reference():
     counts = [1, 3, 2]
     shared = generate_sdar(toy(), ids, repeats=counts, **kw)
     rep = torch.tensor(counts)
-    reference = generate_sdar(toy(), ids.repeat_interleave(rep, 0), use_cache=False,
-                              **{**kw, "prompt_valid": valid.repeat_interleave(rep, 0)})
+    reference = generate_sdar(
+        toy(), ids.repeat_interleave(rep, 0), use_cache=False, **{**kw, "prompt_valid": valid.repeat_interleave(rep, 0)}
+    )
     assert torch.equal(shared, reference)
     assert torch.equal(generate_sdar(toy(), ids, repeats=counts, use_cache=False, **kw), reference)
     with pytest.raises(ValueError, match="repeats must be"):
@@ -81,22 +94,38 @@ def test_decoding_batches_cover_whole_groups():
 def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
     """row_chunks: one batch of three micro-batches gives each the tokens it gets alone."""
     ids, valid = left_padded(P=10)
-    kw = dict(gen_length=12, steps=3, threshold=threshold, temperature=1.0, stop_at_eos=stop_at_eos,
-              progress=False)
+    kw = dict(gen_length=12, steps=3, threshold=threshold, temperature=1.0, stop_at_eos=stop_at_eos, progress=False)
     counts, sizes = [3, 3, 2], [3, 2, 3]
-    one = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
-                        row_chunks=[(8, torch.Generator().manual_seed(10))], **kw)
-    assert torch.equal(one, generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
-                                          generator=torch.Generator().manual_seed(10), **kw))
+    one = generate_sdar(
+        toy(), ids, prompt_valid=valid, repeats=counts, row_chunks=[(8, torch.Generator().manual_seed(10))], **kw
+    )
+    assert torch.equal(
+        one,
+        generate_sdar(
+            toy(), ids, prompt_valid=valid, repeats=counts, generator=torch.Generator().manual_seed(10), **kw
+        ),
+    )
     rep = torch.tensor(counts)
     full_ids, full_valid = ids.repeat_interleave(rep, 0), valid.repeat_interleave(rep, 0)
-    together = generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts,
-                             row_chunks=[(n, torch.Generator().manual_seed(10 + k)) for k, n in enumerate(sizes)],
-                             **kw)
+    together = generate_sdar(
+        toy(),
+        ids,
+        prompt_valid=valid,
+        repeats=counts,
+        row_chunks=[(n, torch.Generator().manual_seed(10 + k)) for k, n in enumerate(sizes)],
+        **kw,
+    )
     alone, start = [], 0
     for k, n in enumerate(sizes):
-        alone.append(generate_sdar(toy(), full_ids[start:start + n], prompt_valid=full_valid[start:start + n],
-                                   generator=torch.Generator().manual_seed(10 + k), **kw))
+        alone.append(
+            generate_sdar(
+                toy(),
+                full_ids[start : start + n],
+                prompt_valid=full_valid[start : start + n],
+                generator=torch.Generator().manual_seed(10 + k),
+                **kw,
+            )
+        )
         start += n
     width = max(a.shape[1] for a in alone)
     assert together.shape[1] == width
@@ -105,27 +134,38 @@ def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
         generate_sdar(toy(), ids, prompt_valid=valid, repeats=counts, row_chunks=[(3, None)], **kw)
 
 
-def _micro_batch_rollouts(model, prompt_ids, prompt_valid, *, group_size, micro_batch, chunk_generator,
-                          first_chunk=0, progress=False, **kw):
+def _micro_batch_rollouts(
+    model, prompt_ids, prompt_valid, *, group_size, micro_batch, chunk_generator, first_chunk=0, progress=False, **kw
+):
     """The reference: the repeated prompts decoded micro-batch by micro-batch, each with its generator."""
     from stabledrl_mcore.diffusion import generate
 
     ids, valid = prompt_ids.repeat_interleave(group_size, 0), prompt_valid.repeat_interleave(group_size, 0)
-    return [generate(model, ids[a:a + micro_batch], prompt_valid=valid[a:a + micro_batch],
-                     generator=chunk_generator(first_chunk + k), progress=progress, **kw)
-            for k, a in enumerate(range(0, ids.shape[0], micro_batch))]
+    return [
+        generate(
+            model,
+            ids[a : a + micro_batch],
+            prompt_valid=valid[a : a + micro_batch],
+            generator=chunk_generator(first_chunk + k),
+            progress=progress,
+            **kw,
+        )
+        for k, a in enumerate(range(0, ids.shape[0], micro_batch))
+    ]
 
 
-@pytest.mark.parametrize("arch,temperature,cache", [("sdar", 0.0, "none"), ("sdar", 1.0, "none"),
-                                                    ("llada", 1.0, "none"), ("llada", 0.0, "dual")])
+@pytest.mark.parametrize(
+    "arch,temperature,cache",
+    [("sdar", 0.0, "none"), ("sdar", 1.0, "none"), ("llada", 1.0, "none"), ("llada", 0.0, "dual")],
+)
 def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch, temperature, cache):
     """Megatron sdar-tiny / llada-tiny through generate_rollouts; micro-batches of 3 rows split groups of 2:
     whole groups decoded together (SDAR: each prompt prefilled once) equal micro-batch decoding."""
+    from test_device_rule import CharTokenizer
+
     from stabledrl_mcore.models import KVCache, build_model, get_preset
     from stabledrl_mcore.rl import rollout
     from stabledrl_mcore.tasks import get_task
-
-    from test_device_rule import CharTokenizer
 
     torch.manual_seed(0)
     model = build_model(get_preset(f"{arch}-tiny"))
@@ -134,16 +174,29 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch,
     repeats, forwards = [], []
     original = KVCache.repeat_interleave
     monkeypatch.setattr(KVCache, "repeat_interleave", lambda self, r: (repeats.append(r), original(self, r)))
-    model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[0]
-                                                                                if "input_ids" in kwargs
-                                                                                else args[0].shape[0]),
-                                    with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(
+            kwargs["input_ids"].shape[0] if "input_ids" in kwargs else args[0].shape[0]
+        ),
+        with_kwargs=True,
+    )
 
     def run():
         return rollout.generate_rollouts(
-            model, CharTokenizer(), task, examples, group_size=2, gen_length=8, steps=2 if arch == "sdar" else 4,
-            block_length=4, temperature=temperature, threshold=0.9, micro_batch=3, cache=cache,
-            chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k))
+            model,
+            CharTokenizer(),
+            task,
+            examples,
+            group_size=2,
+            gen_length=8,
+            steps=2 if arch == "sdar" else 4,
+            block_length=4,
+            temperature=temperature,
+            threshold=0.9,
+            micro_batch=3,
+            cache=cache,
+            chunk_generator=lambda k: torch.Generator(device="cpu").manual_seed(k),
+        )
 
     shared = run()
     if arch == "sdar":

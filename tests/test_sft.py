@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.diffusion.pretrain import sft_mask_plan, sft_sequence_losses
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
-from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.models.masks import block_causal_mask
 from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.sft import SFTSection, encode_rows
@@ -50,8 +50,9 @@ def test_prompt_tokens_are_never_masked():
             plan = sft_mask_plan(data.answer, generator=torch.Generator().manual_seed(seed), block_size=block_size)
             assert not (plan.masked[0] & ~data.answer).any()
             assert torch.equal(plan.scored[0], plan.masked[0])
-    hits = torch.stack([sft_mask_plan(data.answer, generator=torch.Generator().manual_seed(s)).masked[0]
-                        for s in range(200)])
+    hits = torch.stack(
+        [sft_mask_plan(data.answer, generator=torch.Generator().manual_seed(s)).masked[0] for s in range(200)]
+    )
     assert hits.any(0).equal(data.answer), "every answer token is masked by some draw"
 
 
@@ -82,8 +83,8 @@ def test_sdar_staircase_loss_equals_one_block_causal_forward_per_block():
     for b in range(2):
         total = 0.0
         for start in (0, 4):  # block k sees the clean blocks before it and its own noisy block
-            x = torch.cat([data.ids[b, :start], noisy[b, start:start + 4]])[None]
-            logits = model(x, attention_mask=block_causal_mask(start + 4, 4))[0, start:start + 4]
+            x = torch.cat([data.ids[b, :start], noisy[b, start : start + 4]])[None]
+            logits = model(x, attention_mask=block_causal_mask(start + 4, 4))[0, start : start + 4]
             logp = F.log_softmax(logits.double(), -1)
             p = float(plan.ratio[0, b, start // 4])
             total += sum(-float(logp[i, data.ids[b, start + i]]) / p for i in range(4) if plan.masked[0, b, start + i])
@@ -119,17 +120,22 @@ def test_parquet_and_messages_rows_use_the_chat_template(tmp_path):
     from stabledrl_mcore.sft.data import load_sft_data
 
     path = str(tmp_path / "d.parquet")
-    datasets.Dataset.from_list([
-        {"question": "2+2", "answer": "4", "chat": None},
-        {"question": None, "answer": None,
-         "chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-    ]).to_parquet(path)
+    datasets.Dataset.from_list(
+        [
+            {"question": "2+2", "answer": "4", "chat": None},
+            {
+                "question": None,
+                "answer": None,
+                "chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            },
+        ]
+    ).to_parquet(path)
     section = SFTSection(data_path=path, prompt_key="question", response_key="answer", messages_key="chat")
     data = load_sft_data(section, ChatTokenizer())
     tok = ChatTokenizer()
     first = tok.encode("<user>2+2<assistant>") + tok.encode("4") + [1]
     second = tok.encode("<user>hi<assistant>") + tok.encode("yo") + [1]
-    assert data.ids[0, :len(first)].tolist() == first and data.ids[1, :len(second)].tolist() == second
+    assert data.ids[0, : len(first)].tolist() == first and data.ids[1, : len(second)].tolist() == second
     assert int(data.answer[0].sum()) == data.ids.shape[1] - len(tok.encode("<user>2+2<assistant>"))
     plain = load_sft_data(SFTSection(data_path=str(_plain_file(tmp_path)), chat_template="never"), ChatTokenizer())
     assert plain.ids[0, :4].tolist() == tok.encode("2+2=")
@@ -155,10 +161,23 @@ def _write_data(path):
 
 
 def _overrides(run_dir, data, preset, **extra):
-    base = {"model.preset": preset, "sft.data_path": data, "sft.prompt_key": "q", "sft.response_key": "a",
-            "sft.batch_size": 8, "parallel.micro_batch_size": 4, "parallel.threads": 1, "optim.lr": 3e-3,
-            "optim.clip_grad": 1.0, "optim.weight_decay": 0.0, "logging.run_dir": run_dir,
-            "logging.wandb_mode": "disabled", "logging.progress": False, "checkpoint.save_every": 0, "steps": 4}
+    base = {
+        "model.preset": preset,
+        "sft.data_path": data,
+        "sft.prompt_key": "q",
+        "sft.response_key": "a",
+        "sft.batch_size": 8,
+        "parallel.micro_batch_size": 4,
+        "parallel.threads": 1,
+        "optim.lr": 3e-3,
+        "optim.clip_grad": 1.0,
+        "optim.weight_decay": 0.0,
+        "logging.run_dir": run_dir,
+        "logging.wandb_mode": "disabled",
+        "logging.progress": False,
+        "checkpoint.save_every": 0,
+        "steps": 4,
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -166,8 +185,14 @@ def _overrides(run_dir, data, preset, **extra):
 def _fixed_mask_loss(s):
     """The loss of the whole data under one fixed mask draw (a noise-free training curve)."""
     with torch.no_grad():
-        losses, _ = sft_sequence_losses(s.model, s.data.ids, s.data.answer, mask_id=s.model.dllm_config.mask_token_id,
-                                        generator=torch.Generator().manual_seed(0), block_size=s.block_size)
+        losses, _ = sft_sequence_losses(
+            s.model,
+            s.data.ids,
+            s.data.answer,
+            mask_id=s.model.dllm_config.mask_token_id,
+            generator=torch.Generator().manual_seed(0),
+            block_size=s.block_size,
+        )
     return {"fixed_mask_loss": float(losses.mean())}
 
 
@@ -183,17 +208,23 @@ def _sft_worker(tmp, out):
     _write_data(data)
     results = {}
     for preset in ("llada-tiny", "sdar-tiny"):
-        for name, extra, stop_after in (("full", {}, None), ("cut", {"checkpoint.save_every": 2}, 2),
-                                        ("cut", {"checkpoint.save_every": 2, "checkpoint.resume": "auto"}, None)):
+        for name, extra, stop_after in (
+            ("full", {}, None),
+            ("cut", {"checkpoint.save_every": 2}, 2),
+            ("cut", {"checkpoint.save_every": 2, "checkpoint.resume": "auto"}, None),
+        ):
             cfg = load_config(None, _overrides(os.path.join(tmp, preset, name), data, preset, **extra), cls=SFTConfig)
             s = train_sft(cfg, hooks=[lambda s, step: _fixed_mask_loss(s)], stop_after=stop_after)
-            results[preset, name] = ({k: v.detach().clone() for k, v in s.model.state_dict().items()
-                                      if torch.is_tensor(v)}, s.block_size)
+            results[preset, name] = (
+                {k: v.detach().clone() for k, v in s.model.state_dict().items() if torch.is_tensor(v)},
+                s.block_size,
+            )
             bootstrap.destroy()
     from stabledrl_mcore.engine import preemption as rl_trainer
 
     def preempt(s, step):  # as SIGUSR1 would: the step finishes, a checkpoint is written, the run stops
         rl_trainer._PREEMPTION["caught"] = step == 2
+
     cfg = load_config(None, _overrides(os.path.join(tmp, "preempted"), data, "llada-tiny"), cls=SFTConfig)
     results["preempted"] = train_sft(cfg, hooks=[preempt]).preempted
     rl_trainer._PREEMPTION["caught"] = False
@@ -206,23 +237,28 @@ def _sft_worker(tmp, out):
 
 
 def test_example_sft_config_passes_preflight(monkeypatch, tmp_path):
+    from stabledrl_mcore.cli.preflight import preflight_sft
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.sft import SFTConfig
-    from stabledrl_mcore.cli.preflight import preflight_sft
 
     monkeypatch.chdir(ROOT)
     cfg = load_config("examples/sft/tiny_cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"], cls=SFTConfig)
     summary = preflight_sft(cfg, world_size=2)
     assert "preflight ok: model.preset llada-tiny" in summary and "data-parallel 2" in summary and "64 rows" in summary
-    with pytest.raises(Exception, match=r"sft.batch_size=16 must split into 2 data-parallel rank\(s\) of whole "
-                                        r"parallel.micro_batch_size=16"):
-        preflight_sft(load_config("examples/sft/tiny_cpu.yaml", ["parallel.micro_batch_size=16"], cls=SFTConfig),
-                      world_size=2)
+    with pytest.raises(
+        Exception,
+        match=r"sft.batch_size=16 must split into 2 data-parallel rank\(s\) of whole "
+        r"parallel.micro_batch_size=16",
+    ):
+        preflight_sft(
+            load_config("examples/sft/tiny_cpu.yaml", ["parallel.micro_batch_size=16"], cls=SFTConfig), world_size=2
+        )
 
     # the logging / save-schedule fields train honours are honoured (or refused) the same way here
     with pytest.raises(Exception, match="logging.wandb_name has no effect with logging.wandb_mode=disabled"):
-        load_config("examples/sft/tiny_cpu.yaml", ["logging.wandb_mode=disabled", "logging.wandb_name=x"],
-                    cls=SFTConfig)
+        load_config(
+            "examples/sft/tiny_cpu.yaml", ["logging.wandb_mode=disabled", "logging.wandb_name=x"], cls=SFTConfig
+        )
     with pytest.raises(Exception, match="checkpoint.save_every_minutes must be >= 0"):
         load_config("examples/sft/tiny_cpu.yaml", ["checkpoint.save_every_minutes=-1"], cls=SFTConfig)
 
@@ -233,8 +269,9 @@ def _layout_worker(tmp, name, extra, out):
     from stabledrl_mcore.sft import SFTConfig, train_sft
 
     run = os.path.join(tmp, name)
-    s = train_sft(load_config(None, _overrides(run, os.path.join(tmp, "data.jsonl"), "llada-tiny", **extra),
-                              cls=SFTConfig))
+    s = train_sft(
+        load_config(None, _overrides(run, os.path.join(tmp, "data.jsonl"), "llada-tiny", **extra), cls=SFTConfig)
+    )
     state = {k: v.detach().clone() for k, v in s.model.state_dict().items() if torch.is_tensor(v)}
     torch.save(state, out.format(rank=torch.distributed.get_rank()))
 
@@ -293,8 +330,10 @@ def test_dp2_equals_dp1_and_tp2_trains(trained):
     for rank in (0, 1):
         got = two[rank]["dp2"]
         assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5, f"DP=2 rank {rank} differs from DP=1"
-    loss = [[json.loads(line)["loss"] for line in open(d / "metrics.jsonl")]
-            for d in (tmp / "llada-tiny" / "full", tmp / "dp2", tmp / "tp2")]
+    loss = [
+        [json.loads(line)["loss"] for line in open(d / "metrics.jsonl")]
+        for d in (tmp / "llada-tiny" / "full", tmp / "dp2", tmp / "tp2")
+    ]
     assert loss[1] == pytest.approx(loss[0], rel=1e-5), "the logged loss is the job's mean"
     assert all(0 < v < 10 for v in loss[2]), "TP=2 trains"
     tp = two[0]["tp2"]

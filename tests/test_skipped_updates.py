@@ -10,11 +10,10 @@ import os
 
 import pytest
 import torch
+from test_trainer import CONFIG, DigitsTask, overrides
 
 from stabledrl_mcore.tasks.base import register_task
 from stabledrl_mcore.tasks.sudoku import SudokuTask
-
-from test_trainer import CONFIG, DigitsTask, overrides
 
 
 class ConstantTask(SudokuTask):
@@ -32,7 +31,8 @@ def tiny_run():
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks, base as task_base
+    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import base as task_base
 
     added = [task for task in (DigitsTask, ConstantTask) if task.name not in available_tasks()]
     for task in added:
@@ -41,8 +41,9 @@ def tiny_run():
     torch.set_num_threads(1)
 
     def run(run_dir, mutate=None, **extra):
-        cfg = load_config(CONFIG, overrides(str(run_dir), **{"logging.progress": False,
-                                                              "rollout.prompts_per_step": 2, **extra}))
+        cfg = load_config(
+            CONFIG, overrides(str(run_dir), **{"logging.progress": False, "rollout.prompts_per_step": 2, **extra})
+        )
         if mutate:
             mutate(cfg)  # after validation: what library callers can do
         return train(cfg)
@@ -130,14 +131,17 @@ def test_a_run_whose_every_update_was_skipped_fails_with_the_reason(tiny_run, tm
 
 
 def test_max_skipped_updates_ends_the_run_by_name(tiny_run, tmp_path, monkeypatch, console):
-    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.engine.gradients import SkippedUpdatesError
 
     _nan_loss_after(monkeypatch, 2)  # step 1 trains, then every update is skipped
     run_dir = tmp_path / "diverged"
-    with pytest.raises(SkippedUpdatesError, match=r"4 optimizer updates in a row were skipped at step 3 "
-                                                  r"\(algo.max_skipped_updates=3\); last reason: stabledrl loss"):
+    with pytest.raises(
+        SkippedUpdatesError,
+        match=r"4 optimizer updates in a row were skipped at step 3 "
+        r"\(algo.max_skipped_updates=3\); last reason: stabledrl loss",
+    ):
         tiny_run(run_dir, steps=6, **{"algo.max_skipped_updates": 3})
     assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3]
     assert "2 in a row (the run stops after 3" in console.text()

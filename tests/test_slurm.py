@@ -27,10 +27,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = "slurm/train_llada_8b.sh"
-TINY = ("logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_step=4 "
-        "rollout.group_size=4 rollout.gen_length=8 rollout.steps=4 rollout.block_length=8 "
-        "parallel.micro_batch_size=4 parallel.threads=1 checkpoint.save_every=1000 "
-        "checkpoint.keep_last=5")
+TINY = (
+    "logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_step=4 "
+    "rollout.group_size=4 rollout.gen_length=8 rollout.steps=4 rollout.block_length=8 "
+    "parallel.micro_batch_size=4 parallel.threads=1 checkpoint.save_every=1000 "
+    "checkpoint.keep_last=5"
+)
 # Two emulated nodes x one task, no GPUs: --gpus-per-node=0 and --cpus-per-task=1 replace the
 # header's 8 and 8 (the headers' --exclusive --mem=0 stay). An hour, so that the train scripts'
 # --signal=B:USR1@1800 comes after the test (a lead longer than the limit signals at once).
@@ -55,13 +57,21 @@ ENV_SETUP = """echo "step=${SLURM_STEP_ID:-batch} rank=${SLURM_PROCID:-batch} no
 nccl_ib_timeout=${NCCL_IB_TIMEOUT:-unset} cmd=$*" >>"$(dirname "${BASH_SOURCE[0]}")/env_setup.marks"
 export STABLEDRL_TEST_SETUP=sourced
 """
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def _load_cluster_module():
-    spec = importlib.util.spec_from_file_location("slurm_local_cluster",
-                                                  ROOT / "tools" / "slurm_local_cluster.py")
+    spec = importlib.util.spec_from_file_location("slurm_local_cluster", ROOT / "tools" / "slurm_local_cluster.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -69,15 +79,15 @@ def _load_cluster_module():
 
 def _ensure_slurm() -> None:
     """Install SLURM if missing; skip only where it cannot be installed."""
-    have = all(shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin")
-               for t in ("sbatch", "slurmctld", "slurmd", "munged"))
+    have = all(
+        shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin") for t in ("sbatch", "slurmctld", "slurmd", "munged")
+    )
     if not have:
         if os.geteuid() != 0:
             pytest.skip("SLURM is not installed and cannot be: not root (tools/ensure_slurm.sh needs root)")
         if shutil.which("apt-get") is None:
             pytest.skip("SLURM is not installed and cannot be: apt-get is not available")
-    proc = subprocess.run([str(ROOT / "tools" / "ensure_slurm.sh")], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([str(ROOT / "tools" / "ensure_slurm.sh")], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"tools/ensure_slurm.sh failed:\n{proc.stdout}{proc.stderr}")
     if os.geteuid() != 0:
@@ -96,23 +106,51 @@ def cluster(tmp_path_factory):
         local.stop()
 
 
-def _submit(cluster, run_dir: Path, steps: int = 0, *, script: str = TRAIN_SCRIPT, env_overrides=None,
-            sbatch=SBATCH_CPU, submit=("sbatch",), cwd=ROOT, env_extra=None, script_args=()) -> str:
+def _submit(
+    cluster,
+    run_dir: Path,
+    steps: int = 0,
+    *,
+    script: str = TRAIN_SCRIPT,
+    env_overrides=None,
+    sbatch=SBATCH_CPU,
+    submit=("sbatch",),
+    cwd=ROOT,
+    env_extra=None,
+    script_args=(),
+) -> str:
     """sbatch ``script`` (default: the LLaDA job with the tiny config) in CPU mode; returns the job id.
     ``submit`` is the command (e.g. slurm/submit.sh), run in ``cwd``; ``env_extra`` adds variables;
     ``script_args`` follow the script."""
     env = cluster.env()
     env.update(STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_PYTHON=sys.executable, STABLEDRL_DEVICE="cpu")
-    env.update(env_overrides if env_overrides is not None else
-               {"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
-                "STABLEDRL_OVERRIDES": f"{TINY} steps={steps}"})
+    env.update(
+        env_overrides
+        if env_overrides is not None
+        else {
+            "STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
+            "STABLEDRL_OVERRIDES": f"{TINY} steps={steps}",
+        }
+    )
     env.pop("STABLEDRL_ROOT", None)  # the script finds the repository from the submit dir
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)  # the job derives its own rendezvous from SLURM, not from this shell
     env.update(env_extra or {})
-    proc = subprocess.run([*submit, "--parsable", *sbatch,
-                           f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}", script, *script_args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            *submit,
+            "--parsable",
+            *sbatch,
+            f"--output={run_dir.parent / (run_dir.name + '-slurm-%j.out')}",
+            script,
+            *script_args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
 
@@ -139,14 +177,16 @@ def _wait(cluster, job_id: str, run_dir: Path, ready, what: str, timeout: float)
         if value:
             return value
         time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} of job {job_id}\n"
-                + _diagnostics(cluster, job_id, run_dir))
+    pytest.fail(
+        f"timed out after {timeout:.0f} s waiting for {what} of job {job_id}\n" + _diagnostics(cluster, job_id, run_dir)
+    )
 
 
 def _wait_final(cluster, job_id: str, run_dir: Path, timeout: float) -> dict:
     def final():
         info = _job(cluster, job_id)
         return info if info.get("JobState") in FINAL_STATES else None
+
     info = _wait(cluster, job_id, run_dir, final, "the end", timeout)
     assert info["JobState"] == "COMPLETED", _diagnostics(cluster, job_id, run_dir)
     return info
@@ -160,8 +200,9 @@ def _metric_steps(run_dir: Path):
 
 
 def _checkpoint_steps(run_dir: Path):
-    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")
-                  if (p / "train_state.json").exists())
+    return sorted(
+        int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if (p / "train_state.json").exists()
+    )
 
 
 def _cluster_environment(tmp_path: Path) -> dict:
@@ -173,9 +214,14 @@ def _cluster_environment(tmp_path: Path) -> dict:
     (stub_dir / "srun").write_text(SRUN_STUB.replace("REAL_SRUN", real))
     (stub_dir / "srun").chmod(0o755)
     (tmp_path / "env_setup.sh").write_text(ENV_SETUP)
-    return {"PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}", "SRUN_STUB_LOG": str(tmp_path / "srun.log"),
-            "STABLEDRL_CONTAINER": "/images/stabledrl.sqsh", "STABLEDRL_MOUNTS": f"{tmp_path}/data:/data",
-            "STABLEDRL_ENV_SETUP": "../env_setup.sh", "NCCL_IB_TIMEOUT": "7"}  # relative to the submit dir
+    return {
+        "PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}",
+        "SRUN_STUB_LOG": str(tmp_path / "srun.log"),
+        "STABLEDRL_CONTAINER": "/images/stabledrl.sqsh",
+        "STABLEDRL_MOUNTS": f"{tmp_path}/data:/data",
+        "STABLEDRL_ENV_SETUP": "../env_setup.sh",
+        "NCCL_IB_TIMEOUT": "7",
+    }  # relative to the submit dir
 
 
 def test_train_job_completes_across_two_nodes(cluster, tmp_path):
@@ -183,9 +229,16 @@ def test_train_job_completes_across_two_nodes(cluster, tmp_path):
     env-setup file; then the same job with plain sbatch from there fails with one line."""
     run_dir, submit_dir = tmp_path / "run", tmp_path / "submit"
     submit_dir.mkdir()
-    job_id = _submit(cluster, run_dir, steps=3, submit=(str(ROOT / "slurm/submit.sh"),), cwd=submit_dir,
-                     script="train_llada_8b.sh", env_extra=_cluster_environment(tmp_path),
-                     sbatch=(*SBATCH_CPU, "--signal=B:USR1@1200"))
+    job_id = _submit(
+        cluster,
+        run_dir,
+        steps=3,
+        submit=(str(ROOT / "slurm/submit.sh"),),
+        cwd=submit_dir,
+        script="train_llada_8b.sh",
+        env_extra=_cluster_environment(tmp_path),
+        sbatch=(*SBATCH_CPU, "--signal=B:USR1@1200"),
+    )
     info = _wait_final(cluster, job_id, run_dir, timeout=420)
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
     diag = lambda: _diagnostics(cluster, job_id, run_dir)  # noqa: E731
@@ -196,13 +249,18 @@ def test_train_job_completes_across_two_nodes(cluster, tmp_path):
     for call in calls:
         assert "--container-image=/images/stabledrl.sqsh" in call and f"--container-workdir={submit_dir}" in call
         mounts = call.split("--container-mounts=")[1].split()[0].split(",")
-        assert mounts[:4] == [f"{tmp_path}/data:/data", f"{ROOT}:{ROOT}", f"{submit_dir}:{submit_dir}",
-                              f"{tmp_path}/env_setup.sh:{tmp_path}/env_setup.sh"], mounts
+        assert mounts[:4] == [
+            f"{tmp_path}/data:/data",
+            f"{ROOT}:{ROOT}",
+            f"{submit_dir}:{submit_dir}",
+            f"{tmp_path}/env_setup.sh:{tmp_path}/env_setup.sh",
+        ], mounts
     assert f"{run_dir}:{run_dir}" in calls[1] and len(calls[0].split(",")) == 4, calls  # the run dir: known later
     # the env-setup file was sourced by the config check and by every rank, on its node, first
     marks = (tmp_path / "env_setup.marks").read_text().splitlines()
-    ranks = sorted(m.split(" nccl")[0].split(" ", 1)[1] for m in marks
-                   if "cli train" in m and "--print-config" not in m)
+    ranks = sorted(
+        m.split(" nccl")[0].split(" ", 1)[1] for m in marks if "cli train" in m and "--print-config" not in m
+    )
     assert ranks == ["rank=0 node=n1", "rank=1 node=n2"], marks
     assert any("--print-config" in m for m in marks) and all("nccl_ib_timeout=7" in m for m in marks), marks
     batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job_id}.out").read_text()
@@ -272,27 +330,42 @@ def test_convert_job_then_the_sdar_recipe_job(cluster, tmp_path):
 
     hf = write_hf_checkpoint(str(tmp_path / "hf_sdar"), "sdar")
     converted, convert_dir = tmp_path / "sdar-mcore", tmp_path / "convert"
-    job = _submit(cluster, convert_dir, script="slurm/convert.sh",
-                  env_overrides={"STABLEDRL_MODEL": "sdar", "STABLEDRL_HF_DIR": hf, "STABLEDRL_OUT": str(converted)},
-                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:10:00"))
+    job = _submit(
+        cluster,
+        convert_dir,
+        script="slurm/convert.sh",
+        env_overrides={"STABLEDRL_MODEL": "sdar", "STABLEDRL_HF_DIR": hf, "STABLEDRL_OUT": str(converted)},
+        sbatch=("--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=00:10:00"),
+    )
     _wait_final(cluster, job, convert_dir, timeout=300)
     assert (converted / "stabledrl_model.json").is_file()
 
     run_dir = tmp_path / "sdar_run"
-    scaled = (f"model.checkpoint={converted} parallel.tensor_parallel=2 parallel.threads=1 "
-              "logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_step=2 "
-              "rollout.group_size=2 rollout.gen_length=8 "
-              f"rollout.data_path={ROOT / 'tests/fixtures/math500_test.jsonl'} steps=1")
-    job = _submit(cluster, run_dir, script="slurm/train_sdar_8b.sh", env_overrides={"STABLEDRL_OVERRIDES": scaled},
-                  sbatch=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
-                          "--time=01:00:00"))
+    scaled = (
+        f"model.checkpoint={converted} parallel.tensor_parallel=2 parallel.threads=1 "
+        "logging.wandb_mode=disabled logging.progress=false rollout.prompts_per_step=2 "
+        "rollout.group_size=2 rollout.gen_length=8 "
+        f"rollout.data_path={ROOT / 'tests/fixtures/math500_test.jsonl'} steps=1"
+    )
+    job = _submit(
+        cluster,
+        run_dir,
+        script="slurm/train_sdar_8b.sh",
+        env_overrides={"STABLEDRL_OVERRIDES": scaled},
+        sbatch=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=01:00:00"),
+    )
     _wait_final(cluster, job, run_dir, timeout=480)
     batch_log = (run_dir.parent / f"{run_dir.name}-slurm-{job}.out").read_text()
     assert "pre-emption lead time 1800 s (from the job script's #SBATCH --signal)" in batch_log, batch_log
     assert _metric_steps(run_dir) == [1] and _checkpoint_steps(run_dir) == [1]
     resolved = (run_dir / "logs" / job / "restart_0" / "config.yaml").read_text()
-    for line in ("dtype: bf16", "recompute: true", "likelihood: staircase", "tensor_parallel: 2",
-                 "preemption_lead_s: 1800"):
+    for line in (
+        "dtype: bf16",
+        "recompute: true",
+        "likelihood: staircase",
+        "tensor_parallel: 2",
+        "preemption_lead_s: 1800",
+    ):
         assert line in resolved, resolved
     state = json.loads((run_dir / "checkpoints/step_00000001/train_state.json").read_text())
     assert state["world_size"] == 4 and state["tensor_parallel"] == 2
@@ -300,11 +373,13 @@ def test_convert_job_then_the_sdar_recipe_job(cluster, tmp_path):
 
 def test_bench_job_writes_its_json(cluster, tmp_path):
     run_dir = tmp_path / "bench"
-    job = _submit(cluster, run_dir, script="slurm/bench_throughput.sh",
-                  env_overrides={"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"),
-                                 "STABLEDRL_OVERRIDES": TINY},
-                  sbatch=("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
-                          "--time=00:10:00"))
+    job = _submit(
+        cluster,
+        run_dir,
+        script="slurm/bench_throughput.sh",
+        env_overrides={"STABLEDRL_CONFIG": str(ROOT / "examples/configs/tiny_cpu.yaml"), "STABLEDRL_OVERRIDES": TINY},
+        sbatch=("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=00:10:00"),
+    )
     _wait_final(cluster, job, run_dir, timeout=300)
     result = json.loads((run_dir / "logs" / job / "restart_0" / "bench.json").read_text())
     assert result["layout"]["world_size"] == 1 and result["phases"]["step"]["tokens_per_s"] > 0
@@ -320,12 +395,14 @@ def test_eval_script_parses_and_refuses_missing_or_training_inputs():
     """slurm/eval.sh: valid bash; without a checkpoint or task, or with training-only settings, it
     stops with one line (exit 2) before asking SLURM for anything."""
     assert subprocess.run(["bash", "-n", "slurm/eval.sh"], cwd=ROOT, timeout=30).returncode == 0
-    for env, needle in (({"STABLEDRL_TASK": "gsm8k"}, "STABLEDRL_CKPT"),
-                        ({"STABLEDRL_CKPT": "/x"}, "STABLEDRL_TASK"),
-                        ({"STABLEDRL_CKPT": "/x", "STABLEDRL_TASK": "gsm8k", "STABLEDRL_OVERRIDES": "steps=1"},
-                         "STABLEDRL_OVERRIDES")):
-        proc = subprocess.run(["bash", "slurm/eval.sh"], cwd=ROOT, env=_eval_script_env(**env),
-                              capture_output=True, text=True, timeout=30)
+    for env, needle in (
+        ({"STABLEDRL_TASK": "gsm8k"}, "STABLEDRL_CKPT"),
+        ({"STABLEDRL_CKPT": "/x"}, "STABLEDRL_TASK"),
+        ({"STABLEDRL_CKPT": "/x", "STABLEDRL_TASK": "gsm8k", "STABLEDRL_OVERRIDES": "steps=1"}, "STABLEDRL_OVERRIDES"),
+    ):
+        proc = subprocess.run(
+            ["bash", "slurm/eval.sh"], cwd=ROOT, env=_eval_script_env(**env), capture_output=True, text=True, timeout=30
+        )
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 
 
@@ -335,14 +412,35 @@ def test_eval_job_samples_across_two_nodes(cluster, tmp_path):
     from hf_fixtures import write_hf_checkpoint
 
     hf = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=2)
-    flags = ["--limit", "3", "--gen-length", "4", "--steps", "4", "--block-length", "4", "--n", "2",
-             "--temperature", "1.0", "--k", "1,2", "--batch-size", "2", "--threads", "1"]
+    flags = [
+        "--limit",
+        "3",
+        "--gen-length",
+        "4",
+        "--steps",
+        "4",
+        "--block-length",
+        "4",
+        "--n",
+        "2",
+        "--temperature",
+        "1.0",
+        "--k",
+        "1,2",
+        "--batch-size",
+        "2",
+        "--threads",
+        "1",
+    ]
     run_dir, out = tmp_path / "eval_run", tmp_path / "eval" / "sudoku.jsonl"
-    job = _submit(cluster, run_dir, script="slurm/eval.sh",
-                  env_overrides={"STABLEDRL_CKPT": hf, "STABLEDRL_TASK": "sudoku"},
-                  sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
-                          "--time=00:10:00"),
-                  script_args=(*flags, "--out", str(out)))
+    job = _submit(
+        cluster,
+        run_dir,
+        script="slurm/eval.sh",
+        env_overrides={"STABLEDRL_CKPT": hf, "STABLEDRL_TASK": "sudoku"},
+        sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=00:10:00"),
+        script_args=(*flags, "--out", str(out)),
+    )
     _wait_final(cluster, job, run_dir, timeout=300)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     summary = json.loads(out.with_name("sudoku.summary.json").read_text())
@@ -353,13 +451,26 @@ def test_eval_job_samples_across_two_nodes(cluster, tmp_path):
 def test_submit_refuses_missing_files_before_anything_is_queued(tmp_path):
     """slurm/submit.sh checks at submit time (no cluster needed: it fails before sbatch)."""
     env = dict(os.environ, STABLEDRL_ENV_SETUP="missing_setup.sh")
-    proc = subprocess.run([str(ROOT / "slurm/submit.sh"), "--nodes=2", "train_llada_8b.sh"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [str(ROOT / "slurm/submit.sh"), "--nodes=2", "train_llada_8b.sh"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2, proc
-    assert proc.stderr.strip() == (f"slurm/submit.sh: error: STABLEDRL_ENV_SETUP=missing_setup.sh is not a file "
-                                   f"(relative paths are relative to {tmp_path})")
-    proc = subprocess.run([str(ROOT / "slurm/submit.sh"), "--nodes=2", "no_such_job.sh"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=30)
+    assert proc.stderr.strip() == (
+        f"slurm/submit.sh: error: STABLEDRL_ENV_SETUP=missing_setup.sh is not a file "
+        f"(relative paths are relative to {tmp_path})"
+    )
+    proc = subprocess.run(
+        [str(ROOT / "slurm/submit.sh"), "--nodes=2", "no_such_job.sh"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "name a job script" in proc.stderr and "train_llada_8b.sh" in proc.stderr
 
 
@@ -388,12 +499,18 @@ def _run_with_standins(tmp_path, script: str, **env_extra):
     for name, text in (("scontrol", SCONTROL_STANDIN), ("srun", SRUN_STANDIN)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = _eval_script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_STUB_LOG=str(tmp_path / "srun.log"),
-                           SLURM_SUBMIT_DIR=str(ROOT), STABLEDRL_PYTHON=sys.executable, **env_extra)
+    env = _eval_script_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SRUN_STUB_LOG=str(tmp_path / "srun.log"),
+        SLURM_SUBMIT_DIR=str(ROOT),
+        STABLEDRL_PYTHON=sys.executable,
+        **env_extra,
+    )
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH"):
         env.pop(name, None)
-    return subprocess.run(["bash", str(ROOT / script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(ROOT / script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_path):
@@ -403,9 +520,17 @@ def test_pipelined_recipe_job_checks_the_whole_jobs_layout_in_a_container(tmp_pa
     run_dir = tmp_path / "run"
     recipe = ROOT / "examples/configs/llada_8b_stabledrl_tp4pp2.yaml"
     proc = _run_with_standins(  # no 8B checkpoint here: a random init has the preset's shape
-        tmp_path, TRAIN_SCRIPT, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2",
-        SLURM_NTASKS="16", STABLEDRL_CONFIG=str(recipe), STABLEDRL_OVERRIDES="model.checkpoint=null",
-        STABLEDRL_RUN_DIR=str(run_dir), STABLEDRL_CONTAINER="/images/x.sqsh")
+        tmp_path,
+        TRAIN_SCRIPT,
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_NNODES="2",
+        SLURM_NTASKS="16",
+        STABLEDRL_CONFIG=str(recipe),
+        STABLEDRL_OVERRIDES="model.checkpoint=null",
+        STABLEDRL_RUN_DIR=str(run_dir),
+        STABLEDRL_CONTAINER="/images/x.sqsh",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = (run_dir / "logs/4242/restart_0/config.yaml").read_text()
     assert "  tensor_parallel: 4\n  pipeline_parallel: 2\n" in resolved, resolved
@@ -424,14 +549,27 @@ def test_moe_recipe_job_fits_its_default_node(tmp_path):
     assert (header["nodes"], header["ntasks-per-node"], header["gpus-per-node"]) == ("1", "8", "8"), header
     run_dir, recipe = tmp_path / "run", ROOT / "examples/configs/sdar_30b_a3b_stabledrl.yaml"
     data = ROOT / "tests/fixtures/math500_test.jsonl"  # no 30B checkpoint here: a random init has its shape
-    proc = _run_with_standins(tmp_path, script, SLURM_JOB_ID="4343", SLURM_JOB_NODELIST="n1", SLURM_NNODES="1",
-                              SLURM_NTASKS="8", STABLEDRL_RUN_DIR=str(run_dir),
-                              STABLEDRL_OVERRIDES=f"model.checkpoint=null rollout.data_path={data}")
+    proc = _run_with_standins(
+        tmp_path,
+        script,
+        SLURM_JOB_ID="4343",
+        SLURM_JOB_NODELIST="n1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="8",
+        STABLEDRL_RUN_DIR=str(run_dir),
+        STABLEDRL_OVERRIDES=f"model.checkpoint=null rollout.data_path={data}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = (run_dir / "logs/4343/restart_0/config.yaml").read_text()
-    for line in ("  preset: sdar-30b-a3b\n", "  tensor_parallel: 1\n  pipeline_parallel: 1\n  expert_parallel: 8\n",
-                 "  likelihood: staircase\n", "  dtype: bf16\n", "  recompute: true\n", "  distributed: true\n",
-                 "preemption_lead_s: 1800"):
+    for line in (
+        "  preset: sdar-30b-a3b\n",
+        "  tensor_parallel: 1\n  pipeline_parallel: 1\n  expert_parallel: 8\n",
+        "  likelihood: staircase\n",
+        "  dtype: bf16\n",
+        "  recompute: true\n",
+        "  distributed: true\n",
+        "preemption_lead_s: 1800",
+    ):
         assert line in resolved, (line, resolved)
     assert "; world 8, data-parallel 8;" in resolved.splitlines()[-1], resolved.splitlines()[-1]
     (ranks,) = (tmp_path / "srun.log").read_text().splitlines()  # the check ran in the batch shell (no container)

@@ -7,8 +7,9 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("draw_staircase_mask",
-                                               os.path.join(ROOT, "tools", "draw_staircase_mask.py"))
+_spec = importlib.util.spec_from_file_location(
+    "draw_staircase_mask", os.path.join(ROOT, "tools", "draw_staircase_mask.py")
+)
 drawer = sys.modules.setdefault("draw_staircase_mask", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(drawer)
 

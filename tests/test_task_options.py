@@ -6,13 +6,26 @@ import time
 
 import pytest
 
-from stabledrl_mcore.tasks import BASE_TASK_OPTIONS, CountdownTask, Example, Gsm8kTask, Math500Task, SudokuTask, Task, anti_short_boxed_bonus, available_tasks, get_task
 from stabledrl_mcore.evaluation.scoring import evaluate_completions
+from stabledrl_mcore.tasks import (
+    BASE_TASK_OPTIONS,
+    CountdownTask,
+    Example,
+    Gsm8kTask,
+    Math500Task,
+    SudokuTask,
+    Task,
+    anti_short_boxed_bonus,
+    available_tasks,
+    get_task,
+)
 from stabledrl_mcore.tasks import base as task_base
 
 MB = 1 << 20
-REASONING = ("First compute six times seven, which is forty two, then check it by dividing forty two by "
-             "seven to get six again, so the result holds, and then write the final answer in the box given below. ")
+REASONING = (
+    "First compute six times seven, which is forty two, then check it by dividing forty two by "
+    "seven to get six again, so the result holds, and then write the final answer in the box given below. "
+)
 # 154 non-whitespace characters: with a box of up to 24 it is short but over 85% outside the box
 
 
@@ -26,10 +39,23 @@ def test_reasoning_fixture_sizes():
 
 # ----------------------------------------------------------------- the term itself (release cases)
 
-@pytest.mark.parametrize("text", [
-    "\\boxed{42}", "  \\boxed{42}\n", "$\\boxed{42}$", "$$ \\boxed{x^2 + 1} $$.", "\\boxed{42}.", "\\boxed{42}!?",
-    "\\boxed{42}\u201d", "\\boxed{42}'\"\u2019 ", "\\boxed{}", "\\boxed{a\nb}", "\u00a0\\boxed{42}\u3000",
-])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\boxed{42}",
+        "  \\boxed{42}\n",
+        "$\\boxed{42}$",
+        "$$ \\boxed{x^2 + 1} $$.",
+        "\\boxed{42}.",
+        "\\boxed{42}!?",
+        "\\boxed{42}\u201d",
+        "\\boxed{42}'\"\u2019 ",
+        "\\boxed{}",
+        "\\boxed{a\nb}",
+        "\u00a0\\boxed{42}\u3000",
+    ],
+)
 def test_pure_boxed_answer_scores_zero(text):
     assert anti_short_boxed_bonus(text) == 0.0
 
@@ -48,13 +74,17 @@ def test_long_reasoning_with_boxed_scores_one():
     assert anti_short_boxed_bonus("42") == 1.0
 
 
-@pytest.mark.parametrize("text", [
-    "Answer: \\boxed{123456789}",                    # 7 outside of 24
-    "I computed six times seven and got \\boxed{42}",  # 28 of 38: below 85%
-    "So \\boxed{\\frac{1}{2}}",                        # the span ends at the first '}': 6 of 21 outside
-    "\\boxed{1} and \\boxed{2}",                       # two boxes, 'and' outside
-    "", "   \n\t ",                                    # nothing outside a box either
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Answer: \\boxed{123456789}",  # 7 outside of 24
+        "I computed six times seven and got \\boxed{42}",  # 28 of 38: below 85%
+        "So \\boxed{\\frac{1}{2}}",  # the span ends at the first '}': 6 of 21 outside
+        "\\boxed{1} and \\boxed{2}",  # two boxes, 'and' outside
+        "",
+        "   \n\t ",  # nothing outside a box either
+    ],
+)
 def test_short_text_mostly_boxed_scores_zero(text):
     assert anti_short_boxed_bonus(text) == 0.0
 
@@ -66,11 +96,11 @@ def test_unclosed_box_counts_as_outside():
 
 
 def test_exactly_at_the_thresholds():
-    box = "\\boxed{x}"                                  # 9 non-whitespace characters
-    at_ratio = "a " * 51 + box                         # 51 / 60 = 0.85 outside: not below
+    box = "\\boxed{x}"  # 9 non-whitespace characters
+    at_ratio = "a " * 51 + box  # 51 / 60 = 0.85 outside: not below
     assert anti_short_boxed_bonus(at_ratio) == 1.0
-    assert anti_short_boxed_bonus("a " * 50 + box) == 0.0   # 50 / 59 < 0.85
-    at_chars = "\\boxed{" + "9" * 192 + "}"            # exactly 200 non-whitespace characters
+    assert anti_short_boxed_bonus("a " * 50 + box) == 0.0  # 50 / 59 < 0.85
+    at_chars = "\\boxed{" + "9" * 192 + "}"  # exactly 200 non-whitespace characters
     assert non_ws(at_chars) == 200 and anti_short_boxed_bonus(at_chars) == 1.0
     below = "\\boxed{" + "9" * 191 + "}"
     assert non_ws(below) == 199 and anti_short_boxed_bonus(below) == 0.0
@@ -80,7 +110,7 @@ def test_exactly_at_the_thresholds():
     assert anti_short_boxed_bonus("\\boxed{42}", min_chars=10) == 1.0
     assert anti_short_boxed_bonus("\\boxed{42}", min_chars=11) == 0.0
     assert anti_short_boxed_bonus("", min_chars=0) == 1.0
-    assert anti_short_boxed_bonus("Answer: \\boxed{123456789}", min_ratio=0.0) == 1.0   # only pure boxes fail
+    assert anti_short_boxed_bonus("Answer: \\boxed{123456789}", min_ratio=0.0) == 1.0  # only pure boxes fail
     assert anti_short_boxed_bonus("\\boxed{123456789}", min_ratio=0.0) == 0.0
     assert anti_short_boxed_bonus("a " * 51 + box, min_ratio=1.0) == 0.0
 
@@ -91,18 +121,30 @@ class _BadStr:
 
 
 def test_non_str_is_scored_as_its_str_and_never_raises():
-    assert anti_short_boxed_bonus(12345) == 1.0          # "12345"
-    assert anti_short_boxed_bonus(None) == 1.0           # "None"
+    assert anti_short_boxed_bonus(12345) == 1.0  # "12345"
+    assert anti_short_boxed_bonus(None) == 1.0  # "None"
     assert anti_short_boxed_bonus(["\\boxed{1}"]) == 0.0  # "['\\\\boxed{1}']": 5 of 14 outside
     assert anti_short_boxed_bonus(_BadStr()) == 0.0
 
 
-@pytest.mark.parametrize("text", [
-    "\\boxed{" * (MB // 7), "\\boxed{" + " " * MB, "\\boxed{1}" + " \n" * MB + "X", " " * MB + "\\boxed{1}" + " " * MB,
-    "$" * 150 + " " * MB + "\\boxed{1}" + " $" * MB, "\\boxed{1}" + " " * MB + "." * 50 + " " * MB + "!",
-    "}" * MB, "{" * MB, "\\boxed{1}" * 20 + " " * MB + "\\boxed{", "\\" * MB, "\ud800" * 100 + "\\boxed{\udfff}",
-    "\x00" * MB, "\u3000" * MB + "\\boxed{1}" + "\u201d" * 10,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\boxed{" * (MB // 7),
+        "\\boxed{" + " " * MB,
+        "\\boxed{1}" + " \n" * MB + "X",
+        " " * MB + "\\boxed{1}" + " " * MB,
+        "$" * 150 + " " * MB + "\\boxed{1}" + " $" * MB,
+        "\\boxed{1}" + " " * MB + "." * 50 + " " * MB + "!",
+        "}" * MB,
+        "{" * MB,
+        "\\boxed{1}" * 20 + " " * MB + "\\boxed{",
+        "\\" * MB,
+        "\ud800" * 100 + "\\boxed{\udfff}",
+        "\x00" * MB,
+        "\u3000" * MB + "\\boxed{1}" + "\u201d" * 10,
+    ],
+)
 def test_hostile_input_is_linear_and_safe(text):
     t0 = time.perf_counter()
     value = anti_short_boxed_bonus(text)
@@ -127,10 +169,10 @@ def completions(name: str) -> list[tuple[str, float, float]]:
     right, wrong = ANSWER[name], WRONG[name]
     full_wrong = 0.1 if name == "countdown" else 0.0  # countdown: a valid but wrong expression scores 0.1
     return [
-        (f"\\boxed{{{right}}}", 1.0, 0.0),                           # correct but a bare box
-        (f"{REASONING}\\boxed{{{right}}}", 1.0, 1.0),               # correct with reasoning
+        (f"\\boxed{{{right}}}", 1.0, 0.0),  # correct but a bare box
+        (f"{REASONING}\\boxed{{{right}}}", 1.0, 1.0),  # correct with reasoning
         (f"{REASONING * 2}<answer>{right}</answer>", 1.0, 1.0),
-        (f"{REASONING}\\boxed{{{wrong}}}", full_wrong, 1.0),         # wrong with reasoning
+        (f"{REASONING}\\boxed{{{wrong}}}", full_wrong, 1.0),  # wrong with reasoning
         (f"$\\boxed{{{wrong}}}$.", full_wrong if name != "sudoku" else 0.0, 0.0),
         ("", 0.0, 0.0),
     ]
@@ -173,9 +215,12 @@ def test_accuracy_ignores_the_bonus():
 
 
 def test_direct_construction_takes_the_options():
-    tasks = [SudokuTask(blanks=(6, 8), anti_short_boxed=True), CountdownTask(anti_short_boxed=True),
-             Gsm8kTask(format_weight=0.5, anti_short_boxed=True),
-             Math500Task(timeout_s=2.0, anti_short_boxed=True, anti_short_boxed_min_chars=50)]
+    tasks = [
+        SudokuTask(blanks=(6, 8), anti_short_boxed=True),
+        CountdownTask(anti_short_boxed=True),
+        Gsm8kTask(format_weight=0.5, anti_short_boxed=True),
+        Math500Task(timeout_s=2.0, anti_short_boxed=True, anti_short_boxed_min_chars=50),
+    ]
     for task in tasks:
         assert task.anti_short_boxed and task.reward_range == (0.0, 2.0)
     assert tasks[3].anti_short_boxed_min_chars == 50 and tasks[3].timeout_s == 2.0
@@ -192,8 +237,11 @@ def test_direct_construction_takes_the_options():
 
 def test_unknown_and_bad_options_are_refused():
     for name in available_tasks():
-        with pytest.raises(ValueError, match=rf"task '{name}': unknown option\(s\) 'anti_short'; valid options: "
-                                             r"(.*, )?anti_short_boxed, anti_short_boxed_min_chars, "):
+        with pytest.raises(
+            ValueError,
+            match=rf"task '{name}': unknown option\(s\) 'anti_short'; valid options: "
+            r"(.*, )?anti_short_boxed, anti_short_boxed_min_chars, ",
+        ):
             get_task(name, anti_short=True)
     with pytest.raises(ValueError, match="valid options: .*blanks, solved_bonus"):
         get_task("sudoku", blank=(1, 2))
@@ -209,8 +257,7 @@ def test_unknown_and_bad_options_are_refused():
     # thresholds alone do not turn the term on
     quiet = get_task("gsm8k", anti_short_boxed_min_chars=10)
     assert not quiet.anti_short_boxed and quiet.reward_range == (0.0, 1.0)
-    assert set(BASE_TASK_OPTIONS) == {"anti_short_boxed", "anti_short_boxed_min_chars",
-                                      "anti_short_boxed_min_ratio"}
+    assert set(BASE_TASK_OPTIONS) == {"anti_short_boxed", "anti_short_boxed_min_chars", "anti_short_boxed_min_ratio"}
 
 
 def test_run_config_task_options_reach_the_task():
@@ -225,6 +272,7 @@ def test_run_config_task_options_reach_the_task():
 
 
 # ----------------------------------------------------------------- any subclass
+
 
 class _OldStyleTask(Task):
     """A third-party task: own __init__ that does not forward options, old-style ``reward_range``."""
@@ -253,7 +301,7 @@ def test_any_subclass_gets_the_option(monkeypatch):
     for name in ("old_style", "old_style_fn"):
         task = get_task(name, scale=0.5, anti_short_boxed=True)
         assert task.reward_range == (0.0, 3.0) and task.scale == 0.5
-        assert task.reward("\\boxed{ok}", "ok}") == 2.0            # base clamped to 2, bare box: +0
+        assert task.reward("\\boxed{ok}", "ok}") == 2.0  # base clamped to 2, bare box: +0
         assert task.reward(f"{REASONING} ok", "ok") == 3.0
         assert task.reward(f"{REASONING} no", "ok") == 1.5
         assert task.is_correct(f"{REASONING} ok", "ok") and task.is_correct("\\boxed{ok}", "ok}")

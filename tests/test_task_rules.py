@@ -50,8 +50,14 @@ def test_countdown_uses_every_number_exactly_once(countdown_puzzles):
 def test_countdown_multiset_with_repeated_numbers_and_exact_arithmetic():
     task = get_task("countdown")
     ref = {"numbers": [3, 3, 5], "target": 11}
-    for expr, correct in [("3+3+5", True), ("5+3+3", True), ("3*3+5", False), ("3+5", False),
-                          ("3+3+5+3-3", False), ("3+3+3+2", False)]:
+    for expr, correct in [
+        ("3+3+5", True),
+        ("5+3+3", True),
+        ("3*3+5", False),
+        ("3+5", False),
+        ("3+3+5+3-3", False),
+        ("3+3+3+2", False),
+    ]:
         assert task.is_correct(answer(expr), ref) is correct, expr
     # exact fractions: (8/3)*3 is 8, not 7.999...
     assert task.is_correct(answer("(8/3)*3"), {"numbers": [8, 3, 3], "target": 8})
@@ -68,8 +74,10 @@ def test_countdown_multiset_with_repeated_numbers_and_exact_arithmetic():
 def test_sudoku_is_solved_iff_every_blank_is_right(blanks):
     """Every blank count: the solution is solved (reward 1); one wrong blank is not (its fraction is
     exactly (n-1)/n, and with a solved bonus no bonus is paid)."""
-    task, bonus_task = get_task("sudoku", blanks=(blanks, blanks)), get_task("sudoku", blanks=(blanks, blanks),
-                                                                              solved_bonus=1.0)
+    task, bonus_task = (
+        get_task("sudoku", blanks=(blanks, blanks)),
+        get_task("sudoku", blanks=(blanks, blanks), solved_bonus=1.0),
+    )
     for ex in task.load("train", n=6, seed=blanks):
         puzzle, solution = ex.reference["puzzle"], ex.reference["solution"]
         holes = [i for i, c in enumerate(puzzle) if c == "0"]
@@ -78,7 +86,7 @@ def test_sudoku_is_solved_iff_every_blank_is_right(blanks):
         assert bonus_task.reward(answer(solution), ex.reference) == 1.0
         for cell in holes:
             wrong_digit = "1234"[("1234".index(solution[cell]) + 1) % 4]
-            wrong = solution[:cell] + wrong_digit + solution[cell + 1:]
+            wrong = solution[:cell] + wrong_digit + solution[cell + 1 :]
             fraction = (blanks - 1) / blanks
             assert task.reward(answer(wrong), ex.reference) == pytest.approx(fraction)
             assert not task.is_correct(answer(wrong), ex.reference)
@@ -86,33 +94,45 @@ def test_sudoku_is_solved_iff_every_blank_is_right(blanks):
             assert not bonus_task.is_correct(answer(wrong), ex.reference)
 
 
-@pytest.mark.parametrize("completion,expected", [
-    ("so the answer is \\boxed{42}", "42"),
-    ("\\boxed{1} then \\boxed{2}", "2"),                       # the last box counts
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),                 # nested braces
-    ("<answer>7</answer>", "7"),                                # no box: the tag
-    ("\\boxed{3} <answer>9</answer>", "3"),                     # a box wins over the tag
-    ("no final answer here", None),
-    ("\\boxed{", None),                                         # unclosed
-])
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("so the answer is \\boxed{42}", "42"),
+        ("\\boxed{1} then \\boxed{2}", "2"),  # the last box counts
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
+        ("<answer>7</answer>", "7"),  # no box: the tag
+        ("\\boxed{3} <answer>9</answer>", "3"),  # a box wins over the tag
+        ("no final answer here", None),
+        ("\\boxed{", None),  # unclosed
+    ],
+)
 def test_math_answer_extraction_boundaries(completion, expected):
     assert get_task("math500").extract_answer(completion) == expected
 
 
-@pytest.mark.parametrize("completion,reference,correct", [
-    ("\\boxed{42}", "42", True), ("\\boxed{42.0}", "42", True), ("\\boxed{1,000}", "1000", True),
-    ("\\boxed{-3}", "-3", True), ("\\boxed{43}", "42", False), ("\\boxed{}", "42", False),
-    ("The answer is 42", "42", False),  # no box and no tag: not an answer
-])
+@pytest.mark.parametrize(
+    "completion,reference,correct",
+    [
+        ("\\boxed{42}", "42", True),
+        ("\\boxed{42.0}", "42", True),
+        ("\\boxed{1,000}", "1000", True),
+        ("\\boxed{-3}", "-3", True),
+        ("\\boxed{43}", "42", False),
+        ("\\boxed{}", "42", False),
+        ("The answer is 42", "42", False),  # no box and no tag: not an answer
+    ],
+)
 def test_gsm8k_correctness_boundaries(completion, reference, correct):
     assert get_task("gsm8k").is_correct(completion, reference) is correct
 
 
 # --------------------------------------------------------------------------- GSM8K / MATH properties
 
+
 def _render_number(value, rng) -> str:
     """One of the ways a model writes ``value`` (a Fraction with a short decimal or integer form)."""
     from fractions import Fraction
+
     sign = "-" if value < 0 else ""
     mag = abs(value)
     if mag.denominator == 1:
@@ -141,15 +161,20 @@ def _gsm8k_cases(n: int, seed: int):
     """(completion, reference, correct): the written value is the reference, or one near miss."""
     import random
     from fractions import Fraction
+
     rng = random.Random(seed)
     cases = []
     for _ in range(n):
         ref = Fraction(rng.randint(-5000, 5000), rng.choice([1, 1, 1, 2, 4, 5, 8]))
-        written = ref if rng.random() < 0.5 else ref + rng.choice(
-            [Fraction(1), Fraction(-1), Fraction(1, 2), Fraction(1, 10), ref * 9 or Fraction(7)])
+        written = (
+            ref
+            if rng.random() < 0.5
+            else ref + rng.choice([Fraction(1), Fraction(-1), Fraction(1, 2), Fraction(1, 10), ref * 9 or Fraction(7)])
+        )
         distractor = f"First 3 + {rng.randint(10, 99)} = {rng.randint(100, 999)}. "
-        wrapper = rng.choice(["\\boxed{%s}", "\\boxed{ %s }", "<answer>%s</answer>",
-                              "<answer>The answer is %s.</answer>"])
+        wrapper = rng.choice(
+            ["\\boxed{%s}", "\\boxed{ %s }", "<answer>%s</answer>", "<answer>The answer is %s.</answer>"]
+        )
         ref_text = str(ref.numerator) if ref.denominator == 1 else f"{float(ref):g}"
         cases.append((distractor + wrapper % _render_number(written, rng), ref_text, written == ref))
     return cases
@@ -181,6 +206,7 @@ def test_math_extraction_returns_the_last_complete_box_on_generated_latex():
     """The extracted answer is exactly the last balanced ``\\boxed{}`` body, with earlier boxes,
     an unclosed trailing box and ``<answer>`` tags around it as distractors."""
     import random
+
     rng = random.Random(3)
     task = get_task("math500")
     for _ in range(300):

@@ -8,11 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from stabledrl_mcore.tasks import Example, available_tasks, build_prompt, count_solutions, evaluate_expression, get_task, last_boxed, math_equal, parse_number, solve_countdown, solve_sudoku
-from stabledrl_mcore.evaluation.scoring import shard_indices
-from stabledrl_mcore.evaluation.scoring import shard_examples
-from stabledrl_mcore.evaluation.scoring import evaluate_completions
-from stabledrl_mcore.evaluation.scoring import write_jsonl
+from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices, write_jsonl
+from stabledrl_mcore.tasks import (
+    Example,
+    available_tasks,
+    build_prompt,
+    count_solutions,
+    evaluate_expression,
+    get_task,
+    last_boxed,
+    math_equal,
+    parse_number,
+    solve_countdown,
+    solve_sudoku,
+)
 from stabledrl_mcore.tasks.extract import answer_tag
 from stabledrl_mcore.tasks.sudoku import all_grids, is_valid_grid, split_of
 
@@ -22,6 +31,7 @@ MATH500 = FIXTURES / "math500_test.jsonl"
 
 
 # ----------------------------------------------------------------- registry and prompts
+
 
 def test_registry_lists_tasks_and_rejects_unknown():
     assert available_tasks() == ["aime2024", "aime2025", "countdown", "gsm8k", "math500", "qa", "sudoku"]
@@ -48,8 +58,10 @@ def test_prompts_use_chat_template_or_plain_fallback():
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     task = get_task("gsm8k")
     ex = Example(prompt="What is 2+2?", reference="4")
     out = task.prompt(ex, tok)
@@ -63,6 +75,7 @@ def test_prompts_use_chat_template_or_plain_fallback():
 
 
 # ----------------------------------------------------------------- extraction
+
 
 def test_extraction_helpers():
     assert last_boxed(r"a \boxed{1} b \boxed{\frac{1}{2}} c") == r"\frac{1}{2}"
@@ -78,6 +91,7 @@ def test_extraction_helpers():
 
 # ----------------------------------------------------------------- GSM8K and MATH500
 
+
 def test_gsm8k_fixture_gold_gets_full_reward():
     task = get_task("gsm8k")
     examples = task.load("test", path=str(GSM8K))
@@ -85,9 +99,11 @@ def test_gsm8k_fixture_gold_gets_full_reward():
     assert task.load("test", path=str(GSM8K), limit=3) == examples[:3]
     for ex in examples:
         gold = ex.meta["solution"].split("####")[-1].strip()
-        for completion in (f"Reasoning... so the answer is \\boxed{{{gold}}}.",
-                           f"<reasoning>...</reasoning>\n<answer>{gold}</answer>",
-                           f"<answer>\\boxed{{{gold}}}</answer>"):
+        for completion in (
+            f"Reasoning... so the answer is \\boxed{{{gold}}}.",
+            f"<reasoning>...</reasoning>\n<answer>{gold}</answer>",
+            f"<answer>\\boxed{{{gold}}}</answer>",
+        ):
             assert task.reward(completion, ex.reference) == 1.0, completion
             assert task.is_correct(completion, ex.reference)
         assert task.reward(f"\\boxed{{{parse_number(gold) + 1}}}", ex.reference) == 0.0
@@ -151,6 +167,7 @@ def test_math_equal_off_main_thread_uses_string_fallback():
 
 # ----------------------------------------------------------------- Countdown
 
+
 def test_countdown_generation_is_deterministic_reachable_and_split():
     task = get_task("countdown")
     test = task.load("test", n=64)
@@ -194,6 +211,7 @@ def test_countdown_reward_levels_and_parser():
 
 # ----------------------------------------------------------------- Sudoku
 
+
 def test_sudoku_grids_and_solver():
     grids = all_grids()
     assert len(grids) == 288 and all(is_valid_grid(g) for g in grids)
@@ -223,10 +241,13 @@ def test_sudoku_reward():
     task = get_task("sudoku")
     ex = task.load("test", n=5)[0]
     p, s = ex.reference["puzzle"], ex.reference["solution"]
-    rows = "\n".join(" ".join(s[r * 4: r * 4 + 4]) for r in range(4))
+    rows = "\n".join(" ".join(s[r * 4 : r * 4 + 4]) for r in range(4))
     assert task.reward(f"<answer>{s}</answer>", ex.reference) == 1.0
     assert task.reward(f"<answer>\n{rows}\n</answer>", ex.reference) == 1.0
-    assert task.reward(f"The grid is [[{'],['.join(','.join(s[r*4:r*4+4]) for r in range(4))}]]", ex.reference) == 1.0
+    assert (
+        task.reward(f"The grid is [[{'],['.join(','.join(s[r * 4 : r * 4 + 4]) for r in range(4))}]]", ex.reference)
+        == 1.0
+    )
     blanks = [i for i, c in enumerate(p) if c == "0"]
     wrong = list(s)
     wrong[blanks[0]] = "1" if s[blanks[0]] != "1" else "2"
@@ -237,8 +258,7 @@ def test_sudoku_reward():
     # solved_bonus b: (fraction + b * solved) / (1 + b), so a solved grid still scores 1
     bonus = get_task("sudoku", solved_bonus=1.0)
     assert bonus.reward(f"<answer>{s}</answer>", ex.reference) == 1.0
-    assert bonus.reward(f"<answer>{''.join(wrong)}</answer>", ex.reference) == pytest.approx(
-        (1 - 1 / len(blanks)) / 2)
+    assert bonus.reward(f"<answer>{''.join(wrong)}</answer>", ex.reference) == pytest.approx((1 - 1 / len(blanks)) / 2)
     assert bonus.reward("<answer>no idea</answer>", ex.reference) == 0.0
     for bad in (-0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="solved_bonus"):
@@ -246,6 +266,7 @@ def test_sudoku_reward():
 
 
 # ----------------------------------------------------------------- evaluation helpers
+
 
 def test_evaluate_completions_and_write_jsonl(tmp_path):
     task = get_task("gsm8k")
@@ -271,7 +292,6 @@ def test_sharding_partitions(mode, n, world):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
     if mode == "contiguous":
         assert [i for s in shards for i in s] == list(range(n))
-    assert shard_examples(list("abcdefghij")[:n], world - 1, world, mode) == [
-        "abcdefghij"[i] for i in shards[-1]]
+    assert shard_examples(list("abcdefghij")[:n], world - 1, world, mode) == ["abcdefghij"[i] for i in shards[-1]]
     with pytest.raises(ValueError):
         shard_indices(n, world, world, mode)

@@ -25,10 +25,63 @@ from stabledrl_mcore.tasks import anti_short_boxed_bonus, get_task
 N_RANDOM = 2000
 MB = 1 << 20
 TOKENS = [str(d) for d in range(10)] + [
-    "+", "-", "*", "/", "**", "(", ")", "{", "}", "[", "]", "\\{", "\\}", "\\boxed{", "\\boxed", "<answer>",
-    "</answer>", "\\frac", "\\frac{", "^", "^{", "_", " ", "\n", "x", "y", "\\pi", "\\sqrt{", "\\infty", ",", ".",
-    "=", "$", "\\text{", "\\left(", "\\right)", "\\cdot", "!", "%", "\u0667", "\uff11", "\u2212", "\u00f7", "\u00d7",
-    "__", "import", "os", "'", '"', "\\", "#### ", "e", "1e999", "0x", "\x00", "\ud800", "9" * 50,
+    "+",
+    "-",
+    "*",
+    "/",
+    "**",
+    "(",
+    ")",
+    "{",
+    "}",
+    "[",
+    "]",
+    "\\{",
+    "\\}",
+    "\\boxed{",
+    "\\boxed",
+    "<answer>",
+    "</answer>",
+    "\\frac",
+    "\\frac{",
+    "^",
+    "^{",
+    "_",
+    " ",
+    "\n",
+    "x",
+    "y",
+    "\\pi",
+    "\\sqrt{",
+    "\\infty",
+    ",",
+    ".",
+    "=",
+    "$",
+    "\\text{",
+    "\\left(",
+    "\\right)",
+    "\\cdot",
+    "!",
+    "%",
+    "\u0667",
+    "\uff11",
+    "\u2212",
+    "\u00f7",
+    "\u00d7",
+    "__",
+    "import",
+    "os",
+    "'",
+    '"',
+    "\\",
+    "#### ",
+    "e",
+    "1e999",
+    "0x",
+    "\x00",
+    "\ud800",
+    "9" * 50,
 ]
 
 
@@ -36,22 +89,100 @@ def crafted(marker_file: str) -> list[str]:
     """Hand-written hostile answers (wrapped in contexts by ``corpus``)."""
     pwn = f"__import__('os').system('touch {marker_file}')"
     return [
-        "", " ", "a" * MB, "{" * MB, "}" * MB, "(" * MB, ")" * MB, "\\boxed{" * (MB // 7),
-        "\\boxed{" + "{" * MB, "<answer>" * (MB // 8), "</answer>" * (MB // 9), "1" * MB, "1234" * (MB // 4),
-        "{" * 500 + "1" + "}" * 500, "(" * 199 + "1" + ")" * 199, "(" * 60 + "3+5+7" + ")" * 60, "-" * 199 + "3",
-        "((((1+2)", "1+2))))", "{{{1}", "}}}{", "\\boxed{\\boxed{\\boxed{", "\\frac{1}{", "\\frac{{{{",
-        "9**9**9", "10**10**10", "2**2**2**2**2**2", "9^{9^{9}}", "9^9^9^9", "10^{10^{10}}", "(10^{100})!",
-        "100000!", "\\binom{10^{9}}{10^{5}}", "10^{1000000}", "99999999999^{99999999}",
-        "9" * 5000, "9" * 100000, "1" + "0" * 4400, "-" + "9" * 300, "1e999999", "1e308*10", "0x1F", "1_000",
-        "1/0", "3/(5-5)", "(1-1)/(1-1)", "\\frac{1}{0}", "0/0", "3 / 0 + 5 + 7",
-        "\u0667\u0662", "\uff11\uff12\uff13", "\u0663 + \u0665 + \u0667", "\u00b2", "\u2167", "\U0001d7d9\U0001d7da",
-        pwn, f"<answer>{pwn}</answer>", "open('/etc/passwd').read()", "lambda: 0", "exec('import os')",
-        "().__class__.__bases__[0].__subclasses__()", "import os; os.system('true')",
-        "```python\nimport os\nos.system('true')\n```", "eval('1+1')", "__builtins__", "x.__class__",
-        "\x00" * 100, "\ud800\udfff", "NaN", "nan", "inf", "-inf", "True", "None", "[]", "{}", "...",
-        "\\infty", "\\sqrt{-1}", "\\int_0^1 x dx", "\\sum_{n=1}^{\\infty} n", "x = ", "= 22", "3 * 5 + 7 = 22 = 23",
-        "1234341221434321", "12343412214343210000", "1 2 3 4 | 3 4 1 2 | 2 1 4 3 | 4 3 2 1", "#### 72", "72",
-        "$72.00", "72.", "-0", "+-+-1", "1,2,3,4,5,6,7,8,9,0" * 100,
+        "",
+        " ",
+        "a" * MB,
+        "{" * MB,
+        "}" * MB,
+        "(" * MB,
+        ")" * MB,
+        "\\boxed{" * (MB // 7),
+        "\\boxed{" + "{" * MB,
+        "<answer>" * (MB // 8),
+        "</answer>" * (MB // 9),
+        "1" * MB,
+        "1234" * (MB // 4),
+        "{" * 500 + "1" + "}" * 500,
+        "(" * 199 + "1" + ")" * 199,
+        "(" * 60 + "3+5+7" + ")" * 60,
+        "-" * 199 + "3",
+        "((((1+2)",
+        "1+2))))",
+        "{{{1}",
+        "}}}{",
+        "\\boxed{\\boxed{\\boxed{",
+        "\\frac{1}{",
+        "\\frac{{{{",
+        "9**9**9",
+        "10**10**10",
+        "2**2**2**2**2**2",
+        "9^{9^{9}}",
+        "9^9^9^9",
+        "10^{10^{10}}",
+        "(10^{100})!",
+        "100000!",
+        "\\binom{10^{9}}{10^{5}}",
+        "10^{1000000}",
+        "99999999999^{99999999}",
+        "9" * 5000,
+        "9" * 100000,
+        "1" + "0" * 4400,
+        "-" + "9" * 300,
+        "1e999999",
+        "1e308*10",
+        "0x1F",
+        "1_000",
+        "1/0",
+        "3/(5-5)",
+        "(1-1)/(1-1)",
+        "\\frac{1}{0}",
+        "0/0",
+        "3 / 0 + 5 + 7",
+        "\u0667\u0662",
+        "\uff11\uff12\uff13",
+        "\u0663 + \u0665 + \u0667",
+        "\u00b2",
+        "\u2167",
+        "\U0001d7d9\U0001d7da",
+        pwn,
+        f"<answer>{pwn}</answer>",
+        "open('/etc/passwd').read()",
+        "lambda: 0",
+        "exec('import os')",
+        "().__class__.__bases__[0].__subclasses__()",
+        "import os; os.system('true')",
+        "```python\nimport os\nos.system('true')\n```",
+        "eval('1+1')",
+        "__builtins__",
+        "x.__class__",
+        "\x00" * 100,
+        "\ud800\udfff",
+        "NaN",
+        "nan",
+        "inf",
+        "-inf",
+        "True",
+        "None",
+        "[]",
+        "{}",
+        "...",
+        "\\infty",
+        "\\sqrt{-1}",
+        "\\int_0^1 x dx",
+        "\\sum_{n=1}^{\\infty} n",
+        "x = ",
+        "= 22",
+        "3 * 5 + 7 = 22 = 23",
+        "1234341221434321",
+        "12343412214343210000",
+        "1 2 3 4 | 3 4 1 2 | 2 1 4 3 | 4 3 2 1",
+        "#### 72",
+        "72",
+        "$72.00",
+        "72.",
+        "-0",
+        "+-+-1",
+        "1,2,3,4,5,6,7,8,9,0" * 100,
     ]
 
 
@@ -87,6 +218,7 @@ def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
         def _hook(*args, **kwargs):
             executed.append(f"{what}{args!r:.80}")
             raise RuntimeError(f"{what} called from a verifier")
+
         return _hook
 
     monkeypatch.setattr(os, "system", forbid("os.system"))
@@ -98,6 +230,7 @@ def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
             if "pwned" in str(source) or "__import__" in str(source):
                 executed.append(f"{what}({str(source)[:80]!r})")
             return real(source, *args, **kwargs)
+
         return _hook
 
     monkeypatch.setattr(builtins, "eval", watch(real_eval, "eval"))
@@ -121,8 +254,10 @@ def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
         if dt > slowest[0]:
             slowest = (dt, s)
     total = time.perf_counter() - budget_start
-    print(f"\n[fuzz] {name} {options}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f}s, "
-          f"slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})")
+    print(
+        f"\n[fuzz] {name} {options}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f}s, "
+        f"slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
+    )
     assert not marker.exists(), "a verifier executed model output"
     assert not executed, executed
 
@@ -136,5 +271,6 @@ def test_anti_short_boxed_term_survives_hostile_input(tmp_path):
         assert value in (0.0, 1.0), s[:80]
         assert dt < 1.0, f"{dt:.3f}s on {s[:80]!r}"
         slowest = max(slowest, (dt, s))
-    print(f"\n[fuzz] anti_short_boxed: slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} "
-          f"(len {len(slowest[1])})")
+    print(
+        f"\n[fuzz] anti_short_boxed: slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
+    )

@@ -31,11 +31,22 @@ class DigitsTask(SudokuTask):
 
 
 def overrides(run_dir, **extra):
-    base = {"logging.run_dir": run_dir, "logging.wandb_mode": "disabled", "rollout.task": "test_digits",
-            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.gen_length": 8,
-            "rollout.steps": 4, "rollout.block_length": 8, "parallel.micro_batch_size": 4,
-            "checkpoint.save_every": 0, "steps": 2, "optim.lr": 0.05, "optim.clip_grad": 1.0,
-            "algo.loss": "stabledrl"}
+    base = {
+        "logging.run_dir": run_dir,
+        "logging.wandb_mode": "disabled",
+        "rollout.task": "test_digits",
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.gen_length": 8,
+        "rollout.steps": 4,
+        "rollout.block_length": 8,
+        "parallel.micro_batch_size": 4,
+        "checkpoint.save_every": 0,
+        "steps": 2,
+        "optim.lr": 0.05,
+        "optim.clip_grad": 1.0,
+        "algo.loss": "stabledrl",
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -50,8 +61,7 @@ def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
 
     cfg = load_config(CONFIG, overrides(run_dir, **extra))
     setup = train(cfg, resume=resume, stop_after=stop_after)
-    state = {k: v.detach().clone() for k, v in setup.model.state_dict().items()
-             if isinstance(v, torch.Tensor)}
+    state = {k: v.detach().clone() for k, v in setup.model.state_dict().items() if isinstance(v, torch.Tensor)}
     rank = torch.distributed.get_rank()
     if out_name:
         torch.save(state, os.path.join(run_dir, f"{out_name}.rank{rank}.pt"))
@@ -60,14 +70,19 @@ def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
 def _metrics(run_dir):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     drop = ("time", "step_s")
-    return [{k: v for k, v in r.items() if k not in drop and not k.startswith(("time/", "tokens_per_s"))}
-            for r in rows]
+    return [{k: v for k, v in r.items() if k not in drop and not k.startswith(("time/", "tokens_per_s"))} for r in rows]
 
 
 @pytest.mark.multiprocess
 def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
-    sgd = {"optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0, "eval.every": 1,
-           "eval.num_examples": 6, "eval.micro_batch_size": 2}
+    sgd = {
+        "optim.name": "sgd",
+        "optim.distributed": False,
+        "optim.weight_decay": 0.0,
+        "eval.every": 1,
+        "eval.num_examples": 6,
+        "eval.micro_batch_size": 2,
+    }
     single, dp2, tp2 = (str(tmp_path / n) for n in ("dp1", "dp2", "tp2"))
     spawn(_train_worker, 1, (single, sgd, "final"), timeout=300)
     spawn(_train_worker, 2, (dp2, sgd, "final"), timeout=300)
@@ -87,8 +102,9 @@ def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
     evals = [[(r["step"], r["test_reward"]) for r in _metrics(d) if "test_reward" in r] for d in (single, dp2)]
     assert [s for s, _ in evals[0]] == [s for s, _ in evals[1]] == [0, 1, 2]
     assert any(r > 0 for _, r in evals[0]), "the held-out reward should not be trivially 0"
-    assert [r for _, r in evals[1]] == pytest.approx([r for _, r in evals[0]]), \
+    assert [r for _, r in evals[1]] == pytest.approx([r for _, r in evals[0]]), (
         "held-out evaluation differs between DP=1 and DP=2"
+    )
     tp_state = torch.load(os.path.join(tp2, "final.rank0.pt"))
     tp_init = [k for k in tp_state if k.endswith("linear_fc2.weight")][0]
     assert all(torch.isfinite(v).all() for v in tp_state.values())
@@ -100,13 +116,18 @@ def test_dp2_equals_dp1_and_tp2_trains(tmp_path):
 @pytest.mark.multiprocess
 def test_retained_update_graph_gives_the_same_weights(tmp_path):
     """parallel.retain_update_graph skips a forward; the update must not change (2 micro-batches)."""
-    sgd = {"optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0,
-           "parallel.micro_batch_size": 8,
-           "algo.inner_iterations": 3, "algo.num_mc": 2, "algo.coupled_masks": True}
+    sgd = {
+        "optim.name": "sgd",
+        "optim.distributed": False,
+        "optim.weight_decay": 0.0,
+        "parallel.micro_batch_size": 8,
+        "algo.inner_iterations": 3,
+        "algo.num_mc": 2,
+        "algo.coupled_masks": True,
+    }
     plain, retained = str(tmp_path / "plain"), str(tmp_path / "retained")
     spawn(_train_worker, 1, (plain, sgd, "final"), timeout=300)
-    spawn(_train_worker, 1, (retained, dict(sgd, **{"parallel.retain_update_graph": True}), "final"),
-          timeout=300)
+    spawn(_train_worker, 1, (retained, dict(sgd, **{"parallel.retain_update_graph": True}), "final"), timeout=300)
     ref = torch.load(os.path.join(plain, "final.rank0.pt"))
     got = torch.load(os.path.join(retained, "final.rank0.pt"))
     diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
@@ -150,24 +171,30 @@ def _kill_tree(proc):
 def test_sigkill_during_checkpoint_save_resumes_from_last_complete(tmp_path):
     run_dir = str(tmp_path / "run")
     ckpt = os.path.join(run_dir, "checkpoints")
-    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", CONFIG,
-           *overrides(run_dir, **{"rollout.task": "sudoku", "checkpoint.save_every": 1, "steps": 3})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stabledrl_mcore.cli",
+        "train",
+        "--config",
+        CONFIG,
+        *overrides(run_dir, **{"rollout.task": "sudoku", "checkpoint.save_every": 1, "steps": 3}),
+    ]
     env = dict(os.environ, STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT="2", PYTHONPATH=ROOT)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
-            if os.path.isdir(os.path.join(ckpt, "step_00000001")) and \
-                    os.path.isdir(os.path.join(ckpt, ".tmp-step_00000002")):
+            if os.path.isdir(os.path.join(ckpt, "step_00000001")) and os.path.isdir(
+                os.path.join(ckpt, ".tmp-step_00000002")
+            ):
                 break
             time.sleep(0.02)
         assert proc.poll() is None, "training ended before the second save: " + proc.stderr.read().decode()
     finally:
         _kill_tree(proc)
     assert sorted(os.listdir(ckpt)) == [".tmp-step_00000002", "step_00000001"]
-    from stabledrl_mcore.checkpoint.state import find_latest
-
-    from stabledrl_mcore.checkpoint.state import CheckpointError, read_train_state
+    from stabledrl_mcore.checkpoint.state import CheckpointError, find_latest, read_train_state
 
     assert find_latest(ckpt).endswith("step_00000001")
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):  # the killed save is never loadable

@@ -19,13 +19,24 @@ import json
 import pytest
 import torch
 
-from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.algorithms.losses import (
+    available_policy_losses,
+    available_token_policy_losses,
+    sequence_policy_loss,
+    token_policy_loss,
+)
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
-from stabledrl_mcore.rl.estimates import (LikelihoodSpec, all_token_logp, draw_plan, estimate, scored_region,
-                                          sequence_estimates_and_elbo, token_logp)
-from stabledrl_mcore.algorithms.losses import (available_policy_losses, available_token_policy_losses,
-                                       sequence_policy_loss, token_policy_loss)
+from stabledrl_mcore.rl.estimates import (
+    LikelihoodSpec,
+    all_token_logp,
+    draw_plan,
+    estimate,
+    scored_region,
+    sequence_estimates_and_elbo,
+    token_logp,
+)
 from stabledrl_mcore.rl.rollout import RolloutBatch
 from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
 
@@ -42,8 +53,12 @@ def _accepted(loss: str, likelihood: str) -> bool:
     return True
 
 
-COMBOS = [(loss, lik) for loss in available_policy_losses() + available_token_policy_losses()
-          for lik in LIKELIHOODS if _accepted(loss, lik)]
+COMBOS = [
+    (loss, lik)
+    for loss in available_policy_losses() + available_token_policy_losses()
+    for lik in LIKELIHOODS
+    if _accepted(loss, lik)
+]
 
 
 def make_batch() -> RolloutBatch:
@@ -54,18 +69,35 @@ def make_batch() -> RolloutBatch:
     comp = torch.zeros(n, P + GEN, dtype=torch.bool)
     for i, eos_at in enumerate([9, 6, 11, 8, 10, 7, 11, 5]):
         seqs[i, eos_at:] = EOS
-        comp[i, P:eos_at + 1] = True
-    comp[:, P + GEN:] = False
-    return RolloutBatch(sequences=seqs, prompt_len=P, prompt_valid=torch.ones_like(comp), completion_mask=comp,
-                        group_index=torch.arange(n) // 4, completions=[""] * n, references=[None] * n,
-                        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.3, -0.3]))
+        comp[i, P : eos_at + 1] = True
+    comp[:, P + GEN :] = False
+    return RolloutBatch(
+        sequences=seqs,
+        prompt_len=P,
+        prompt_valid=torch.ones_like(comp),
+        completion_mask=comp,
+        group_index=torch.arange(n) // 4,
+        completions=[""] * n,
+        references=[None] * n,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.3, -0.3]),
+    )
 
 
 def toy(likelihood: str) -> ToyDiffusionLM:
     arch = "sdar" if likelihood == "staircase" else "llada"
-    return ToyDiffusionLM(ToyDLLMConfig(arch=arch, vocab_size=12, mask_token_id=MASK, eos_token_id=EOS,
-                                        pad_token_id=EOS, hidden_size=16, block_size=BLOCK),
-                          seed=3, dtype=torch.float64)
+    return ToyDiffusionLM(
+        ToyDLLMConfig(
+            arch=arch,
+            vocab_size=12,
+            mask_token_id=MASK,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+            hidden_size=16,
+            block_size=BLOCK,
+        ),
+        seed=3,
+        dtype=torch.float64,
+    )
 
 
 def spec_for(likelihood: str) -> LikelihoodSpec:
@@ -75,16 +107,29 @@ def spec_for(likelihood: str) -> LikelihoodSpec:
 def one_graph_loss(model, batch, plan, spec, old, loss: str) -> torch.Tensor:
     """The loss through the model in one graph: every draw and row in one forward each, no
     linearisation, no micro-batches."""
-    tok = torch.stack([token_logp(model, batch, plan, spec, rows=slice(0, batch.size), mask_id=MASK, draw=d)
-                       for d in range(plan.num_mc)])
+    tok = torch.stack(
+        [
+            token_logp(model, batch, plan, spec, rows=slice(0, batch.size), mask_id=MASK, draw=d)
+            for d in range(plan.num_mc)
+        ]
+    )
     if loss in available_token_policy_losses():
-        value, _ = token_policy_loss(loss, tok[0], old.token_logp[0], batch.advantages, scored_region(batch, spec),
-                                     batch.group_index, eps=0.2)
+        value, _ = token_policy_loss(
+            loss, tok[0], old.token_logp[0], batch.advantages, scored_region(batch, spec), batch.group_index, eps=0.2
+        )
         return value
     logp, elbo = sequence_estimates_and_elbo(tok, plan, batch, spec)
-    value, _ = sequence_policy_loss(loss, logp, old.logp, batch.advantages, batch.group_index, eps=0.2,
-                                    ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
-                                    completion_lengths=scored_region(batch, spec).sum(-1))
+    value, _ = sequence_policy_loss(
+        loss,
+        logp,
+        old.logp,
+        batch.advantages,
+        batch.group_index,
+        eps=0.2,
+        ratio_logp=elbo,
+        old_ratio_logp=old.ratio_logp,
+        completion_lengths=scored_region(batch, spec).sum(-1),
+    )
     return value
 
 
@@ -92,8 +137,9 @@ def trainer_gradient(model, batch, plan, spec, old, loss: str):
     """``(gradients by name, loss metrics)`` of the trainer's path on ``model``."""
     model.zero_grad()
     current = all_token_logp(model, batch, plan, spec, micro_batch=MICRO, mask_id=MASK)
-    coef, metrics = loss_coefficients(current, batch, spec, plan=plan, old=old, loss=loss, eps=0.2,
-                                      ratio_noise=None, noise_generator=None)
+    coef, metrics = loss_coefficients(
+        current, batch, spec, plan=plan, old=old, loss=loss, eps=0.2, ratio_noise=None, noise_generator=None
+    )
     assert coef is not None, metrics
     accumulate_gradients(model, batch, spec, coef, plan=plan, micro_batch=MICRO, mask_id=MASK)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -135,10 +181,12 @@ def test_trainer_gradient_equals_autograd_at_iterations_one_and_two(loss, likeli
     masks of its own (the old estimate keeps the rollout-time masks)."""
     batch, spec, model = make_batch(), spec_for(likelihood), toy(likelihood)
     old_plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(100 + k), micro_batch=MICRO)
-    plan = old_plan if sampling == "replay" else draw_plan(
-        batch, spec, lambda k: torch.Generator().manual_seed(300 + k), micro_batch=MICRO)
-    old = estimate(all_token_logp(model, batch, old_plan, spec, micro_batch=MICRO, mask_id=MASK), old_plan,
-                   batch, spec)
+    plan = (
+        old_plan
+        if sampling == "replay"
+        else draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(300 + k), micro_batch=MICRO)
+    )
+    old = estimate(all_token_logp(model, batch, old_plan, spec, micro_batch=MICRO, mask_id=MASK), old_plan, batch, spec)
 
     # iteration 1: the current weights are the old ones (ratio 1)
     got, metrics = trainer_gradient(model, batch, plan, spec, old, loss)
@@ -186,7 +234,8 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
 
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks, base as task_base
+    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import base as task_base
 
     added = DigitsTask.name not in available_tasks()
     if added:
@@ -195,9 +244,21 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
     torch.set_num_threads(1)
     run_dir = tmp_path / "run"
     try:
-        cfg = load_config(CONFIG, overrides(str(run_dir), **{
-            "logging.progress": False, "rollout.prompts_per_step": 2, "steps": 1, "algo.inner_iterations": 2,
-            "algo.mask_sampling": "replay", "rollout.temperature": 1.0, "optim.lr": 0.05}))
+        cfg = load_config(
+            CONFIG,
+            overrides(
+                str(run_dir),
+                **{
+                    "logging.progress": False,
+                    "rollout.prompts_per_step": 2,
+                    "steps": 1,
+                    "algo.inner_iterations": 2,
+                    "algo.mask_sampling": "replay",
+                    "rollout.temperature": 1.0,
+                    "optim.lr": 0.05,
+                },
+            ),
+        )
         train(cfg)
     finally:
         if added:  # other modules check the registry's exact contents
@@ -218,7 +279,8 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
 
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl import trainer
-    from stabledrl_mcore.tasks import available_tasks, base as task_base
+    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import base as task_base
 
     real_update = trainer.policy_update
 
@@ -229,9 +291,12 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
         value = one_graph_loss_model(s.model, batch, spec, old, s.model.dllm_config.mask_token_id)
         grads = torch.autograd.grad(value, params)
         out = real_update(s, batch, spec, step)
-        seen[step + 1] = {"before": before, "loss": float(value.detach()),
-                      "pairs": [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)],
-                      "moved": max(float((p - b).abs().max()) for p, b in zip(params, before))}
+        seen[step + 1] = {
+            "before": before,
+            "loss": float(value.detach()),
+            "pairs": [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)],
+            "moved": max(float((p - b).abs().max()) for p, b in zip(params, before)),
+        }
         return out
 
     monkeypatch.setattr(trainer, "policy_update", anchored_update)
@@ -241,11 +306,28 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = load_config(CONFIG, overrides(str(run_dir), **{
-            "logging.progress": False, "rollout.prompts_per_step": 2, "steps": 1, "rollout.temperature": 1.0,
-            "optim.name": "sgd", "optim.distributed": False, "optim.weight_decay": 0.0, "optim.clip_grad": 0.0,
-            "optim.lr": lr, "optim.decay_style": "constant", "parallel.micro_batch_size": 2,
-            "algo.inner_iterations": 1, "algo.mask_sampling": "replay", **extra}))
+        cfg = load_config(
+            CONFIG,
+            overrides(
+                str(run_dir),
+                **{
+                    "logging.progress": False,
+                    "rollout.prompts_per_step": 2,
+                    "steps": 1,
+                    "rollout.temperature": 1.0,
+                    "optim.name": "sgd",
+                    "optim.distributed": False,
+                    "optim.weight_decay": 0.0,
+                    "optim.clip_grad": 0.0,
+                    "optim.lr": lr,
+                    "optim.decay_style": "constant",
+                    "parallel.micro_batch_size": 2,
+                    "algo.inner_iterations": 1,
+                    "algo.mask_sampling": "replay",
+                    **extra,
+                },
+            ),
+        )
         s = trainer.train(cfg, resume=resume)
         final = [p.detach().clone() for p in s.model.parameters() if p.requires_grad]
     finally:
@@ -279,8 +361,7 @@ def test_the_resumed_step_starts_from_the_checkpoint_and_is_the_fresh_update(tmp
     lr, first, second = 0.05, {}, {}
     run_dir = tmp_path / "run"
     saved = _anchored_trainer_run(monkeypatch, run_dir, lr, first, **{"checkpoint.save_every": 1})
-    _anchored_trainer_run(monkeypatch, run_dir, lr, second, resume="auto",
-                          **{"checkpoint.save_every": 1, "steps": 2})
+    _anchored_trainer_run(monkeypatch, run_dir, lr, second, resume="auto", **{"checkpoint.save_every": 1, "steps": 2})
     assert sorted(second) == [2], "the resumed run must start at step 2"
     for loaded, want in zip(second[2]["before"], saved):
         assert torch.equal(loaded, want), "the resumed weights are not the checkpointed ones"
@@ -293,10 +374,22 @@ def test_the_resumed_step_starts_from_the_checkpoint_and_is_the_fresh_update(tmp
 
 def one_graph_loss_model(model, batch, spec, old, mask_id):
     """:func:`one_graph_loss` for the trainer's model and loss (``stabledrl``, eps 0.2)."""
-    tok = torch.stack([token_logp(model, batch, batch.plan, spec, rows=slice(0, batch.size), mask_id=mask_id,
-                                  draw=d) for d in range(batch.plan.num_mc)])
+    tok = torch.stack(
+        [
+            token_logp(model, batch, batch.plan, spec, rows=slice(0, batch.size), mask_id=mask_id, draw=d)
+            for d in range(batch.plan.num_mc)
+        ]
+    )
     logp, elbo = sequence_estimates_and_elbo(tok, batch.plan, batch, spec)
-    value, _ = sequence_policy_loss("stabledrl", logp, old.logp, batch.advantages, batch.group_index, eps=0.2,
-                                    ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
-                                    completion_lengths=scored_region(batch, spec).sum(-1))
+    value, _ = sequence_policy_loss(
+        "stabledrl",
+        logp,
+        old.logp,
+        batch.advantages,
+        batch.group_index,
+        eps=0.2,
+        ratio_logp=elbo,
+        old_ratio_logp=old.ratio_logp,
+        completion_lengths=scored_region(batch, spec).sum(-1),
+    )
     return value

@@ -33,13 +33,21 @@ import torch
 def _hf_model(cfg):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
-                  rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                  max_position_embeddings=cfg.max_position_embeddings, attention_bias=False,
-                  attn_implementation="sdpa")
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        max_position_embeddings=cfg.max_position_embeddings,
+        attention_bias=False,
+        attn_implementation="sdpa",
+    )
     if cfg.arch == "llada":
         return LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))
@@ -56,8 +64,9 @@ def _inputs(cfg, mode, batch, seq_len):
     else:
         ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
         pos = torch.arange(seq_len)[None]
-        layout = (AttentionLayout.bidirectional() if mode == "bidirectional"
-                  else AttentionLayout.block_causal(cfg.block_size))
+        layout = (
+            AttentionLayout.bidirectional() if mode == "bidirectional" else AttentionLayout.block_causal(cfg.block_size)
+        )
     s = ids.shape[1]
     blocked = layout.dense(s, s)
     blocked = torch.zeros(1, 1, s, s, dtype=torch.bool) if blocked is None else blocked
@@ -74,17 +83,25 @@ def _median_ratio(theirs, ours) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llada-tiny")
-    parser.add_argument("--mode", default="auto",
-                        choices=["auto", "bidirectional", "block_causal", "staircase"],
-                        help="auto: bidirectional for LLaDA, staircase for SDAR")
+    parser.add_argument(
+        "--mode",
+        default="auto",
+        choices=["auto", "bidirectional", "block_causal", "staircase"],
+        help="auto: bidirectional for LLaDA, staircase for SDAR",
+    )
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (staircase: 2n)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per model (median taken)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1 is fastest for small models on few cores)")
-    parser.add_argument("--reference", default="transformers", choices=["transformers", "stock-megatron"],
-                        help="what to time against (see the module docstring)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for small models on few cores)"
+    )
+    parser.add_argument(
+        "--reference",
+        default="transformers",
+        choices=["transformers", "stock-megatron"],
+        help="what to time against (see the module docstring)",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -112,8 +129,11 @@ def main(argv=None) -> dict:
         ours.zero_grad(set_to_none=True)
 
     def step_theirs():
-        logits = (theirs(ids, pos, layout) if stock
-                  else theirs(input_ids=ids, attention_mask=hf_mask, position_ids=pos).logits)
+        logits = (
+            theirs(ids, pos, layout)
+            if stock
+            else theirs(input_ids=ids, attention_mask=hf_mask, position_ids=pos).logits
+        )
         vocab_parallel_log_probs(logits, targets).sum().backward()
         theirs.zero_grad(set_to_none=True)
 
@@ -127,16 +147,22 @@ def main(argv=None) -> dict:
     cpu = {"megatron": [], "transformers": []}
     pair = [("megatron", step_ours), ("transformers", step_theirs)]
     for i in range(args.steps):
-        for name, fn in (pair if i % 2 == 0 else pair[::-1]):
+        for name, fn in pair if i % 2 == 0 else pair[::-1]:
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
             cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
     tokens = ids.numel()
     result = {
-        "preset": args.preset, "mode": mode, "batch": args.batch, "seq_len": ids.shape[1],
-        "params": cfg.num_parameters(), "threads": torch.get_num_threads(), "steps": args.steps,
-        "torch": torch.__version__, "reference": args.reference,
+        "preset": args.preset,
+        "mode": mode,
+        "batch": args.batch,
+        "seq_len": ids.shape[1],
+        "params": cfg.num_parameters(),
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "reference": args.reference,
     }
     for name in wall:
         result[f"{name}_step_s"] = statistics.median(wall[name])
@@ -150,19 +176,25 @@ def main(argv=None) -> dict:
     result["ratio_wall"] = _median_ratio(wall["transformers"], wall["megatron"])
     result["ratio_of_medians"] = result["transformers_cpu_step_s"] / result["megatron_cpu_step_s"]
     result["ratio_wall_of_medians"] = result["transformers_step_s"] / result["megatron_step_s"]
-    print(f"{args.preset} ({cfg.num_parameters() / 1e6:.1f}M params, {mode}, batch {args.batch} x "
-          f"{ids.shape[1]} tokens, {result['threads']} threads)")
+    print(
+        f"{args.preset} ({cfg.num_parameters() / 1e6:.1f}M params, {mode}, batch {args.batch} x "
+        f"{ids.shape[1]} tokens, {result['threads']} threads)"
+    )
     for name in wall:
-        print(f"  {name:<13} {result[f'{name}_tokens_per_cpu_s']:>10.0f} tokens/CPU-s "
-              f"{result[f'{name}_tokens_per_s']:>10.0f} tokens/s  "
-              f"(median of {args.steps} fwd+bwd steps: {1e3 * result[f'{name}_cpu_step_s']:.1f} ms CPU, "
-              f"{1e3 * result[f'{name}_step_s']:.1f} ms wall)")
+        print(
+            f"  {name:<13} {result[f'{name}_tokens_per_cpu_s']:>10.0f} tokens/CPU-s "
+            f"{result[f'{name}_tokens_per_s']:>10.0f} tokens/s  "
+            f"(median of {args.steps} fwd+bwd steps: {1e3 * result[f'{name}_cpu_step_s']:.1f} ms CPU, "
+            f"{1e3 * result[f'{name}_step_s']:.1f} ms wall)"
+        )
     reference = "stock megatron" if stock else "transformers"
     if stock:
         print("  (the 'transformers' line is the stock Megatron-Core local layer)")
-    print(f"  throughput ratio megatron/{reference} = {result['ratio']:.3f}x "
-          f"(median of per-step-pair CPU-time ratios; wall-clock {result['ratio_wall']:.3f}x; "
-          f"ratio of medians {result['ratio_of_medians']:.3f}x)")
+    print(
+        f"  throughput ratio megatron/{reference} = {result['ratio']:.3f}x "
+        f"(median of per-step-pair CPU-time ratios; wall-clock {result['ratio_wall']:.3f}x; "
+        f"ratio of medians {result['ratio_of_medians']:.3f}x)"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

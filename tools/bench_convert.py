@@ -36,9 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GiB = 1024**3
 # Runs the converter as __main__ and reports its own peak RSS (ru_maxrss of that process only).
-WRAPPER = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
-           "    runpy.run_path(sys.argv[0], run_name='__main__')\nfinally:\n"
-           "    print('BENCH_MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n")
+WRAPPER = (
+    "import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\nfinally:\n"
+    "    print('BENCH_MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+)
 
 
 def make_checkpoint(path: str, args) -> dict:
@@ -50,11 +52,22 @@ def make_checkpoint(path: str, args) -> dict:
     from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsWriter
     from stabledrl_mcore.models import get_preset
 
-    cfg = get_preset("llada-8b", hidden_size=args.hidden, num_layers=args.layers,
-                     num_attention_heads=args.heads, num_query_groups=args.heads,
-                     ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                     **({} if args.vocab > 126336 else dict(  # keep the special ids in range
-                         mask_token_id=args.vocab - 1, eos_token_id=1, pad_token_id=1, bos_token_id=0)))
+    cfg = get_preset(
+        "llada-8b",
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_query_groups=args.heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+        **(
+            {}
+            if args.vocab > 126336
+            else dict(  # keep the special ids in range
+                mask_token_id=args.vocab - 1, eos_token_id=1, pad_token_id=1, bos_token_id=0
+            )
+        ),
+    )
     os.makedirs(path)
     plan = MappingEngine(table_for("llada"), cfg).hf_plan(torch.bfloat16)
     writer = SafetensorsWriter(path, plan, max_shard_bytes=args.shard_gb * GiB)
@@ -64,8 +77,7 @@ def make_checkpoint(path: str, args) -> dict:
     writer.close()
     with open(os.path.join(path, "config.json"), "w") as handle:
         json.dump(dllm_to_hf_config(cfg, dtype="bfloat16"), handle, indent=2)
-    return {"params": sum(torch.Size(s).numel() for _, s, _ in plan),
-            "disk_bytes": writer.total_bytes}
+    return {"params": sum(torch.Size(s).numel() for _, s, _ in plan), "disk_bytes": writer.total_bytes}
 
 
 def run_measured(argv) -> dict:
@@ -73,9 +85,13 @@ def run_measured(argv) -> dict:
     import psutil
 
     start = time.time()
-    proc = subprocess.Popen([sys.executable, "-c", WRAPPER,
-                             os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv, "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRAPPER, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv, "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     peak = {"tree_pss": 0, "tree_rss": 0, "main_rss": 0}
     handle = psutil.Process(proc.pid)
 
@@ -104,9 +120,13 @@ def run_measured(argv) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"conversion failed ({proc.returncode}):\n{output[-3000:]}")
     own = [int(line.split()[1]) * 1024 for line in output.splitlines() if line.startswith("BENCH_MAXRSS_KB")]
-    return {"wall_s": round(time.time() - start, 1), "peak_rss": max(own + [peak["main_rss"]]),
-            "peak_rss_sampled": peak["main_rss"], "peak_tree_pss": peak["tree_pss"],
-            "peak_tree_rss_sum": peak["tree_rss"]}
+    return {
+        "wall_s": round(time.time() - start, 1),
+        "peak_rss": max(own + [peak["main_rss"]]),
+        "peak_rss_sampled": peak["main_rss"],
+        "peak_tree_pss": peak["tree_pss"],
+        "peak_tree_rss_sum": peak["tree_rss"],
+    }
 
 
 def same_tensors(a: str, b: str) -> bool:
@@ -141,15 +161,17 @@ def main() -> None:
         src, ckpt, back = (os.path.join(work, n) for n in ("hf", "mcore", "hf_back"))
         t0 = time.time()
         # In a child: Linux carries ru_maxrss over fork/exec, so this process must stay small.
-        made = subprocess.run([sys.executable, __file__, "--make-only", src] + sys.argv[1:],
-                              check=True, capture_output=True, text=True)
+        made = subprocess.run(
+            [sys.executable, __file__, "--make-only", src] + sys.argv[1:], check=True, capture_output=True, text=True
+        )
         report = json.loads(made.stdout.strip().splitlines()[-1])
         report["make_s"] = round(time.time() - t0, 1)
         budget = 1.3 * report["disk_bytes"] + GiB
         report["budget_bytes"] = int(budget)
-        for direction, argv in (("hf_to_mcore", ["hf-to-mcore", "--model", "llada", "--hf-dir", src,
-                                                 "--out", ckpt, "--dtype", "bf16"]),
-                                ("mcore_to_hf", ["mcore-to-hf", "--ckpt", ckpt, "--out", back])):
+        for direction, argv in (
+            ("hf_to_mcore", ["hf-to-mcore", "--model", "llada", "--hf-dir", src, "--out", ckpt, "--dtype", "bf16"]),
+            ("mcore_to_hf", ["mcore-to-hf", "--ckpt", ckpt, "--out", back]),
+        ):
             result = run_measured(argv)
             result["peak_rss_over_disk"] = round(result["peak_rss"] / report["disk_bytes"], 3)
             result["within_budget"] = max(result["peak_rss"], result["peak_tree_pss"]) < budget

@@ -28,8 +28,15 @@ def build(args):
     if args.model == "toy":
         from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 
-        cfg = ToyDLLMConfig(arch="sdar", vocab_size=args.vocab, mask_token_id=args.vocab - 1, block_size=4,
-                            hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64))
+        cfg = ToyDLLMConfig(
+            arch="sdar",
+            vocab_size=args.vocab,
+            mask_token_id=args.vocab - 1,
+            block_size=4,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=max(1, args.hidden // 64),
+        )
         return ToyDiffusionLM(cfg, seed=0).eval()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -62,7 +69,7 @@ def bench_staircase(model, args, vocab):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab - 1, (args.batch, n), generator=g)
     comp = torch.zeros_like(ids, dtype=torch.bool)
-    comp[:, bs // 2:] = True  # the prompt ends inside the first block
+    comp[:, bs // 2 :] = True  # the prompt ends inside the first block
     with torch.no_grad():
         plan = block_elbo_staircase(model, ids, comp, bs, generator=g).plan
         st = lambda: block_elbo_staircase(model, ids, comp, bs, plan=plan)  # noqa: E731
@@ -70,9 +77,18 @@ def bench_staircase(model, args, vocab):
         lf = lambda: block_elbo_loop(model, ids, comp, bs, plan=plan, truncate=False)  # noqa: E731
         diff = (st().seq - lp().seq).abs().max().item()
         t_st, t_loop, t_full = timed([st, lp, lf], args.repeats)
-    return dict(block_size=bs, blocks=args.blocks, seq_len=n, batch=args.batch, staircase_s=t_st,
-                loop_truncated_s=t_loop, loop_full_s=t_full, ratio_vs_truncated_loop=t_loop / t_st,
-                ratio_vs_full_loop=t_full / t_st, max_abs_diff=diff)
+    return dict(
+        block_size=bs,
+        blocks=args.blocks,
+        seq_len=n,
+        batch=args.batch,
+        staircase_s=t_st,
+        loop_truncated_s=t_loop,
+        loop_full_s=t_full,
+        ratio_vs_truncated_loop=t_loop / t_st,
+        ratio_vs_full_loop=t_full / t_st,
+        max_abs_diff=diff,
+    )
 
 
 def bench_sdar(model, args, vocab):
@@ -86,9 +102,17 @@ def bench_sdar(model, args, vocab):
         outs[use_cache] = generate_sdar(model, p, use_cache=use_cache, **kw)
 
     t_cache, t_plain = timed([lambda: run(True), lambda: run(False)], args.repeats)
-    return dict(new_tokens=args.new_tokens, prompt_len=args.prompt_len, steps_per_block=args.steps,
-                batch=args.batch, block_size=int(model.dllm_config.block_size), cache_s=t_cache,
-                no_cache_s=t_plain, ratio=t_plain / t_cache, same_tokens=bool(torch.equal(outs[True], outs[False])))
+    return dict(
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        steps_per_block=args.steps,
+        batch=args.batch,
+        block_size=int(model.dllm_config.block_size),
+        cache_s=t_cache,
+        no_cache_s=t_plain,
+        ratio=t_plain / t_cache,
+        same_tokens=bool(torch.equal(outs[True], outs[False])),
+    )
 
 
 def main(argv=None):
@@ -111,14 +135,22 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     model = build(args)
     vocab = int(model.dllm_config.vocab_size)
-    result = dict(model=args.model, threads=torch.get_num_threads(),
-                  staircase=bench_staircase(model, args, vocab), sdar_decoding=bench_sdar(model, args, vocab))
+    result = dict(
+        model=args.model,
+        threads=torch.get_num_threads(),
+        staircase=bench_staircase(model, args, vocab),
+        sdar_decoding=bench_sdar(model, args, vocab),
+    )
     s, d = result["staircase"], result["sdar_decoding"]
-    print(f"[{args.model}] staircase vs per-block loop ({s['blocks']} blocks of {s['block_size']}, batch "
-          f"{s['batch']}): {s['ratio_vs_truncated_loop']:.2f}x (truncated loop), {s['ratio_vs_full_loop']:.2f}x "
-          f"(full-length loop); max |diff| {s['max_abs_diff']:.2e}")
-    print(f"[{args.model}] SDAR decoding {d['new_tokens']} new tokens, cache vs no cache: {d['ratio']:.2f}x "
-          f"({d['cache_s']:.3f}s vs {d['no_cache_s']:.3f}s), same tokens: {d['same_tokens']}")
+    print(
+        f"[{args.model}] staircase vs per-block loop ({s['blocks']} blocks of {s['block_size']}, batch "
+        f"{s['batch']}): {s['ratio_vs_truncated_loop']:.2f}x (truncated loop), {s['ratio_vs_full_loop']:.2f}x "
+        f"(full-length loop); max |diff| {s['max_abs_diff']:.2e}"
+    )
+    print(
+        f"[{args.model}] SDAR decoding {d['new_tokens']} new tokens, cache vs no cache: {d['ratio']:.2f}x "
+        f"({d['cache_s']:.3f}s vs {d['no_cache_s']:.3f}s), same tokens: {d['same_tokens']}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -26,15 +26,15 @@ def _digest(value) -> int:
 
 
 def _half_uniform_scoring() -> None:
-    from stabledrl_mcore.rl import rollout, trainer
     from stabledrl_mcore.algorithms.advantages import group_advantages
+    from stabledrl_mcore.rl import rollout, trainer
 
     real_score, real_filter = rollout.score_rollouts, trainer.filter_phase
 
     def score(batch, task, *, advantage="center"):
         batch = real_score(batch, task, advantage=advantage)
         rewards = batch.rewards.clone()
-        tokens = batch.sequences[:, batch.prompt_len:].tolist()
+        tokens = batch.sequences[:, batch.prompt_len :].tolist()
         for row, reference in enumerate(batch.references):
             if _digest(reference) % 2:
                 rewards[row] = _digest(tokens[row]) / 255.0

@@ -66,8 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_adapters as pa  # noqa: E402
 
 WORKLOADS = ("exact", "dual", "prefix", "sdar", "forward")
-NEEDS = {"exact": ("fast_dllm", "llada"), "dual": ("fast_dllm",), "prefix": ("fast_dllm",),
-         "sdar": ("sdar",), "forward": ("fast_dllm",)}
+NEEDS = {
+    "exact": ("fast_dllm", "llada"),
+    "dual": ("fast_dllm",),
+    "prefix": ("fast_dllm",),
+    "sdar": ("sdar",),
+    "forward": ("fast_dllm",),
+}
 FLAGS = {"fast_dllm": "--fast-dllm", "llada": "--llada", "sdar": "--sdar"}
 
 
@@ -77,11 +82,22 @@ def shape_configs(shape: str):
 
     if shape in ("20m", "quick"):
         h, layers, vocab, ffn = (512, 4, 8192, 1408) if shape == "20m" else (128, 2, 512, 352)
-        common = dict(hidden_size=h, num_layers=layers, vocab_size=vocab, ffn_hidden_size=ffn,
-                      num_attention_heads=h // 64, max_position_embeddings=2048, mask_token_id=vocab - 1,
-                      eos_token_id=2, pad_token_id=0, bos_token_id=1)  # the 100m presets' ids
-        return (get_preset("llada-100m", **common, num_query_groups=h // 64),
-                get_preset("sdar-100m", **common, num_query_groups=max(1, h // 128), head_dim=64))
+        common = dict(
+            hidden_size=h,
+            num_layers=layers,
+            vocab_size=vocab,
+            ffn_hidden_size=ffn,
+            num_attention_heads=h // 64,
+            max_position_embeddings=2048,
+            mask_token_id=vocab - 1,
+            eos_token_id=2,
+            pad_token_id=0,
+            bos_token_id=1,
+        )  # the 100m presets' ids
+        return (
+            get_preset("llada-100m", **common, num_query_groups=h // 64),
+            get_preset("sdar-100m", **common, num_query_groups=max(1, h // 128), head_dim=64),
+        )
     if shape in ("llada-100m", "sdar-100m"):
         return get_preset("llada-100m"), get_preset("sdar-100m")
     raise SystemExit(f"bench_peers: error: unknown --shape {shape!r} (20m, llada-100m, sdar-100m)")
@@ -118,8 +134,19 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a == b).double().mean())
 
 
-def ab(name: str, batch: int, tokens: int, ours, theirs, warm_ours, warm_theirs, repeats: int,
-       counters, compare, note: str = "") -> dict:
+def ab(
+    name: str,
+    batch: int,
+    tokens: int,
+    ours,
+    theirs,
+    warm_ours,
+    warm_theirs,
+    repeats: int,
+    counters,
+    compare,
+    note: str = "",
+) -> dict:
     """A/B interleaved timing of two zero-argument callables; ``compare(out_ours, out_theirs)``."""
     warm_ours()
     warm_theirs()
@@ -136,13 +163,23 @@ def ab(name: str, batch: int, tokens: int, ours, theirs, warm_ours, warm_theirs,
     for row in sides.values():
         row["tok_per_cpu_s"] = tokens / statistics.median(row["cpu_s"])
         row["tok_per_wall_s"] = tokens / statistics.median(row["wall_s"])
-    out = dict(workload=name, batch=batch, tokens=tokens, ours=sides["ours"], theirs=sides["theirs"],
-               ratio_cpu=sides["ours"]["tok_per_cpu_s"] / sides["theirs"]["tok_per_cpu_s"],
-               ratio_wall=sides["ours"]["tok_per_wall_s"] / sides["theirs"]["tok_per_wall_s"], note=note)
+    out = dict(
+        workload=name,
+        batch=batch,
+        tokens=tokens,
+        ours=sides["ours"],
+        theirs=sides["theirs"],
+        ratio_cpu=sides["ours"]["tok_per_cpu_s"] / sides["theirs"]["tok_per_cpu_s"],
+        ratio_wall=sides["ours"]["tok_per_wall_s"] / sides["theirs"]["tok_per_wall_s"],
+        note=note,
+    )
     out.update(compare(outs["ours"], outs["theirs"]))
-    print(f"  {name} b{batch}: ours {sides['ours']['tok_per_cpu_s']:.1f} tok/cpu-s, theirs "
-          f"{sides['theirs']['tok_per_cpu_s']:.1f}, ours/theirs {out['ratio_cpu']:.2f}x, "
-          f"agreement {out.get('agreement', float('nan')):.4f}", flush=True)
+    print(
+        f"  {name} b{batch}: ours {sides['ours']['tok_per_cpu_s']:.1f} tok/cpu-s, theirs "
+        f"{sides['theirs']['tok_per_cpu_s']:.1f}, ours/theirs {out['ratio_cpu']:.2f}x, "
+        f"agreement {out.get('agreement', float('nan')):.4f}",
+        flush=True,
+    )
     return out
 
 
@@ -163,9 +200,10 @@ def ours_alone(name: str, batch: int, tokens: int, fn, warm, repeats: int, count
 
 def gen_compare(P: int, G: int):
     def compare(a, b):
-        a, b = a[:, P:P + G], b[:, P:P + G]
+        a, b = a[:, P : P + G], b[:, P : P + G]
         first = (a != b).reshape(-1).nonzero()
         return dict(agreement=agreement(a, b), first_difference=int(first[0]) if len(first) else None)
+
     return compare
 
 
@@ -195,23 +233,44 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
         print(f"{name}:", flush=True)
         if name == "exact":
             ids = ids4[:1]
-            out.append(ab(name, 1, G, lambda: generate_llada(ours_m, ids, cache="none", **kw),
-                          lambda: lg.generate(theirs_m, ids, **peer_kw),
-                          lambda: generate_llada(ours_m, ids, cache="none", **warm_kw),
-                          lambda: lg.generate(theirs_m, ids, **peer_warm), args.repeats, counters, compare,
-                          note="theirs: ML-GSAI/LLaDA generate on Fast-dLLM's LLaDAModelLM"))
+            out.append(
+                ab(
+                    name,
+                    1,
+                    G,
+                    lambda: generate_llada(ours_m, ids, cache="none", **kw),
+                    lambda: lg.generate(theirs_m, ids, **peer_kw),
+                    lambda: generate_llada(ours_m, ids, cache="none", **warm_kw),
+                    lambda: lg.generate(theirs_m, ids, **peer_warm),
+                    args.repeats,
+                    counters,
+                    compare,
+                    note="theirs: ML-GSAI/LLaDA generate on Fast-dLLM's LLaDAModelLM",
+                )
+            )
         elif name in ("dual", "prefix"):
             fn = fd.dual if name == "dual" else fd.prefix
             for b in args.batches:
                 ids = ids4[:b]
 
                 def theirs(ids=ids, kw_=peer_kw):  # this Fast-dLLM code builds x with batch 1
-                    return torch.cat([fn(theirs_m, ids[r:r + 1], **kw_)[0] for r in range(ids.shape[0])])
+                    return torch.cat([fn(theirs_m, ids[r : r + 1], **kw_)[0] for r in range(ids.shape[0])])
 
-                out.append(ab(name, b, b * G, lambda ids=ids: generate_llada(ours_m, ids, cache=name, **kw), theirs,
-                              lambda ids=ids: generate_llada(ours_m, ids, cache=name, **warm_kw),
-                              lambda ids=ids: theirs(ids, peer_warm), args.repeats, counters, compare,
-                              note="" if b == 1 else f"theirs: {b} batch-1 calls (Fast-dLLM code is batch 1)"))
+                out.append(
+                    ab(
+                        name,
+                        b,
+                        b * G,
+                        lambda ids=ids: generate_llada(ours_m, ids, cache=name, **kw),
+                        theirs,
+                        lambda ids=ids: generate_llada(ours_m, ids, cache=name, **warm_kw),
+                        lambda ids=ids: theirs(ids, peer_warm),
+                        args.repeats,
+                        counters,
+                        compare,
+                        note="" if b == 1 else f"theirs: {b} batch-1 calls (Fast-dLLM code is batch 1)",
+                    )
+                )
         elif name == "forward":
             L = args.forward_length
             for b in args.batches:
@@ -224,9 +283,21 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
                         return f(x)
 
                 ours_f, theirs_f = (lambda x: ours_m(x)), (lambda x: theirs_m(x).logits)
-                out.append(ab(name, b, args.forward_iters * b * L, lambda: loop(ours_f), lambda: loop(theirs_f),
-                              lambda: loop(ours_f), lambda: loop(theirs_f), args.repeats, counters, logit_compare,
-                              note=f"{args.forward_iters} forwards of {b}x{L} per sample; tokens = input tokens"))
+                out.append(
+                    ab(
+                        name,
+                        b,
+                        args.forward_iters * b * L,
+                        lambda: loop(ours_f),
+                        lambda: loop(theirs_f),
+                        lambda: loop(ours_f),
+                        lambda: loop(theirs_f),
+                        args.repeats,
+                        counters,
+                        logit_compare,
+                        note=f"{args.forward_iters} forwards of {b}x{L} per sample; tokens = input tokens",
+                    )
+                )
 
 
 def sdar_workload(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) -> None:
@@ -248,8 +319,14 @@ def sdar_workload(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) ->
     greedy = args.sdar_sampling == "greedy"
     temp = 0.0 if greedy else 1.0
     kw = dict(gen_length=G, steps=S, block_length=BS, temperature=temp, progress=False)
-    peer_kw = dict(mask_id=cfg.mask_token_id, gen_length=G, block_length=BS, denoising_steps=S, temperature=1.0,
-                   remasking_strategy="low_confidence_static")
+    peer_kw = dict(
+        mask_id=cfg.mask_token_id,
+        gen_length=G,
+        block_length=BS,
+        denoising_steps=S,
+        temperature=1.0,
+        remasking_strategy="low_confidence_static",
+    )
 
     def ours(ids=ids, g=G, **extra):
         gen = None if greedy else torch.Generator().manual_seed(args.seed)
@@ -261,13 +338,35 @@ def sdar_workload(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) ->
 
     print("sdar:", flush=True)
     warm = 8 * BS
-    out.append(ab("sdar", 1, G, ours, theirs, lambda: ours(g=warm), lambda: theirs(warm), args.repeats, counters,
-                  gen_compare(P, G), note="theirs: block_diffusion_generate, low_confidence_static" +
-                  ("" if greedy else "; both sample at temperature 1 (own RNG streams: agreement not expected)")))
+    out.append(
+        ab(
+            "sdar",
+            1,
+            G,
+            ours,
+            theirs,
+            lambda: ours(g=warm),
+            lambda: theirs(warm),
+            args.repeats,
+            counters,
+            gen_compare(P, G),
+            note="theirs: block_diffusion_generate, low_confidence_static"
+            + ("" if greedy else "; both sample at temperature 1 (own RNG streams: agreement not expected)"),
+        )
+    )
     if args.group:
-        out.append(ours_alone("sdar-group", args.group, args.group * G, lambda: ours(repeats=args.group),
-                              lambda: ours(g=warm, repeats=args.group), args.repeats, counters["ours"],
-                              note=f"ours only: 1 prompt x {args.group} completions (repeats=, prefix shared)"))
+        out.append(
+            ours_alone(
+                "sdar-group",
+                args.group,
+                args.group * G,
+                lambda: ours(repeats=args.group),
+                lambda: ours(g=warm, repeats=args.group),
+                args.repeats,
+                counters["ours"],
+                note=f"ours only: 1 prompt x {args.group} completions (repeats=, prefix shared)",
+            )
+        )
 
 
 def run(args) -> dict:
@@ -286,19 +385,35 @@ def run(args) -> dict:
     llada_cfg, sdar_cfg = shape_configs("quick" if args.quick else args.shape)
     work = args.work or os.path.join("/tmp", f"bench_peers_{'quick' if args.quick else args.shape}")
     os.makedirs(work, exist_ok=True)
-    import stabledrl_mcore
     import transformers
 
-    meta = dict(argv=sys.argv, shape="quick" if args.quick else args.shape, threads=torch.get_num_threads(),
-                seed=args.seed,
-                torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-                ours=str(Path(stabledrl_mcore.__file__).parents[1]), ours_commit=pa.git_commit(
-                    Path(stabledrl_mcore.__file__).parents[1]),
-                peers={k: dict(path=str(getattr(args, k)), commit=v.commit) for k, v in peers.items()},
-                prompt_length=args.prompt_length, gen_length=args.gen_length, block_length=args.block_length,
-                steps=args.steps, sdar=dict(gen_length=args.sdar_gen_length, block=args.sdar_block,
-                                            steps_per_block=args.sdar_steps, sampling=args.sdar_sampling),
-                forward_length=args.forward_length, repeats=args.repeats, batches=args.batches)
+    import stabledrl_mcore
+
+    meta = dict(
+        argv=sys.argv,
+        shape="quick" if args.quick else args.shape,
+        threads=torch.get_num_threads(),
+        seed=args.seed,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        ours=str(Path(stabledrl_mcore.__file__).parents[1]),
+        ours_commit=pa.git_commit(Path(stabledrl_mcore.__file__).parents[1]),
+        peers={k: dict(path=str(getattr(args, k)), commit=v.commit) for k, v in peers.items()},
+        prompt_length=args.prompt_length,
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        steps=args.steps,
+        sdar=dict(
+            gen_length=args.sdar_gen_length,
+            block=args.sdar_block,
+            steps_per_block=args.sdar_steps,
+            sampling=args.sdar_sampling,
+        ),
+        forward_length=args.forward_length,
+        repeats=args.repeats,
+        batches=args.batches,
+    )
     rows = []
     if any(w != "sdar" for w in args.workloads):
         model_arg = "llada-100m" if args.shape in ("llada-100m", "sdar-100m") and not args.quick else "llada"
@@ -307,8 +422,15 @@ def run(args) -> dict:
         llada_workloads(args, peers, llada_cfg, hf, mc, rows, meta)
     if "sdar" in args.workloads:
         model_arg = "sdar-100m" if args.shape in ("llada-100m", "sdar-100m") and not args.quick else "sdar"
-        hf, mc = pa.build_checkpoints("sdar", sdar_cfg, work, model_arg, args.seed, args.fresh,
-                                      extra=pa.peer_config_extras(peers["sdar"].model_dir, "sdar"))
+        hf, mc = pa.build_checkpoints(
+            "sdar",
+            sdar_cfg,
+            work,
+            model_arg,
+            args.seed,
+            args.fresh,
+            extra=pa.peer_config_extras(peers["sdar"].model_dir, "sdar"),
+        )
         meta["sdar_config"], meta["sdar_convert"] = sdar_cfg.to_dict(), pa.convert_log(work, "sdar")
         sdar_workload(args, peers, sdar_cfg, hf, mc, rows, meta)
     meta["stand_ins"] = list(pa.STAND_INS)
@@ -317,14 +439,17 @@ def run(args) -> dict:
 
 def format_table(result: dict) -> str:
     m = result["meta"]
-    lines = [f"shape {m['shape']}, {m['threads']} thread(s), torch {m['torch']}, transformers {m['transformers']}; "
-             f"prompt {m['prompt_length']}, LLaDA {m['gen_length']} new tokens / block {m['block_length']} / "
-             f"{m['steps']} steps, SDAR {m['sdar']['gen_length']} new tokens / block {m['sdar']['block']} / "
-             f"{m['sdar']['steps_per_block']} steps per block ({m['sdar']['sampling']}); medians of "
-             f"{m['repeats']} A/B repeats", "",
-             "| workload | batch | ours tok/cpu-s | theirs tok/cpu-s | ours/theirs cpu | ours/theirs wall | "
-             "token agreement | forwards per call ours/theirs | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"shape {m['shape']}, {m['threads']} thread(s), torch {m['torch']}, transformers {m['transformers']}; "
+        f"prompt {m['prompt_length']}, LLaDA {m['gen_length']} new tokens / block {m['block_length']} / "
+        f"{m['steps']} steps, SDAR {m['sdar']['gen_length']} new tokens / block {m['sdar']['block']} / "
+        f"{m['sdar']['steps_per_block']} steps per block ({m['sdar']['sampling']}); medians of "
+        f"{m['repeats']} A/B repeats",
+        "",
+        "| workload | batch | ours tok/cpu-s | theirs tok/cpu-s | ours/theirs cpu | ours/theirs wall | "
+        "token agreement | forwards per call ours/theirs | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         o, t = r["ours"], r["theirs"]
         agree = f"{r['agreement']:.4f}" if "agreement" in r else "-"
@@ -333,19 +458,25 @@ def format_table(result: dict) -> str:
         elif r.get("first_difference") is not None:
             agree += f" (first diff at flat index {r['first_difference']})"
         if t is None:
-            lines.append(f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | n/a | - | - | - | "
-                         f"{o['forwards']} / - | {r['note']} |")
+            lines.append(
+                f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | n/a | - | - | - | "
+                f"{o['forwards']} / - | {r['note']} |"
+            )
             continue
-        lines.append(f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | {t['tok_per_cpu_s']:.1f} | "
-                     f"{r['ratio_cpu']:.2f}x | {r['ratio_wall']:.2f}x | {agree} | "
-                     f"{o['forwards']} / {t['forwards']} | {r['note']} |")
+        lines.append(
+            f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | {t['tok_per_cpu_s']:.1f} | "
+            f"{r['ratio_cpu']:.2f}x | {r['ratio_wall']:.2f}x | {agree} | "
+            f"{o['forwards']} / {t['forwards']} | {r['note']} |"
+        )
     lines.append("")
     for key in ("llada", "sdar"):
         if f"{key}_logit_check" in m:
             c = m[f"{key}_logit_check"]
-            lines.append(f"{key} model check (ours vs peer modeling file, 2x{m['prompt_length'] + m['gen_length']}"
-                         f" tokens): max abs logit diff {c['max_abs_logit_diff']:.2e}, argmax agreement "
-                         f"{c['agreement']:.4f}; converter: {m.get(key + '_convert') or '-'}")
+            lines.append(
+                f"{key} model check (ours vs peer modeling file, 2x{m['prompt_length'] + m['gen_length']}"
+                f" tokens): max abs logit diff {c['max_abs_logit_diff']:.2e}, argmax agreement "
+                f"{c['agreement']:.4f}; converter: {m.get(key + '_convert') or '-'}"
+            )
     lines.append("stand-ins: " + ("; ".join(m["stand_ins"]) or "none"))
     lines.append("peers: " + ", ".join(f"{k} {v['commit'][:12]} ({v['path']})" for k, v in m["peers"].items()))
     return "\n".join(lines)
@@ -366,8 +497,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sdar-gen-length", type=int, default=256)
     parser.add_argument("--sdar-block", type=int, default=4)
     parser.add_argument("--sdar-steps", type=int, default=4, help="denoising steps per block")
-    parser.add_argument("--sdar-sampling", choices=("greedy", "theirs"), default="greedy",
-                        help="greedy: their sampler swapped for argmax (stand-in); theirs: both at temperature 1")
+    parser.add_argument(
+        "--sdar-sampling",
+        choices=("greedy", "theirs"),
+        default="greedy",
+        help="greedy: their sampler swapped for argmax (stand-in); theirs: both at temperature 1",
+    )
     parser.add_argument("--group", type=int, default=16, help="ours-only SDAR group size (0: skip)")
     parser.add_argument("--forward-length", type=int, default=320)
     parser.add_argument("--forward-iters", type=int, default=4, help="forwards per timed forward sample")

@@ -30,8 +30,14 @@ import time
 
 import torch
 
-MODES = {"exact": ("none", None), "prefix": ("prefix", None), "dual": ("dual", None),
-         "dual+t0.9": ("dual", 0.9), "prefix+t0.9": ("prefix", 0.9), "exact+t0.9": ("none", 0.9)}
+MODES = {
+    "exact": ("none", None),
+    "prefix": ("prefix", None),
+    "dual": ("dual", None),
+    "dual+t0.9": ("dual", 0.9),
+    "prefix+t0.9": ("prefix", 0.9),
+    "exact+t0.9": ("none", 0.9),
+}
 
 
 def _model(args):
@@ -58,8 +64,8 @@ def _prompts(cfg, batch, length, device):
 def _task_prompts(args):
     """The first ``--batch`` test prompts of ``--task``, encoded with the checkpoint's tokenizer."""
     from stabledrl_mcore.cli.args import cli_tokenizer
-    from stabledrl_mcore.tasks.prompts import encode_prompts
     from stabledrl_mcore.tasks import get_task
+    from stabledrl_mcore.tasks.prompts import encode_prompts
 
     tokenizer = cli_tokenizer(argparse.Namespace(tokenizer=None, ckpt=args.ckpt))
     task = get_task(args.task, prompt_style=args.prompt_style)
@@ -79,24 +85,42 @@ def run(args) -> dict:
         args.prompt_length = ids.shape[1]
     else:
         ids, valid = _prompts(cfg, args.batch, args.prompt_length, args.device)
-    sampling = dict(gen_length=args.gen_length, steps=args.steps, block_length=args.block_length,
-                    prompt_valid=valid, progress=False, temperature=args.temperature)
+    sampling = dict(
+        gen_length=args.gen_length,
+        steps=args.steps,
+        block_length=args.block_length,
+        prompt_valid=valid,
+        progress=False,
+        temperature=args.temperature,
+    )
     rows = {name: dict(seconds=[], cpu_seconds=[]) for name in args.modes}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     with torch.no_grad():
         for name in args.modes:  # warm-up: one block
             cache, threshold = MODES[name]
-            generate_llada(model, ids, **dict(sampling, gen_length=args.block_length,
-                                              steps=args.steps * args.block_length // args.gen_length),
-                           cache=cache, threshold=threshold, generator=torch.Generator().manual_seed(0))
+            generate_llada(
+                model,
+                ids,
+                **dict(sampling, gen_length=args.block_length, steps=args.steps * args.block_length // args.gen_length),
+                cache=cache,
+                threshold=threshold,
+                generator=torch.Generator().manual_seed(0),
+            )
         for _ in range(args.repeats):  # the modes alternate, so machine noise hits them alike
             for name in args.modes:
                 cache, threshold = MODES[name]
                 stats = DecodeStats()
                 sync()
                 wall, cpu = time.perf_counter(), time.process_time()
-                generate_llada(model, ids, cache=cache, threshold=threshold, stats=stats,
-                               generator=torch.Generator().manual_seed(0), **sampling)
+                generate_llada(
+                    model,
+                    ids,
+                    cache=cache,
+                    threshold=threshold,
+                    stats=stats,
+                    generator=torch.Generator().manual_seed(0),
+                    **sampling,
+                )
                 sync()
                 row = rows[name]
                 row["seconds"].append(time.perf_counter() - wall)
@@ -109,33 +133,60 @@ def run(args) -> dict:
             cache, threshold = MODES[name]
             if args.gap and cache != "none":
                 gap = DecodeStats(measure_gap=True)
-                generate_llada(model, ids, cache=cache, threshold=threshold, stats=gap,
-                               generator=torch.Generator().manual_seed(0), **sampling)
+                generate_llada(
+                    model,
+                    ids,
+                    cache=cache,
+                    threshold=threshold,
+                    stats=gap,
+                    generator=torch.Generator().manual_seed(0),
+                    **sampling,
+                )
                 row["mean_gap"] = gap.mean_gap
-    return dict(preset=args.ckpt or args.preset, batch=args.batch, prompt_length=args.prompt_length,
-                gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                threads=torch.get_num_threads(), device=args.device, modes=rows)
+    return dict(
+        preset=args.ckpt or args.preset,
+        batch=args.batch,
+        prompt_length=args.prompt_length,
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        steps=args.steps,
+        threads=torch.get_num_threads(),
+        device=args.device,
+        modes=rows,
+    )
 
 
 def format_table(result: dict) -> str:
     modes = result["modes"]
     median = statistics.median
     base = modes.get("exact")
-    lines = [f"{result['preset']}: batch {result['batch']}, prompt {result['prompt_length']}, "
-             f"{result['gen_length']} new tokens, block {result['block_length']}, {result['steps']} steps, "
-             f"{result['threads']} threads, {result['device']}",
-             f"{'mode':<12} {'tok/s wall (each)':<22} {'tok/s cpu (each)':<22} {'speed-up wall/cpu':>18} "
-             f"{'full fwd':>9} {'block fwd':>10} {'gap':>8}"]
+    lines = [
+        f"{result['preset']}: batch {result['batch']}, prompt {result['prompt_length']}, "
+        f"{result['gen_length']} new tokens, block {result['block_length']}, {result['steps']} steps, "
+        f"{result['threads']} threads, {result['device']}",
+        f"{'mode':<12} {'tok/s wall (each)':<22} {'tok/s cpu (each)':<22} {'speed-up wall/cpu':>18} "
+        f"{'full fwd':>9} {'block fwd':>10} {'gap':>8}",
+    ]
     for name, row in modes.items():
         wall = " / ".join(f"{t:.1f}" for t in row["tokens_per_s"])
         cpu = " / ".join(f"{t:.1f}" for t in row["tokens_per_cpu_s"])
-        speed = "-" if base is None else (f"{median(row['tokens_per_s']) / median(base['tokens_per_s']):.2f}x / "
-                                          f"{median(row['tokens_per_cpu_s']) / median(base['tokens_per_cpu_s']):.2f}x")
+        speed = (
+            "-"
+            if base is None
+            else (
+                f"{median(row['tokens_per_s']) / median(base['tokens_per_s']):.2f}x / "
+                f"{median(row['tokens_per_cpu_s']) / median(base['tokens_per_cpu_s']):.2f}x"
+            )
+        )
         gap = f"{row['mean_gap']:.4f}" if "mean_gap" in row else "-"
-        lines.append(f"{name:<12} {wall:<22} {cpu:<22} {speed:>18} {row['full_forwards']:>9} "
-                     f"{row['block_forwards']:>10} {gap:>8}")
-    lines.append("speed-ups: medians over the repeats; forwards are per completion (one batched call decodes "
-                 "every row); gap: mean |log p_cached - log p_exact| of the committed tokens")
+        lines.append(
+            f"{name:<12} {wall:<22} {cpu:<22} {speed:>18} {row['full_forwards']:>9} "
+            f"{row['block_forwards']:>10} {gap:>8}"
+        )
+    lines.append(
+        "speed-ups: medians over the repeats; forwards are per completion (one batched call decodes "
+        "every row); gap: mean |log p_cached - log p_exact| of the committed tokens"
+    )
     return "\n".join(lines)
 
 
@@ -148,8 +199,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=64, help="random prompts' length (without --task)")
-    parser.add_argument("--task", help="with --ckpt: the task's test prompts (generated tasks: sudoku, countdown) "
-                                       "instead of random ones")
+    parser.add_argument(
+        "--task",
+        help="with --ckpt: the task's test prompts (generated tasks: sudoku, countdown) instead of random ones",
+    )
     parser.add_argument("--prompt-style", default="compact", choices=("chat", "compact"))
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--modes", nargs="+", default=["exact", "prefix", "dual", "dual+t0.9"], choices=list(MODES))

@@ -68,19 +68,41 @@ def unshared(model, ids, valid, args, chunk_generator):
     out = []
     for k, start in enumerate(range(0, rep_ids.shape[0], args.micro_batch)):
         sl = slice(start, start + args.micro_batch)
-        out.append(generate(model, rep_ids[sl], gen_length=args.new_tokens, steps=args.steps, block_length=None,
-                            temperature=args.temperature, threshold=args.threshold,
-                            generator=chunk_generator(k), prompt_valid=rep_valid[sl], progress=False))
+        out.append(
+            generate(
+                model,
+                rep_ids[sl],
+                gen_length=args.new_tokens,
+                steps=args.steps,
+                block_length=None,
+                temperature=args.temperature,
+                threshold=args.threshold,
+                generator=chunk_generator(k),
+                prompt_valid=rep_valid[sl],
+                progress=False,
+            )
+        )
     return torch.cat(out)
 
 
 def shared(model, ids, valid, args, chunk_generator):
     from stabledrl_mcore.rl.group_rollout import group_rollouts
 
-    return torch.cat(group_rollouts(
-        model, ids, valid, group_size=args.group, gen_length=args.new_tokens, steps=args.steps, block_length=None,
-        temperature=args.temperature, threshold=args.threshold, micro_batch=args.micro_batch,
-        chunk_generator=chunk_generator))
+    return torch.cat(
+        group_rollouts(
+            model,
+            ids,
+            valid,
+            group_size=args.group,
+            gen_length=args.new_tokens,
+            steps=args.steps,
+            block_length=None,
+            temperature=args.temperature,
+            threshold=args.threshold,
+            micro_batch=args.micro_batch,
+            chunk_generator=chunk_generator,
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -120,32 +142,52 @@ def main(argv=None) -> int:
                 outputs[name] = variants[name](model, ids, valid, args, chunk_generator)
                 seconds[name].append(time.perf_counter() - start)
                 cpu_seconds[name].append(time.process_time() - cpu)
-                print(f"repetition {r + 1} {name}: {seconds[name][-1]:.2f} s (CPU {cpu_seconds[name][-1]:.2f} s)",
-                      flush=True)
+                print(
+                    f"repetition {r + 1} {name}: {seconds[name][-1]:.2f} s (CPU {cpu_seconds[name][-1]:.2f} s)",
+                    flush=True,
+                )
     same = torch.equal(outputs["unshared"], outputs["shared"])
     rows = args.prompts * args.group
     tokens = rows * (outputs["shared"].shape[1] - ids.shape[1])  # generated positions
-    result = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "prompts": args.prompts, "prompt_len": args.prompt_len, "group": args.group,
-              "new_tokens": args.new_tokens, "steps": args.steps, "threshold": args.threshold,
-              "temperature": args.temperature, "micro_batch": args.micro_batch, "same_tokens": same,
-              "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens,
-              "load_average": os.getloadavg()}
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "group": args.group,
+        "new_tokens": args.new_tokens,
+        "steps": args.steps,
+        "threshold": args.threshold,
+        "temperature": args.temperature,
+        "micro_batch": args.micro_batch,
+        "same_tokens": same,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "tokens": tokens,
+        "load_average": os.getloadavg(),
+    }
     for name in variants:
         result[f"{name}_tokens_per_s"] = tokens / statistics.median(seconds[name])
         result[f"{name}_tokens_per_cpu_s"] = tokens / statistics.median(cpu_seconds[name])
     result["speedup"] = result["shared_tokens_per_s"] / result["unshared_tokens_per_s"]
     result["speedup_cpu_time"] = result["shared_tokens_per_cpu_s"] / result["unshared_tokens_per_cpu_s"]
-    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s): {args.prompts} prompts x G={args.group}, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.steps} steps/block, "
-          f"threshold {args.threshold}, micro-batch {args.micro_batch}")
+    print(
+        f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s): {args.prompts} prompts x G={args.group}, "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.steps} steps/block, "
+        f"threshold {args.threshold}, micro-batch {args.micro_batch}"
+    )
     for name in variants:
-        print(f"  {name:<9} {result[f'{name}_tokens_per_s']:8.1f} tokens/s, "
-              f"{result[f'{name}_tokens_per_cpu_s']:8.1f} tokens/CPU-s  "
-              f"(seconds {', '.join(f'{s:.2f}' for s in seconds[name])}; "
-              f"CPU {', '.join(f'{s:.2f}' for s in cpu_seconds[name])})")
-    print(f"  speed-up {result['speedup']:.2f}x wall, {result['speedup_cpu_time']:.2f}x CPU time "
-          f"(load average {result['load_average'][0]:.1f}); same tokens: {same}")
+        print(
+            f"  {name:<9} {result[f'{name}_tokens_per_s']:8.1f} tokens/s, "
+            f"{result[f'{name}_tokens_per_cpu_s']:8.1f} tokens/CPU-s  "
+            f"(seconds {', '.join(f'{s:.2f}' for s in seconds[name])}; "
+            f"CPU {', '.join(f'{s:.2f}' for s in cpu_seconds[name])})"
+        )
+    print(
+        f"  speed-up {result['speedup']:.2f}x wall, {result['speedup_cpu_time']:.2f}x CPU time "
+        f"(load average {result['load_average'][0]:.1f}); same tokens: {same}"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

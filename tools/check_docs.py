@@ -68,9 +68,9 @@ class Finding:
 @dataclass
 class Block:
     lang: str
-    line: int               # 1-based line of the first content line
+    line: int  # 1-based line of the first content line
     lines: List[str]
-    marker: str             # the line before the opening fence (blank lines aside)
+    marker: str  # the line before the opening fence (blank lines aside)
 
 
 def fenced_blocks(text: str) -> List[Block]:
@@ -120,8 +120,9 @@ def joined_lines(block: Block) -> Iterator[Tuple[int, str]]:
 
 # -- commands ------------------------------------------------------------------------
 def is_placeholder(value: str) -> bool:
-    return bool(re.search(r"\$|<[^>]*>|\.\.\.|…", value)
-                or re.fullmatch(r"[A-Z][A-Z0-9_]*([,:][A-Z0-9_.]+)*,?\.*", value))
+    return bool(
+        re.search(r"\$|<[^>]*>|\.\.\.|…", value) or re.fullmatch(r"[A-Z][A-Z0-9_]*([,:][A-Z0-9_.]+)*,?\.*", value)
+    )
 
 
 def stabledrl_commands(line: str) -> List[List[str]]:
@@ -198,9 +199,9 @@ def config_class(command: str):
 def check_command(argv: Sequence[str], root: str) -> List[str]:
     """Problems of one ``stabledrl`` argument list (empty when it parses and its config loads)."""
     import stabledrl_mcore.cli.app as cli
-    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
     from stabledrl_mcore.config.io import apply_overrides, from_dict
+    from stabledrl_mcore.config.schema import load_config
 
     argv = [t for t in argv if t != "--debug"]
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -211,8 +212,11 @@ def check_command(argv: Sequence[str], root: str) -> List[str]:
     except SystemExit as exit_:
         return [] if exit_.code == 0 else [f"does not parse: {err.getvalue().strip()}"]
     problems, cls = [], config_class(args.command)
-    overrides = [o for o in getattr(args, "overrides", None) or []
-                 if not is_placeholder(o.split("=", 1)[0]) and not (is_placeholder(o) and "=" not in o)]
+    overrides = [
+        o
+        for o in getattr(args, "overrides", None) or []
+        if not is_placeholder(o.split("=", 1)[0]) and not (is_placeholder(o) and "=" not in o)
+    ]
     for text in overrides:
         if cls is None:
             break
@@ -243,11 +247,11 @@ def slurm_jobs(line: str) -> List[Tuple[str, List[str], dict]]:
             env[token.split("=", 1)[0]] = token.split("=", 1)[1]
         if os.path.basename(token) not in ("sbatch", "submit.sh"):
             continue
-        rest = tokens[i + 1:]
+        rest = tokens[i + 1 :]
         cut = next((j for j, t in enumerate(rest) if t in SEPARATORS or re.match(r"^[12]?>", t)), len(rest))
         script = next((j for j, t in enumerate(rest[:cut]) if t.endswith(".sh")), None)
         if script is not None:
-            jobs.append((rest[script], _unsynopsis(rest[script + 1:cut]), dict(env)))
+            jobs.append((rest[script], _unsynopsis(rest[script + 1 : cut]), dict(env)))
     return jobs
 
 
@@ -286,19 +290,26 @@ def check_commands(text: str, path: str, root: str = ROOT) -> List[Finding]:
                 findings.append(Finding(path, number, f"cannot split {line!r}: {error}"))
                 continue
             for argv in commands:
-                findings += [Finding(path, number, f"stabledrl {' '.join(argv)}: {p}")
-                             for p in check_command(argv, root)]
+                findings += [
+                    Finding(path, number, f"stabledrl {' '.join(argv)}: {p}") for p in check_command(argv, root)
+                ]
             for script, args, env in slurm_jobs(line):
-                findings += [Finding(path, number, f"{script} {' '.join(args)}: {p}")
-                             for p in check_slurm_job(script, args, env, root)]
+                findings += [
+                    Finding(path, number, f"{script} {' '.join(args)}: {p}")
+                    for p in check_slurm_job(script, args, env, root)
+                ]
     return findings
 
 
 # -- links and paths -------------------------------------------------------------------
-_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'][^)]*)?\)|<img[^>]*\ssrc=[\"']([^\"']+)[\"']"
-                   r"|^\s*\[[^\]]+\]:\s*(\S+)")
-_REPO_PATH = re.compile(r"(?<![\w./*$-])((?:examples|slurm|tools|docs|stabledrl_mcore|tests)/"
-                        r"(?:[\w.*-]+/)*(?:[\w*-][\w.*-]*\.[A-Za-z]\w*|(?<=/)))(?![\w/*-])")
+_LINK = re.compile(
+    r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'][^)]*)?\)|<img[^>]*\ssrc=[\"']([^\"']+)[\"']"
+    r"|^\s*\[[^\]]+\]:\s*(\S+)"
+)
+_REPO_PATH = re.compile(
+    r"(?<![\w./*$-])((?:examples|slurm|tools|docs|stabledrl_mcore|tests)/"
+    r"(?:[\w.*-]+/)*(?:[\w*-][\w.*-]*\.[A-Za-z]\w*|(?<=/)))(?![\w/*-])"
+)
 
 
 def check_links(text: str, path: str, root: str = ROOT) -> List[Finding]:
@@ -330,8 +341,11 @@ def check_paths(text: str, path: str, root: str = ROOT) -> List[Finding]:
         for match in _REPO_PATH.finditer(span):
             name = match.group(1)
             full = os.path.join(root, name)
-            found = glob.glob(full) if "*" in name else (os.path.isdir(full) if name.endswith("/")
-                                                         else os.path.isfile(full))
+            found = (
+                glob.glob(full)
+                if "*" in name
+                else (os.path.isdir(full) if name.endswith("/") else os.path.isfile(full))
+            )
             if not found:
                 findings.append(Finding(path, number, f"{name}: no such {'folder' if name.endswith('/') else 'file'}"))
     return sorted(findings, key=lambda f: f.line)
@@ -341,8 +355,8 @@ def check_paths(text: str, path: str, root: str = ROOT) -> List[Finding]:
 def check_yaml(text: str, path: str, root: str = ROOT) -> List[Finding]:
     import yaml
 
-    from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
 
     findings = []
     for block in fenced_blocks(text):
@@ -358,8 +372,14 @@ def check_yaml(text: str, path: str, root: str = ROOT) -> List[Finding]:
                 load_config(snippet, cls=config_class("sft" if isinstance(data, dict) and "sft" in data else "train"))
             except (yaml.YAMLError, ConfigError, TypeError, ValueError) as error:
                 message = " ".join(str(error).replace(snippet, "snippet").split())
-                findings.append(Finding(path, block.line, f"yaml block does not load as a run config (mark it "
-                                                          f"{NOT_A_RUN_CONFIG} if it is none): {message}"))
+                findings.append(
+                    Finding(
+                        path,
+                        block.line,
+                        f"yaml block does not load as a run config (mark it "
+                        f"{NOT_A_RUN_CONFIG} if it is none): {message}",
+                    )
+                )
     return findings
 
 
@@ -372,15 +392,23 @@ def doc_files(root: str = ROOT) -> List[str]:
 
 
 def check_markdown(text: str, path: str, root: str = ROOT) -> List[Finding]:
-    return (check_commands(text, path, root) + check_links(text, path, root) + check_paths(text, path, root)
-            + check_yaml(text, path, root))
+    return (
+        check_commands(text, path, root)
+        + check_links(text, path, root)
+        + check_paths(text, path, root)
+        + check_yaml(text, path, root)
+    )
 
 
 def repository_files(root: str) -> List[str]:
     """Tracked and untracked (not ignored) files; a walk without ``.git``/``.venv`` outside git."""
     try:
-        out = subprocess.run(["git", "-C", root, "ls-files", "-co", "--exclude-standard", "-z"],
-                             capture_output=True, check=True, timeout=30).stdout
+        out = subprocess.run(
+            ["git", "-C", root, "ls-files", "-co", "--exclude-standard", "-z"],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        ).stdout
         return [name for name in out.decode().split("\0") if name and os.path.isfile(os.path.join(root, name))]
     except (OSError, subprocess.SubprocessError):
         names = []

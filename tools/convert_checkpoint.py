@@ -18,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from stabledrl_mcore.cli.convert import run_convert
-    from stabledrl_mcore.cli.convert import add_convert_arguments
+    from stabledrl_mcore.cli.convert import add_convert_arguments, run_convert
 
     parser = argparse.ArgumentParser(prog="convert_checkpoint", description=__doc__.split("\n")[0])
     add_convert_arguments(parser)

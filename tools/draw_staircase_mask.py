@@ -52,8 +52,14 @@ def draw(out_png: str, blocks: int = 3, block_size: int = 2):
     ax.set_xlabel(f"key: [ noisy $x_t$ | clean $x_0$ ], {blocks} blocks (b) of {block_size} tokens", fontsize=8)
     ax.set_ylabel("query: [ noisy $x_t$ | clean $x_0$ ]", fontsize=8)
     ax.set_title("SDAR staircase mask (AttentionLayout.staircase)", fontsize=9)
-    ax.legend(handles=[Patch(color=ALLOWED, label="may attend"), Patch(color=BLOCKED, label="blocked")],
-              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    ax.legend(
+        handles=[Patch(color=ALLOWED, label="may attend"), Patch(color=BLOCKED, label="blocked")],
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.3),
+        ncol=2,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=100, bbox_inches="tight")
     plt.close(fig)

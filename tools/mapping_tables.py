@@ -16,8 +16,17 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stabledrl_mcore.checkpoint.mappings import (LLADA, MOE_TABLES, SDAR, QKV, Direct, GatedMLP,  # noqa: E402
-                                                 Mapping, ModelTable, VocabRows)
+from stabledrl_mcore.checkpoint.mappings import (  # noqa: E402
+    LLADA,
+    MOE_TABLES,
+    QKV,
+    SDAR,
+    Direct,
+    GatedMLP,
+    Mapping,
+    ModelTable,
+    VocabRows,
+)
 
 TABLE_NAMES = {"llada": LLADA, "sdar": SDAR, "sdar-moe": MOE_TABLES["sdar"]}
 HEADER = "| Megatron-Core parameter | Hugging Face tensor(s) | how |\n| --- | --- | --- |"
@@ -63,8 +72,10 @@ def main(argv=None) -> int:
     if args.check:
         stale = stale_tables(args.check)
         if stale:
-            print(f"{args.check}: stale mapping table(s) {stale}; regenerate with python tools/mapping_tables.py",
-                  file=sys.stderr)
+            print(
+                f"{args.check}: stale mapping table(s) {stale}; regenerate with python tools/mapping_tables.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     for name, table in all_tables().items():

@@ -63,17 +63,20 @@ def _peer_import(path):
     except ImportError as err:
         import transformers
 
-        raise PeerError(f"importing {path} failed on transformers {transformers.__version__} ({err}); the "
-                        "peers need einops and the transformers they were written for (4.53): see the docstring of "
-                        "tools/bench_peers.py for the side environment") from None
+        raise PeerError(
+            f"importing {path} failed on transformers {transformers.__version__} ({err}); the "
+            "peers need einops and the transformers they were written for (4.53): see the docstring of "
+            "tools/bench_peers.py for the side environment"
+        ) from None
 
 
 def git_commit(path) -> str:
     try:
         git = ["git", "-C", str(path)]
         head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "."],
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            git + ["status", "--porcelain", "--untracked-files=no", "--", "."], capture_output=True, text=True
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         marker = Path(path) / "PEER_COMMIT"  # a plain export can name its commit here
@@ -99,24 +102,39 @@ def _rms_norm_fn(x, weight, bias=None, residual=None, eps=1e-6, **_):
 
 def _flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):
     """flash_attn_func on ``[B, L, H, D]`` (GQA as flash-attn does it) through torch SDPA."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
-                                         enable_gqa=k.shape[2] != q.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        dropout_p=dropout_p,
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
     return out.transpose(1, 2)
 
 
 def _unsupported(name):
     def fn(*args, **kwargs):
         raise NotImplementedError(f"CPU stand-in: {name} is not provided (training-only path)")
+
     return fn
 
 
 def _flash_attn_modules() -> Dict[str, types.ModuleType]:
     ln = _module("flash_attn.ops.triton.layer_norm", rms_norm_fn=_rms_norm_fn)
-    pad = _module("flash_attn.bert_padding", index_first_axis=_unsupported("index_first_axis"),
-                  pad_input=_unsupported("pad_input"), unpad_input=_unsupported("unpad_input"))
-    root = _module("flash_attn", flash_attn_func=_flash_attn_func, bert_padding=pad,
-                   flash_attn_varlen_func=_unsupported("flash_attn_varlen_func"))
+    pad = _module(
+        "flash_attn.bert_padding",
+        index_first_axis=_unsupported("index_first_axis"),
+        pad_input=_unsupported("pad_input"),
+        unpad_input=_unsupported("unpad_input"),
+    )
+    root = _module(
+        "flash_attn",
+        flash_attn_func=_flash_attn_func,
+        bert_padding=pad,
+        flash_attn_varlen_func=_unsupported("flash_attn_varlen_func"),
+    )
     ops = _module("flash_attn.ops")
     triton_pkg = _module("flash_attn.ops.triton", layer_norm=ln)
     root.ops, ops.triton = ops, triton_pkg
@@ -125,9 +143,8 @@ def _flash_attn_modules() -> Dict[str, types.ModuleType]:
 
 STAND_IN_NOTES = {
     "flash_attn": "flash_attn (flash_attn_func -> torch SDPA with enable_gqa; "
-                  "ops.triton.layer_norm.rms_norm_fn -> fp32 torch RMSNorm)",
-    "sdar_peer_model.fused_linear_diffusion_cross_entropy":
-        "SDAR's fused_linear_diffusion_cross_entropy (triton training loss; import-only stub, never called)",
+    "ops.triton.layer_norm.rms_norm_fn -> fp32 torch RMSNorm)",
+    "sdar_peer_model.fused_linear_diffusion_cross_entropy": "SDAR's fused_linear_diffusion_cross_entropy (triton training loss; import-only stub, never called)",
 }
 
 
@@ -171,9 +188,14 @@ def load_fast_dllm(path) -> types.SimpleNamespace:
     if llada_dir not in sys.path:
         sys.path.insert(0, llada_dir)  # generate.py imports `model.modeling_llada`
     module = _load_file("fast_dllm_generate", gen)
-    return types.SimpleNamespace(module=module, model_cls=module.LLaDAModelLM, commit=git_commit(path),
-                                 generate=module.generate,
-                                 prefix=module.generate_with_prefix_cache, dual=module.generate_with_dual_cache)
+    return types.SimpleNamespace(
+        module=module,
+        model_cls=module.LLaDAModelLM,
+        commit=git_commit(path),
+        generate=module.generate,
+        prefix=module.generate_with_prefix_cache,
+        dual=module.generate_with_dual_cache,
+    )
 
 
 def load_llada(path) -> types.SimpleNamespace:
@@ -215,9 +237,13 @@ def load_sdar(path, greedy: bool = True) -> types.SimpleNamespace:
         note = "SDAR generate.sample_with_temperature_topk_topp -> greedy argmax (theirs cannot run temperature 0)"
         if note not in STAND_INS:
             STAND_INS.append(note)
-    return types.SimpleNamespace(module=module, generate=module.block_diffusion_generate,
-                                 model_cls=modeling.SDARForCausalLM, model_dir=str(model_dir),
-                                 commit=git_commit(path))
+    return types.SimpleNamespace(
+        module=module,
+        generate=module.block_diffusion_generate,
+        model_cls=modeling.SDARForCausalLM,
+        model_dir=str(model_dir),
+        commit=git_commit(path),
+    )
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -230,18 +256,39 @@ def _fixtures():
 def upstream_overrides(arch: str, cfg) -> dict:
     """Config keys of the upstream ``config.json`` for one of our :class:`DLLMConfig` shapes."""
     if arch == "llada":
-        return dict(d_model=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_query_groups,
-                    n_layers=cfg.num_layers, mlp_hidden_size=cfg.ffn_hidden_size, vocab_size=cfg.vocab_size,
-                    embedding_size=cfg.vocab_size, mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id,
-                    pad_token_id=cfg.pad_token_id, max_sequence_length=cfg.max_position_embeddings,
-                    rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)
-    return dict(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
-                num_hidden_layers=cfg.num_layers, max_window_layers=cfg.num_layers,
-                intermediate_size=cfg.ffn_hidden_size, vocab_size=cfg.vocab_size, mask_token_id=cfg.mask_token_id,
-                eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
-                max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.norm_eps, block_size=cfg.block_size)
+        return dict(
+            d_model=cfg.hidden_size,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_query_groups,
+            n_layers=cfg.num_layers,
+            mlp_hidden_size=cfg.ffn_hidden_size,
+            vocab_size=cfg.vocab_size,
+            embedding_size=cfg.vocab_size,
+            mask_token_id=cfg.mask_token_id,
+            eos_token_id=cfg.eos_token_id,
+            pad_token_id=cfg.pad_token_id,
+            max_sequence_length=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.norm_eps,
+        )
+    return dict(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        num_hidden_layers=cfg.num_layers,
+        max_window_layers=cfg.num_layers,
+        intermediate_size=cfg.ffn_hidden_size,
+        vocab_size=cfg.vocab_size,
+        mask_token_id=cfg.mask_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        block_size=cfg.block_size,
+    )
 
 
 def peer_config_extras(model_dir: str, arch: str) -> dict:
@@ -254,8 +301,9 @@ def peer_config_extras(model_dir: str, arch: str) -> dict:
     return {k: v for k, v in json.load(open(path)).items() if k not in base and k != "attn_implementation"}
 
 
-def build_checkpoints(arch: str, cfg, work: str, model_arg: str, seed: int = 0, fresh: bool = False,
-                      extra: Optional[dict] = None) -> tuple:
+def build_checkpoints(
+    arch: str, cfg, work: str, model_arg: str, seed: int = 0, fresh: bool = False, extra: Optional[dict] = None
+) -> tuple:
     """``(hf_dir, mcore_dir)``: a random upstream-format model and our conversion of it
     (``stabledrl convert hf-to-mcore --verify``); an existing pair of the same config is reused."""
     work = os.path.abspath(work)
@@ -263,8 +311,12 @@ def build_checkpoints(arch: str, cfg, work: str, model_arg: str, seed: int = 0, 
     overrides = {**(extra or {}), **upstream_overrides(arch, cfg)}
     stamp = json.dumps({"overrides": overrides, "seed": seed, "model": model_arg}, sort_keys=True)
     stamp_file = os.path.join(work, f"{arch}.stamp")
-    if not fresh and os.path.isfile(stamp_file) and open(stamp_file).read() == stamp \
-            and os.path.isfile(os.path.join(out, "stabledrl_model.json")):
+    if (
+        not fresh
+        and os.path.isfile(stamp_file)
+        and open(stamp_file).read() == stamp
+        and os.path.isfile(os.path.join(out, "stabledrl_model.json"))
+    ):
         return hf_dir, out
     import shutil
 
@@ -275,8 +327,21 @@ def build_checkpoints(arch: str, cfg, work: str, model_arg: str, seed: int = 0, 
     import stabledrl_mcore
 
     env["PYTHONPATH"] = os.pathsep.join([str(Path(stabledrl_mcore.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "convert", "hf-to-mcore", "--model", model_arg,
-           "--hf-dir", hf_dir, "--out", out, "--verify", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stabledrl_mcore.cli",
+        "convert",
+        "hf-to-mcore",
+        "--model",
+        model_arg,
+        "--hf-dir",
+        hf_dir,
+        "--out",
+        out,
+        "--verify",
+        "--no-progress",
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=work)  # not a cwd holding another copy
     if run.returncode:
         raise PeerError(f"conversion failed ({' '.join(cmd)}): {run.stderr.strip().splitlines()[-1:]}")

@@ -35,7 +35,7 @@ SHARED = {
     "model.dtype": f"{RC} `precision: bf16`",
     "model.recompute": f"{RC} `activation_checkpointing: whole_layer`",
     "parallel.tensor_parallel": f"{OURS}: 8B full-parameter Adam fits TP=2 with the distributed optimizer "
-                                "(`stabledrl plan`)",
+    "(`stabledrl plan`)",
     "parallel.pipeline_parallel": f"{OURS}: TP x DP fits; PP=2 in `llada_8b_stabledrl_tp4pp2.yaml`",
     "parallel.micro_batch_size": f"{OURS}: memory per forward (does not change the update)",
     "parallel.seed": f"{RC} `seed: 113`",
@@ -82,10 +82,12 @@ PER_RECIPE = {
     "llada_8b_stabledrl_release_sudoku": {"rollout.task": f"{RC} `sudoku_spg_snis.yaml`"},
     "llada_8b_stabledrl_release_gsm8k": {
         "rollout.task": f"{RC} `gsm8k_math_spg_snis.yaml` (`sampling_weights: [0.0, 1.0]`: GSM8K only)",
-        "rollout.data_path": f"{OURS}: the GSM8K train split as JSONL (see the task's docstring)"},
+        "rollout.data_path": f"{OURS}: the GSM8K train split as JSONL (see the task's docstring)",
+    },
     "llada_8b_stabledrl_release_math": {
         "rollout.task": f"{RC} `math_spg_snis.yaml` (`qwedsacf/competition_math`, MATH only)",
-        "rollout.data_path": f"{OURS}: the MATH training set in MATH500's JSONL fields (problem, solution, answer)"},
+        "rollout.data_path": f"{OURS}: the MATH training set in MATH500's JSONL fields (problem, solution, answer)",
+    },
     "llada_8b_stabledrl": {
         "algo.loss": "StableDRL paper (Zhong et al. 2026), Sec. 3: unconditional clip + self-normalisation",
         "algo.eps": "StableDRL paper: clip range [1 - eps, 1 + eps] with eps 0.2",
@@ -94,10 +96,10 @@ PER_RECIPE = {
         "algo.loss": "StableDRL paper (Zhong et al. 2026), Sec. 3: unconditional clip + self-normalisation",
         "algo.eps": "StableDRL paper: clip range [1 - eps, 1 + eps] with eps 0.2",
         "parallel.tensor_parallel": f"{OURS}: TP=4 x PP=2 on 2 nodes (DP=2) for where TP=2 x DP does not fit "
-                                    "(longer sequences, larger models; `stabledrl plan`)",
+        "(longer sequences, larger models; `stabledrl plan`)",
         "parallel.pipeline_parallel": f"{OURS}: 2 stages of 16 layers (Megatron's 1F1B schedule)",
         "parallel.micro_batch_size": f"{OURS}: 256 sequences per DP rank in 32 micro-batches per pipeline "
-                                     "call (bubble 3%), 8 rows per decode",
+        "call (bubble 3%), 8 rows per decode",
         "logging.run_dir": f"{OURS}: its own run directory",
     },
     "llada_8b_grpo": {
@@ -114,7 +116,7 @@ PER_RECIPE = {
         "model.recompute": f"{OURS}: full-parameter 8B needs it (ESPO: LoRA, no gradient checkpointing)",
         "rollout.task": "ESPO `recipes/run_countdown_llada.sh` `DATASET=countdown`",
         "rollout.prompts_per_step": f"{ESY} `per_device_train_batch_size: 2` x `gradient_accumulation_steps: 5` x "
-                                    "8 GPUs / 10 completions = 8",
+        "8 GPUs / 10 completions = 8",
         "rollout.group_size": f"{ESY} `num_generations: 10`",
         "rollout.gen_length": f"{ESY} `max_completion_length: 256`",
         "rollout.steps": f"{ESY} `diffusion_steps: 256`",
@@ -131,8 +133,8 @@ PER_RECIPE = {
         "algo.length_normalize": f"{EST} the ratio divides dELBO by `logits_to_keep`",
         "algo.normalize_by": f"{EST} `logits_to_keep` = the generation width",
         "algo.kl_coef": f"{ESY} `beta: 0.01` on k2 of the unnormalised ELBO / width = 0.01 x 256 on k2 of the "
-                        "width-normalised ELBO used here",
-        "algo.kl_estimator": f"{EST} `compute_approx_kl(..., \"k2\")`",
+        "width-normalised ELBO used here",
+        "algo.kl_estimator": f'{EST} `compute_approx_kl(..., "k2")`',
         "algo.reference_sync_every": f"{ESY} `sync_ref_model: True`, `ref_model_sync_steps: 64`",
         "algo.reference_mixup": "TRL `GRPOConfig` default `ref_model_mixup_alpha: 0.6`",
         "optim.name": "TRL's default optimizer, AdamW",
@@ -197,14 +199,19 @@ PER_RECIPE = {
         "algo.likelihood": "StableDRL paper: the staircase block ELBO for block diffusion",
         "algo.num_mc": f"{OURS}: the staircase scores every block in one pass",
         "algo.inner_iterations": "as the release: 2",
-        "model.dtype": "as the release: bf16", "model.recompute": "as the release: whole-layer recompute",
-        "optim.name": "as the release: AdamW", "optim.betas": "as the release", "optim.weight_decay": "as the release",
-        "optim.clip_grad": "as the release: 0.2", "optim.lr": "as the release's math recipes: 2e-6",
-        "checkpoint.save_every": "as the release: 25 ticks", "steps": f"{OURS}: 2000 rollout batches",
+        "model.dtype": "as the release: bf16",
+        "model.recompute": "as the release: whole-layer recompute",
+        "optim.name": "as the release: AdamW",
+        "optim.betas": "as the release",
+        "optim.weight_decay": "as the release",
+        "optim.clip_grad": "as the release: 0.2",
+        "optim.lr": "as the release's math recipes: 2e-6",
+        "checkpoint.save_every": "as the release: 25 ticks",
+        "steps": f"{OURS}: 2000 rollout batches",
     },
     "sdar_30b_a3b_stabledrl": {
         "model.preset": f"{OURS}: JetLM/SDAR-30B-A3B-Chat (Qwen3-30B-A3B's 128 experts, top-8); router losses "
-                        "off (`moe_aux_loss_coeff` 0: RL should not re-balance the released routing)",
+        "off (`moe_aux_loss_coeff` 0: RL should not re-balance the released routing)",
         "model.checkpoint": f"{OURS}: where the converted SDAR-30B-A3B-Chat goes (no MoE converter yet)",
         "parallel.tensor_parallel": f"{OURS}: TP=1; the experts are split by expert parallelism instead",
         "parallel.pipeline_parallel": f"{OURS}: PP=1 (expert parallelism with PP > 1 is refused)",
@@ -216,16 +223,31 @@ PER_RECIPE = {
     "tiny_cpu": {
         "model.preset": f"{OURS}: the laptop-CPU smoke run",
         "model.dtype": f"{OURS}: fp32 on CPU",
-        "parallel.tensor_parallel": OURS, "parallel.pipeline_parallel": OURS, "parallel.micro_batch_size": OURS,
+        "parallel.tensor_parallel": OURS,
+        "parallel.pipeline_parallel": OURS,
+        "parallel.micro_batch_size": OURS,
         "parallel.threads": f"{OURS}: one thread is fastest for tiny models",
-        "rollout.task": f"{OURS}: generated 4x4 Sudoku", "rollout.prompt_style": f"{OURS}: bare puzzles",
-        "rollout.prompts_per_step": OURS, "rollout.group_size": OURS, "rollout.gen_length": "16 cells",
-        "rollout.steps": OURS, "rollout.block_length": OURS, "rollout.temperature": OURS,
-        "algo.loss": "StableDRL paper, Sec. 3", "algo.eps": "StableDRL paper: 0.2",
-        "algo.inner_iterations": "as the release: 2", "algo.likelihood": f"{OURS}: the plain ELBO",
-        "algo.num_mc": "as the release: 2", "optim.name": "AdamW", "optim.lr": f"{OURS}: tiny models train fast",
-        "optim.weight_decay": OURS, "optim.clip_grad": OURS, "checkpoint.save_every": OURS,
-        "checkpoint.keep_last": OURS, "logging.run_dir": OURS, "steps": OURS,
+        "rollout.task": f"{OURS}: generated 4x4 Sudoku",
+        "rollout.prompt_style": f"{OURS}: bare puzzles",
+        "rollout.prompts_per_step": OURS,
+        "rollout.group_size": OURS,
+        "rollout.gen_length": "16 cells",
+        "rollout.steps": OURS,
+        "rollout.block_length": OURS,
+        "rollout.temperature": OURS,
+        "algo.loss": "StableDRL paper, Sec. 3",
+        "algo.eps": "StableDRL paper: 0.2",
+        "algo.inner_iterations": "as the release: 2",
+        "algo.likelihood": f"{OURS}: the plain ELBO",
+        "algo.num_mc": "as the release: 2",
+        "optim.name": "AdamW",
+        "optim.lr": f"{OURS}: tiny models train fast",
+        "optim.weight_decay": OURS,
+        "optim.clip_grad": OURS,
+        "checkpoint.save_every": OURS,
+        "checkpoint.keep_last": OURS,
+        "logging.run_dir": OURS,
+        "steps": OURS,
     },
 }
 
@@ -251,10 +273,14 @@ def flatten(tree, prefix=""):
 
 
 def render() -> str:
-    lines = ["# The recipes, line by line", "",
-             "Every line of every recipe in `examples/configs/`, with where its value comes from. "
-             f"\"{REL}\" is the code the paper released; \"{OURS}\" marks a value this project chose, and why. "
-             "Written by `python tools/recipe_sources.py` (a test checks it is current).", ""]
+    lines = [
+        "# The recipes, line by line",
+        "",
+        "Every line of every recipe in `examples/configs/`, with where its value comes from. "
+        f'"{REL}" is the code the paper released; "{OURS}" marks a value this project chose, and why. '
+        "Written by `python tools/recipe_sources.py` (a test checks it is current).",
+        "",
+    ]
     missing = []
     for path in sorted(glob.glob(os.path.join(ROOT, "examples", "configs", "*.yaml"))):
         name = os.path.basename(path)[:-5]
@@ -271,8 +297,9 @@ def render() -> str:
             lines.append(f"| `{key}` | `{shown}` | {cell} |")
         lines.append("")
     if missing:
-        raise SystemExit("recipe lines without a source (add them to tools/recipe_sources.py):\n  "
-                         + "\n  ".join(missing))
+        raise SystemExit(
+            "recipe lines without a source (add them to tools/recipe_sources.py):\n  " + "\n  ".join(missing)
+        )
     return "\n".join(lines)
 
 

@@ -117,8 +117,14 @@ def munge_works() -> bool:
 class LocalSlurmCluster:
     """A SLURM cluster of ``nodes`` emulated nodes on this host, rooted at ``root``."""
 
-    def __init__(self, root, nodes: Sequence[str] = ("n1", "n2"), cpus_per_node: int = 2,
-                 partition: str = "debug", timeout: float = 60.0):
+    def __init__(
+        self,
+        root,
+        nodes: Sequence[str] = ("n1", "n2"),
+        cpus_per_node: int = 2,
+        partition: str = "debug",
+        timeout: float = 60.0,
+    ):
         self.root = Path(root).resolve()
         self.nodes = list(nodes)
         self.cpus_per_node = cpus_per_node
@@ -136,8 +142,7 @@ class LocalSlurmCluster:
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
         """Run a SLURM client command against this cluster; returns the completed process."""
-        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True,
-                              check=check, timeout=timeout)
+        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, check=check, timeout=timeout)
 
     # ---- configuration
     def write_config(self) -> None:
@@ -185,10 +190,13 @@ class LocalSlurmCluster:
             "SlurmdDebug=info",
         ]
         for node, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={host} Port={port} "
-                         f"CPUs={self.cpus_per_node} State=UNKNOWN")
-        lines.append(f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES "
-                     "MaxTime=INFINITE State=UP")
+            lines.append(
+                f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={host} Port={port} "
+                f"CPUs={self.cpus_per_node} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
 
     # ---- daemons
@@ -210,8 +218,12 @@ class LocalSlurmCluster:
         MUNGE_SOCKET.parent.chmod(0o755)
         pid_file = MUNGE_SOCKET.parent / "munged.pid"
         # --force: a stale socket left by a killed munged must not block the start.
-        subprocess.run(["runuser", "-u", "munge", "--", _which("munged"), "--force",
-                        f"--pid-file={pid_file}"], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            ["runuser", "-u", "munge", "--", _which("munged"), "--force", f"--pid-file={pid_file}"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         self._wait(munge_works, "munged to answer")
         return _read_pid(pid_file)
 
@@ -224,11 +236,11 @@ class LocalSlurmCluster:
         try:
             state["munged_pid"] = self._ensure_munge()
             self.state_file.write_text(json.dumps(state))
-            subprocess.run([_which("slurmctld"), "-f", str(self.conf)], check=True,
-                           capture_output=True, timeout=30)
+            subprocess.run([_which("slurmctld"), "-f", str(self.conf)], check=True, capture_output=True, timeout=30)
             for node in self.nodes:
-                subprocess.run([_which("slurmd"), "-f", str(self.conf), "-N", node], check=True,
-                               capture_output=True, timeout=30)
+                subprocess.run(
+                    [_which("slurmd"), "-f", str(self.conf), "-N", node], check=True, capture_output=True, timeout=30
+                )
             self._wait(self._nodes_idle, "nodes to be idle")
         except BaseException:
             self.stop()
@@ -244,8 +256,9 @@ class LocalSlurmCluster:
         deadline = time.monotonic() + self.timeout
         while not ready():
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out after {self.timeout:.0f} s waiting for {what}; "
-                                   f"logs: {self.root / 'log'}\n{self.logs()}")
+                raise ClusterError(
+                    f"timed out after {self.timeout:.0f} s waiting for {what}; logs: {self.root / 'log'}\n{self.logs()}"
+                )
             time.sleep(0.2)
 
     def logs(self, tail: int = 30) -> str:
@@ -265,8 +278,7 @@ class LocalSlurmCluster:
             if jobs:
                 self.run("scancel", *jobs, check=False)
                 deadline = time.monotonic() + 20
-                while (self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
-                       and time.monotonic() < deadline):
+                while self.run("squeue", "-h", "-o", "%i", check=False).stdout.split() and time.monotonic() < deadline:
                     time.sleep(0.5)
         # Read every pid file first: slurmd removes its own on exit.
         daemons = [(_read_pid(run_dir / f"slurmd.{node}.pid"), "slurmd") for node in self._state_nodes()]
@@ -312,8 +324,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cluster.start()
     except (ClusterError, subprocess.SubprocessError, OSError) as err:
         detail = getattr(err, "stderr", None)
-        print(f"slurm_local_cluster: {err}{': ' + detail.decode(errors='replace') if isinstance(detail, bytes) else ''}",
-              file=sys.stderr)
+        print(
+            f"slurm_local_cluster: {err}{': ' + detail.decode(errors='replace') if isinstance(detail, bytes) else ''}",
+            file=sys.stderr,
+        )
         return 1
     print(f"export SLURM_CONF={cluster.conf}")
     return 0

@@ -71,8 +71,7 @@ def leave_one_out_advantages(rewards: Tensor, groups: Groups, eps: float) -> Ten
     return centered_advantages(rewards, groups, eps) * scale
 
 
-def group_advantages(rewards: Tensor, group_index: Tensor, *, mode: str = "center",
-                     eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_index: Tensor, *, mode: str = "center", eps: float = 1e-6) -> Tensor:
     """Advantages [N] (float, no gradient) from rewards [N] and group_index [N]."""
     fn = get_advantage(mode)
     check_tensor("rewards", rewards, ndim=1)

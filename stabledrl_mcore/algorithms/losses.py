@@ -43,22 +43,42 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.algorithms.losses_common import KL_ESTIMATORS, Groups, check_eps, check_group_index, check_options, check_same_shape, check_tensor, collect_metrics, kl_estimate, work_dtype
-from stabledrl_mcore.common.registry import unknown_name_error
-from stabledrl_mcore.common.registry import Registry
+from stabledrl_mcore.algorithms.losses_common import (
+    KL_ESTIMATORS,
+    Groups,
+    check_eps,
+    check_group_index,
+    check_options,
+    check_same_shape,
+    check_tensor,
+    collect_metrics,
+    kl_estimate,
+    work_dtype,
+)
+from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.algorithms.token_losses import (  # noqa: F401  (re-exported)
     available_token_policy_losses,
     get_token_policy_loss,
     register_token_policy_loss,
     token_policy_loss,
 )
-from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
+from stabledrl_mcore.common.registry import Registry, unknown_name_error
 
 __all__ = [
-    "LossTerms", "RatioNoise", "SequenceBatch", "available_policy_losses", "available_token_policy_losses",
-    "get_policy_loss", "get_token_policy_loss", "register_policy_loss", "register_token_policy_loss",
-    "sequence_policy_loss", "spg_select_bound", "token_policy_loss",
+    "LossTerms",
+    "RatioNoise",
+    "SequenceBatch",
+    "available_policy_losses",
+    "available_token_policy_losses",
+    "get_policy_loss",
+    "get_token_policy_loss",
+    "register_policy_loss",
+    "register_token_policy_loss",
+    "sequence_policy_loss",
+    "spg_select_bound",
+    "token_policy_loss",
 ]
+
 
 @dataclass(frozen=True)
 class SequenceBatch:
@@ -195,8 +215,7 @@ def espo_loss(b: SequenceBatch, *, lengths: Tensor | None = None) -> LossTerms:
     if lengths is None:
         length = torch.ones_like(b.logp.detach())
     else:
-        check_tensor("lengths", lengths, ndim=1,
-                     floating=isinstance(lengths, Tensor) and lengths.is_floating_point())
+        check_tensor("lengths", lengths, ndim=1, floating=isinstance(lengths, Tensor) and lengths.is_floating_point())
         check_same_shape("logp", b.logp, lengths=lengths)
         length = lengths.detach().to(device=b.logp.device, dtype=b.logp.dtype)
         if bool((length <= 0).any()):
@@ -306,8 +325,11 @@ def sequence_policy_loss(
         check_tensor("old_ratio_logp", old_ratio_logp)
         check_same_shape("logp", logp, ratio_logp=ratio_logp, old_ratio_logp=old_ratio_logp)
     if completion_lengths is not None:
-        check_tensor("completion_lengths", completion_lengths,
-                     floating=isinstance(completion_lengths, Tensor) and completion_lengths.is_floating_point())
+        check_tensor(
+            "completion_lengths",
+            completion_lengths,
+            floating=isinstance(completion_lengths, Tensor) and completion_lengths.is_floating_point(),
+        )
         check_same_shape("logp", logp, completion_lengths=completion_lengths)
 
     dtype = work_dtype(logp, old_logp, advantages)
@@ -320,8 +342,7 @@ def sequence_policy_loss(
             raise TypeError(f"ratio_noise must be a RatioNoise, got {type(ratio_noise).__name__}")
         if noise_generator is None:
             raise ValueError("ratio_noise needs noise_generator (its own torch.Generator)")
-        r_old = r_old - ratio_noise.sample(r_old.shape, generator=noise_generator, device=r_old.device,
-                                           dtype=dtype)
+        r_old = r_old - ratio_noise.sample(r_old.shape, generator=noise_generator, device=r_old.device, dtype=dtype)
     groups = Groups.from_index(group_index, dtype)
     adv = advantages.detach().to(dtype)
     lengths = None if completion_lengths is None else completion_lengths.detach().to(dtype)
@@ -332,7 +353,16 @@ def sequence_policy_loss(
         kl = groups.mean(kl_estimate(logp_w, ref_logp.to(dtype), kl_estimator)).mean()
         if kl_coef > 0:
             total = total + kl_coef * kl
-    metrics = collect_metrics(name, total=total, policy=terms.loss, kl=kl, log_ratio=terms.log_ratio,
-                              clipped_low=terms.clipped_low, clipped_high=terms.clipped_high,
-                              groups=groups, weights=terms.weights, advantages=adv)
+    metrics = collect_metrics(
+        name,
+        total=total,
+        policy=terms.loss,
+        kl=kl,
+        log_ratio=terms.log_ratio,
+        clipped_low=terms.clipped_low,
+        clipped_high=terms.clipped_high,
+        groups=groups,
+        weights=terms.weights,
+        advantages=adv,
+    )
     return total, metrics

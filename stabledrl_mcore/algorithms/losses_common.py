@@ -6,8 +6,6 @@ Everything here is a pure function of tensors; nothing reads global state.
 
 from __future__ import annotations
 
-from stabledrl_mcore.common.registry import unknown_name_error
-
 import inspect
 import math
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import Tensor
 
+from stabledrl_mcore.common.registry import unknown_name_error
 
 F = TypeVar("F", bound=Callable)
 
@@ -204,9 +203,11 @@ def raise_if_nonfinite_loss(name: str, loss_value: float, log_ratio: Tensor, dty
 def option_names(fn: Callable, *, configurable: bool = False) -> tuple:
     """The keyword-only options of the loss ``fn``; ``configurable``: those a config file can
     give (not the tensor-valued ones, such as espo's ``lengths``)."""
-    return tuple(p for p, v in inspect.signature(fn).parameters.items()
-                 if v.kind is inspect.Parameter.KEYWORD_ONLY
-                 and not (configurable and "Tensor" in str(v.annotation)))
+    return tuple(
+        p
+        for p, v in inspect.signature(fn).parameters.items()
+        if v.kind is inspect.Parameter.KEYWORD_ONLY and not (configurable and "Tensor" in str(v.annotation))
+    )
 
 
 def check_options(kind: str, name: str, fn: Callable, options: dict) -> None:
@@ -214,13 +215,25 @@ def check_options(kind: str, name: str, fn: Callable, options: dict) -> None:
     accepted = option_names(fn)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise TypeError(f"{kind} {name!r} got unknown option(s) {unknown}; it accepts: "
-                        f"{', '.join(accepted) if accepted else 'none'}")
+        raise TypeError(
+            f"{kind} {name!r} got unknown option(s) {unknown}; it accepts: "
+            f"{', '.join(accepted) if accepted else 'none'}"
+        )
 
 
-def collect_metrics(name: str, *, total: Tensor, policy: Tensor, kl: Tensor | None,
-                    log_ratio: Tensor, clipped_low: Tensor, clipped_high: Tensor,
-                    groups: Groups, weights: Tensor, advantages: Tensor) -> dict[str, float]:
+def collect_metrics(
+    name: str,
+    *,
+    total: Tensor,
+    policy: Tensor,
+    kl: Tensor | None,
+    log_ratio: Tensor,
+    clipped_low: Tensor,
+    clipped_high: Tensor,
+    groups: Groups,
+    weights: Tensor,
+    advantages: Tensor,
+) -> dict[str, float]:
     """All diagnostics as floats (one sync); raises on a non-finite loss."""
     values = {"loss": total.detach(), "policy_loss": policy.detach()}
     values.update(ratio_diagnostics(log_ratio, clipped_low, clipped_high))

@@ -48,17 +48,30 @@ class RatioNoise:
         if not (math.isfinite(self.dof) and self.dof > 0):
             raise ValueError(f"ratio-noise dof must be finite and > 0, got {self.dof}")
 
-    def sample(self, shape: torch.Size | tuple[int, ...], *, generator: torch.Generator,
-               device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def sample(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        *,
+        generator: torch.Generator,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         """Draw log-ratio noise n of ``shape`` from ``generator`` (see module docstring)."""
-        return sample_log_ratio_noise(shape, kind=self.kind, sigma=self.sigma, dof=self.dof,
-                                      generator=generator, device=device, dtype=dtype)
+        return sample_log_ratio_noise(
+            shape, kind=self.kind, sigma=self.sigma, dof=self.dof, generator=generator, device=device, dtype=dtype
+        )
 
 
-def sample_log_ratio_noise(shape: torch.Size | tuple[int, ...], *, kind: str = "lognormal",
-                           sigma: float = 1.0, dof: float = 3.0, generator: torch.Generator,
-                           device: torch.device | str | None = None,
-                           dtype: torch.dtype = torch.float32) -> Tensor:
+def sample_log_ratio_noise(
+    shape: torch.Size | tuple[int, ...],
+    *,
+    kind: str = "lognormal",
+    sigma: float = 1.0,
+    dof: float = 3.0,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """Zero-location noise on the log-ratio, drawn in float64 on the generator's device.
 
     lognormal: n = sigma * z, z ~ N(0, 1).
@@ -79,13 +92,20 @@ def sample_log_ratio_noise(shape: torch.Size | tuple[int, ...], *, kind: str = "
     return noise.to(device=device if device is not None else gen_device, dtype=dtype)
 
 
-def perturb_log_ratio(log_ratio: Tensor, *, kind: str = "lognormal", sigma: float = 1.0,
-                      dof: float = 3.0, generator: torch.Generator) -> Tensor:
+def perturb_log_ratio(
+    log_ratio: Tensor, *, kind: str = "lognormal", sigma: float = 1.0, dof: float = 3.0, generator: torch.Generator
+) -> Tensor:
     """Return ``log_ratio + n`` with n detached noise (i.e. rho -> rho * exp(n)).
 
     Gradients of the result with respect to ``log_ratio`` are the identity.
     """
-    noise = sample_log_ratio_noise(log_ratio.shape, kind=kind, sigma=sigma, dof=dof,
-                                   generator=generator, device=log_ratio.device,
-                                   dtype=log_ratio.dtype)
+    noise = sample_log_ratio_noise(
+        log_ratio.shape,
+        kind=kind,
+        sigma=sigma,
+        dof=dof,
+        generator=generator,
+        device=log_ratio.device,
+        dtype=log_ratio.dtype,
+    )
     return log_ratio + noise

@@ -20,10 +20,20 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.algorithms.losses_common import KL_ESTIMATORS, Groups, check_eps, check_group_index, check_options, check_same_shape, check_tensor, collect_metrics, kl_estimate, work_dtype
-from stabledrl_mcore.common.registry import unknown_name_error
-from stabledrl_mcore.common.registry import Registry
+from stabledrl_mcore.algorithms.losses_common import (
+    KL_ESTIMATORS,
+    Groups,
+    check_eps,
+    check_group_index,
+    check_options,
+    check_same_shape,
+    check_tensor,
+    collect_metrics,
+    kl_estimate,
+    work_dtype,
+)
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
+from stabledrl_mcore.common.registry import Registry, unknown_name_error
 
 
 @dataclass(frozen=True)
@@ -139,8 +149,9 @@ def token_policy_loss(
     check_tensor("advantages", advantages, ndim=1)
     if advantages.shape[0] != n:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({n},)")
-    check_tensor("token_mask", token_mask, floating=token_mask.is_floating_point()
-                 if isinstance(token_mask, Tensor) else True)
+    check_tensor(
+        "token_mask", token_mask, floating=token_mask.is_floating_point() if isinstance(token_mask, Tensor) else True
+    )
     check_same_shape("logp_tok", logp_tok, token_mask=token_mask)
     check_group_index(group_index, n)
     eps = check_eps(eps)
@@ -182,8 +193,16 @@ def token_policy_loss(
             kl = _masked_seq_mean(per_token, mask).mean()
         if kl_coef > 0:
             total = total + kl_coef * kl
-    metrics = collect_metrics(name, total=total, policy=terms.loss, kl=kl,
-                              log_ratio=terms.log_ratio[selected], clipped_low=terms.clipped_low[selected],
-                              clipped_high=terms.clipped_high[selected], groups=groups,
-                              weights=terms.seq_weights, advantages=adv)
+    metrics = collect_metrics(
+        name,
+        total=total,
+        policy=terms.loss,
+        kl=kl,
+        log_ratio=terms.log_ratio[selected],
+        clipped_low=terms.clipped_low[selected],
+        clipped_high=terms.clipped_high[selected],
+        groups=groups,
+        weights=terms.seq_weights,
+        advantages=adv,
+    )
     return total, metrics

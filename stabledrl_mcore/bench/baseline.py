@@ -32,18 +32,13 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
-from stabledrl_mcore.engine.seeding import derive_seed
-from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos
-from stabledrl_mcore.tasks.prompts import encode_prompts
-from stabledrl_mcore.engine.seeding import chunk_generators
-from stabledrl_mcore.engine.seeding import first_chunk
-from stabledrl_mcore.rl.estimates import draw_plan
-from stabledrl_mcore.rl.estimates import sequence_estimates
 from stabledrl_mcore.algorithms.losses import sequence_policy_loss
-from stabledrl_mcore.rl.rollout import score_rollouts
-from stabledrl_mcore.bench.phases import fill_flat_groups
-from stabledrl_mcore.bench.phases import phase_jobs
+from stabledrl_mcore.bench.phases import fill_flat_groups, phase_jobs
+from stabledrl_mcore.engine.seeding import chunk_generators, derive_seed, first_chunk
+from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
+from stabledrl_mcore.rl.estimates import draw_plan, sequence_estimates
+from stabledrl_mcore.rl.rollout import RolloutBatch, completion_mask_until_eos, score_rollouts
+from stabledrl_mcore.tasks.prompts import encode_prompts
 
 
 def hf_model(cfg, dtype: torch.dtype = torch.float32):
@@ -52,22 +47,41 @@ def hf_model(cfg, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     transformers.logging.set_verbosity_error()
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
-                  head_dim=cfg.kv_channels, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                  tie_word_embeddings=False, max_position_embeddings=cfg.max_position_embeddings,
-                  attention_bias=False, attn_implementation="sdpa", initializer_range=cfg.init_std)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        max_position_embeddings=cfg.max_position_embeddings,
+        attention_bias=False,
+        attn_implementation="sdpa",
+        initializer_range=cfg.init_std,
+    )
     if cfg.arch == "llada":
         model = LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     elif cfg.is_moe:  # every layer sparse, the router's top-k (renormalised as ours), no aux loss
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[], num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-            norm_topk_prob=cfg.moe_norm_topk_prob, output_router_logits=False, router_aux_loss_coef=0.0,
-            **common))
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                use_sliding_window=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                num_experts=cfg.num_experts,
+                num_experts_per_tok=cfg.moe_router_topk,
+                moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                norm_topk_prob=cfg.moe_norm_topk_prob,
+                output_router_logits=False,
+                router_aux_loss_coef=0.0,
+                **common,
+            )
+        )
     else:
         model = Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))
     return model.to(dtype)
@@ -77,7 +91,8 @@ def additive(blocked: torch.Tensor, batch: int, dtype=torch.float32) -> torch.Te
     """Bool mask (True = blocked, broadcastable to ``[B, 1, S, K]``) -> additive float mask."""
     shape = (batch, 1, blocked.shape[-2], blocked.shape[-1])
     return torch.zeros(shape, dtype=dtype, device=blocked.device).masked_fill(
-        blocked.expand(shape), torch.finfo(dtype).min)
+        blocked.expand(shape), torch.finfo(dtype).min
+    )
 
 
 class BaselineStep:
@@ -92,8 +107,9 @@ class BaselineStep:
         self.dtype = dtype
         self.model = hf_model(self.dcfg, dtype).to(self.device).train()
         o = self.cfg.optim
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                                     weight_decay=o.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+        )
         self.batch = dataclasses.replace(ours.batch)
         self.train()  # leaves gradients for the isolated optimizer phase
 
@@ -167,8 +183,12 @@ class BaselineStep:
         schedule = [base + (1 if i < rem else 0) for i in range(r.steps)]
         cache, prefill = DynamicCache(), (P // bs) * bs
         if prefill:  # prompt blocks into the cache (block-causal)
-            self._logits(x[:, :prefill], block_causal_mask(prefill, bs) | padding_mask(keys[:, :prefill]),
-                         pos[:, :prefill], cache)
+            self._logits(
+                x[:, :prefill],
+                block_causal_mask(prefill, bs) | padding_mask(keys[:, :prefill]),
+                pos[:, :prefill],
+                cache,
+            )
         for blk in range(P // bs, total // bs):
             s, e = blk * bs, (blk + 1) * bs
             blocked = padding_mask(keys[:, :e]).expand(B, 1, bs, e)  # a block sees the cache and itself
@@ -200,17 +220,24 @@ class BaselineStep:
         prompt, valid = prompt.repeat_interleave(r.group_size, 0), valid.repeat_interleave(r.group_size, 0)
         fn = self._generate_llada if self.dcfg.arch == "llada" else self._generate_sdar
         mb = self.cfg.parallel.micro_batch_size
-        seqs = torch.cat([fn(prompt[i:i + mb], valid[i:i + mb], self._generator(k))
-                          for k, i in enumerate(range(0, prompt.shape[0], mb))])
+        seqs = torch.cat(
+            [
+                fn(prompt[i : i + mb], valid[i : i + mb], self._generator(k))
+                for k, i in enumerate(range(0, prompt.shape[0], mb))
+            ]
+        )
         width = prompt.shape[1]
         comp = torch.zeros_like(seqs, dtype=torch.bool)
         comp[:, width:] = completion_mask_until_eos(seqs[:, width:], s.tokenizer.eos_token_id)
         return RolloutBatch(
-            sequences=seqs, prompt_len=width,
+            sequences=seqs,
+            prompt_len=width,
             prompt_valid=torch.cat([valid, torch.ones_like(seqs[:, width:], dtype=torch.bool)], 1),
-            completion_mask=comp, group_index=torch.arange(len(examples)).repeat_interleave(r.group_size),
+            completion_mask=comp,
+            group_index=torch.arange(len(examples)).repeat_interleave(r.group_size),
             completions=[s.tokenizer.decode(row.tolist()) for row in seqs[:, width:]],
-            references=[ex.reference for ex in examples for _ in range(r.group_size)])
+            references=[ex.reference for ex in examples for _ in range(r.group_size)],
+        )
 
     def rollout(self) -> float:
         batch = self.generate()
@@ -249,15 +276,22 @@ class BaselineStep:
 
     def all_token_logp(self, batch, plan, spec) -> torch.Tensor:
         mb = self.cfg.parallel.micro_batch_size
-        draws = [torch.cat([self.token_logp(batch, plan, spec, slice(i, i + mb), m)
-                            for i in range(0, batch.size, mb)]) for m in range(plan.num_mc)]
+        draws = [
+            torch.cat([self.token_logp(batch, plan, spec, slice(i, i + mb), m) for i in range(0, batch.size, mb)])
+            for m in range(plan.num_mc)
+        ]
         return torch.stack(draws).cpu()
 
     def _plan(self, batch, spec):
         """The masks of the step: the same draws as ours (identical work on both sides)."""
 
-        return draw_plan(batch, spec, chunk_generators(self.cfg, 0)("masks"),
-                         micro_batch=self.cfg.parallel.micro_batch_size, first_chunk=first_chunk(self.ours.s))
+        return draw_plan(
+            batch,
+            spec,
+            chunk_generators(self.cfg, 0)("masks"),
+            micro_batch=self.cfg.parallel.micro_batch_size,
+            first_chunk=first_chunk(self.ours.s),
+        )
 
     def likelihood(self, name: str) -> float:
 
@@ -273,8 +307,9 @@ class BaselineStep:
 
         tok = self.all_token_logp(batch, batch.plan, spec)
         logp = sequence_estimates(tok, batch.plan, batch, spec)
-        value, _ = sequence_policy_loss(self.cfg.algo.loss, logp, batch.old_logp, batch.advantages,
-                                        batch.group_index, eps=self.cfg.algo.eps)
+        value, _ = sequence_policy_loss(
+            self.cfg.algo.loss, logp, batch.old_logp, batch.advantages, batch.group_index, eps=self.cfg.algo.eps
+        )
         return value
 
     def train(self, batch=None) -> float:

@@ -30,7 +30,9 @@ still run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -43,24 +45,19 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from stabledrl_mcore.models import default_device
-from stabledrl_mcore.models import get_preset
-from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
-from stabledrl_mcore.models import build_model
-from stabledrl_mcore.models.specs import te_unavailable_reason
-from stabledrl_mcore.models import AttentionLayout, staircase_position_ids
-import gc
+
 from stabledrl_mcore.bench.memory import _reset_peak, _status
-from stabledrl_mcore.diffusion.likelihood import gather_log_probs
+from stabledrl_mcore.bench.peak import _cpu_name, describe
+from stabledrl_mcore.bench.report import write_json
+from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
 from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.diffusion.likelihood import gather_log_probs
+from stabledrl_mcore.models import AttentionLayout, build_model, default_device, get_preset, staircase_position_ids
+from stabledrl_mcore.models.specs import te_unavailable_reason
+from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.parallel.launch import spawn
 from stabledrl_mcore.rl.trainer import train
 from stabledrl_mcore.tasks.base import Task
-from stabledrl_mcore.parallel.launch import spawn
-from stabledrl_mcore.bench.peak import describe
-from stabledrl_mcore.parallel import bootstrap
-from stabledrl_mcore.bench.peak import _cpu_name
-import argparse
-from stabledrl_mcore.bench.report import write_json
 
 BF16_REL_TOL = 3e-2
 """Logit agreement of two bf16 kernels: max abs difference over max abs logit."""
@@ -70,8 +67,10 @@ MFU_TARGET = 0.45
 """Model-FLOP utilisation the bench should reach on 8B-shaped layers (of the rated bf16 peak)."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPES = {"llada": os.path.join(ROOT, "examples", "configs", "llada_8b_stabledrl.yaml"),
-           "sdar": os.path.join(ROOT, "examples", "configs", "sdar_8b_stabledrl.yaml")}
+RECIPES = {
+    "llada": os.path.join(ROOT, "examples", "configs", "llada_8b_stabledrl.yaml"),
+    "sdar": os.path.join(ROOT, "examples", "configs", "sdar_8b_stabledrl.yaml"),
+}
 TINY_CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
 
@@ -81,26 +80,52 @@ class Sizes:
 
     presets: Dict[str, str]
     layers: int
-    seq: int            # tokens of the TE / flex comparisons
-    staircase_n: int    # noisy-half length of the memory check (2n tokens)
+    seq: int  # tokens of the TE / flex comparisons
+    staircase_n: int  # noisy-half length of the memory check (2n tokens)
     bench_layers: int
     bench_overrides: Dict[str, List[str]]  # per arch, and "all"
     timeout_s: int
 
 
 MATH500 = os.path.join(ROOT, "tests", "fixtures", "math500_test.jsonl")  # the SDAR recipe's task is file-backed
-GPU = Sizes(presets={"llada": "llada-8b", "sdar": "sdar-8b"}, layers=2, seq=1024, staircase_n=4096,
-            bench_layers=4, timeout_s=300,
-            bench_overrides={"llada": ["rollout.gen_length=256", "rollout.steps=128", "rollout.block_length=32"],
-                             "sdar": ["rollout.gen_length=256", f"rollout.data_path={MATH500}"],
-                             "all": ["rollout.prompts_per_step=2", "rollout.group_size=8",
-                                     "parallel.micro_batch_size=16", "model.recompute=false"]})
-CPU = Sizes(presets={"llada": "llada-tiny", "sdar": "sdar-tiny"}, layers=2, seq=64, staircase_n=128,
-            bench_layers=2, timeout_s=300,
-            bench_overrides={"llada": ["rollout.steps=8", "rollout.block_length=8"],
-                             "sdar": [f"rollout.data_path={MATH500}"],
-                             "all": ["rollout.prompts_per_step=1", "rollout.group_size=4", "rollout.gen_length=16",
-                                     "parallel.micro_batch_size=4", "model.recompute=false", "parallel.threads=1"]})
+GPU = Sizes(
+    presets={"llada": "llada-8b", "sdar": "sdar-8b"},
+    layers=2,
+    seq=1024,
+    staircase_n=4096,
+    bench_layers=4,
+    timeout_s=300,
+    bench_overrides={
+        "llada": ["rollout.gen_length=256", "rollout.steps=128", "rollout.block_length=32"],
+        "sdar": ["rollout.gen_length=256", f"rollout.data_path={MATH500}"],
+        "all": [
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=8",
+            "parallel.micro_batch_size=16",
+            "model.recompute=false",
+        ],
+    },
+)
+CPU = Sizes(
+    presets={"llada": "llada-tiny", "sdar": "sdar-tiny"},
+    layers=2,
+    seq=64,
+    staircase_n=128,
+    bench_layers=2,
+    timeout_s=300,
+    bench_overrides={
+        "llada": ["rollout.steps=8", "rollout.block_length=8"],
+        "sdar": [f"rollout.data_path={MATH500}"],
+        "all": [
+            "rollout.prompts_per_step=1",
+            "rollout.group_size=4",
+            "rollout.gen_length=16",
+            "parallel.micro_batch_size=4",
+            "model.recompute=false",
+            "parallel.threads=1",
+        ],
+    },
+)
 
 
 def _device() -> torch.device:
@@ -166,12 +191,17 @@ def check_te_vs_local(sizes: Sizes) -> Dict[str, Any]:
     reason = te_unavailable_reason()
     if reason:
         stock = _spec_agreement(sizes, {"use_te": False, "stock_local": True})
-        return {"status": "skipped", "detail": f"{reason} (stock local layer vs ours: max rel |dlogit| "
-                f"{max(stock.values()):.1e})", "stock_local": stock}
+        return {
+            "status": "skipped",
+            "detail": f"{reason} (stock local layer vs ours: max rel |dlogit| {max(stock.values()):.1e})",
+            "stock_local": stock,
+        }
     out: Dict[str, Any] = {"tolerance": BF16_REL_TOL, **_spec_agreement(sizes, {"use_te": True})}
     worst = max(out[a] for a in sizes.presets)
-    out.update(status="ok" if worst <= BF16_REL_TOL else "FAIL",
-               value=f"max rel |dlogit| {worst:.2e} (LLaDA {out['llada']:.1e}, SDAR {out['sdar']:.1e})")
+    out.update(
+        status="ok" if worst <= BF16_REL_TOL else "FAIL",
+        value=f"max rel |dlogit| {worst:.2e} (LLaDA {out['llada']:.1e}, SDAR {out['sdar']:.1e})",
+    )
     return out
 
 
@@ -199,9 +229,14 @@ def check_flex_vs_sdpa(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
     out: Dict[str, Any] = {"tolerance_logits": BF16_REL_TOL, "tolerance_grad": GRAD_REL_TOL}
     n = sizes.seq
     ids, pads = _left_padded_ids(cfg, 2, n, gen, device)
-    cases = {"staircase": (torch.cat([ids, ids], 1), AttentionLayout.staircase(cfg.block_size, pad=pads),
-                           staircase_position_ids(n, device=device)),
-             "block_causal": (ids, AttentionLayout.block_causal(cfg.block_size, pad=pads), None)}
+    cases = {
+        "staircase": (
+            torch.cat([ids, ids], 1),
+            AttentionLayout.staircase(cfg.block_size, pad=pads),
+            staircase_position_ids(n, device=device),
+        ),
+        "block_causal": (ids, AttentionLayout.block_causal(cfg.block_size, pad=pads), None),
+    }
     worst = 0.0
     for name, (x, layout, pos) in cases.items():
         ref_logits, ref_grad = _forward_backward(model, x, layout, pos, "sdpa", backward=not cpu)
@@ -211,11 +246,15 @@ def check_flex_vs_sdpa(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
         d_grad = None if cpu else _rel_l2(grad, ref_grad)
         out[name] = {"logits": d_logits, "grad": d_grad}
         worst = max(worst, d_logits / BF16_REL_TOL, (d_grad or 0.0) / GRAD_REL_TOL)
-    out.update(status="ok" if worst <= 1.0 else "FAIL",
-               value=" ".join(f"{k}: logits {v['logits']:.1e}"
-                              + ("" if v["grad"] is None else f" grad {v['grad']:.1e}")
-                              for k, v in out.items() if isinstance(v, dict))
-               + (" (forward only: no flex backward on CPU)" if cpu else ""))
+    out.update(
+        status="ok" if worst <= 1.0 else "FAIL",
+        value=" ".join(
+            f"{k}: logits {v['logits']:.1e}" + ("" if v["grad"] is None else f" grad {v['grad']:.1e}")
+            for k, v in out.items()
+            if isinstance(v, dict)
+        )
+        + (" (forward only: no flex backward on CPU)" if cpu else ""),
+    )
     return out
 
 
@@ -266,6 +305,7 @@ def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
                 loss = gather_log_probs(logits, ids, masked).sum()
             if not cpu:
                 loss.backward()
+
         return run
 
     out: Dict[str, Any] = {"tokens": 2 * n, "backward": not cpu}
@@ -273,8 +313,11 @@ def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
         likelihood(backend)()  # warm-up (compilation, allocator)
         out[f"{backend}_peak_bytes"] = _peak_bytes(likelihood(backend))
     flex, dense = out["flex_peak_bytes"], out["sdpa_peak_bytes"]
-    out.update(status="ok", value=f"{2 * n} tokens: flex {_size(flex)}, dense {_size(dense)}"
-               + (f" ({dense / flex:.1f}x)" if flex > 0 else ""))
+    out.update(
+        status="ok",
+        value=f"{2 * n} tokens: flex {_size(flex)}, dense {_size(dense)}"
+        + (f" ({dense / flex:.1f}x)" if flex > 0 else ""),
+    )
     return out
 
 
@@ -308,20 +351,41 @@ def _metrics(run_dir: str) -> List[Dict[str, Any]]:
 def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, Any]:
 
     preset = "llada-tiny" if arch == "llada" else "sdar-tiny"
-    extra = [f"model.preset={preset}", "model.dtype=bf16", "model.recompute=true", "optim.distributed=true",
-             "steps=3", "checkpoint.save_every=2", "logging.wandb_mode=disabled", "logging.progress=false",
-             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.gen_length=8",
-             "parallel.micro_batch_size=4", "eval.every=0"]
-    extra += (["rollout.steps=4", "rollout.block_length=8"] if arch == "llada" else
-              ["rollout.steps=4", "rollout.block_length=4", "rollout.threshold=0.9", "algo.likelihood=staircase",
-               "algo.num_mc=1"])
+    extra = [
+        f"model.preset={preset}",
+        "model.dtype=bf16",
+        "model.recompute=true",
+        "optim.distributed=true",
+        "steps=3",
+        "checkpoint.save_every=2",
+        "logging.wandb_mode=disabled",
+        "logging.progress=false",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.gen_length=8",
+        "parallel.micro_batch_size=4",
+        "eval.every=0",
+    ]
+    extra += (
+        ["rollout.steps=4", "rollout.block_length=8"]
+        if arch == "llada"
+        else [
+            "rollout.steps=4",
+            "rollout.block_length=4",
+            "rollout.threshold=0.9",
+            "algo.likelihood=staircase",
+            "algo.num_mc=1",
+        ]
+    )
     first, resumed = os.path.join(workdir, f"train_{arch}"), os.path.join(workdir, f"train_{arch}_resumed")
     runs = {}
     for run_dir in (first, resumed):
         if run_dir == resumed:
             os.makedirs(os.path.join(resumed, "checkpoints"))
-            shutil.copytree(os.path.join(first, "checkpoints", "step_00000002"),
-                            os.path.join(resumed, "checkpoints", "step_00000002"))
+            shutil.copytree(
+                os.path.join(first, "checkpoints", "step_00000002"),
+                os.path.join(resumed, "checkpoints", "step_00000002"),
+            )
         over = extra + [f"logging.run_dir={run_dir}"] + (["checkpoint.resume=auto"] if run_dir == resumed else [])
         out_json = os.path.join(run_dir + ".json")
         spawn(_train_rank, 1, (TINY_CONFIG, over, out_json), timeout=sizes.timeout_s)
@@ -330,12 +394,18 @@ def check_train(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
     rows, again = _metrics(first), _metrics(resumed)
     trained = all(r.get("grad_norm", 0) > 0 and r.get("skipped_updates", 1) == 0 for r in rows)
     same = again[-1] == rows[-1] and runs[first] == runs[resumed]
-    out = {"steps": [r["step"] for r in rows], "resumed_steps": [r["step"] for r in again],
-           "grad_norm": [r.get("grad_norm") for r in rows], "resume_bitwise": same}
+    out = {
+        "steps": [r["step"] for r in rows],
+        "resumed_steps": [r["step"] for r in again],
+        "grad_norm": [r.get("grad_norm") for r in rows],
+        "resume_bitwise": same,
+    }
     ok = trained and out["steps"] == [1, 2, 3] and out["resumed_steps"] == [3] and (same or not cpu)
-    out.update(status="ok" if ok else "FAIL",
-               value=f"3 steps, grad norms {', '.join(f'{g:.2g}' for g in out['grad_norm'])}; resume "
-                     + ("bitwise" if same else "differs"))
+    out.update(
+        status="ok" if ok else "FAIL",
+        value=f"3 steps, grad norms {', '.join(f'{g:.2g}' for g in out['grad_norm'])}; resume "
+        + ("bitwise" if same else "differs"),
+    )
     return out
 
 
@@ -344,32 +414,65 @@ def check_bench(arch: str, sizes: Sizes, workdir: str, cpu: bool) -> Dict[str, A
     preset = sizes.presets[arch]
     run_dir = os.path.join(workdir, f"bench_{arch}")
     result = os.path.join(workdir, f"bench_{arch}.json")
-    cmd = [sys.executable, "-m", "stabledrl_mcore.cli", "bench", "--config", RECIPES[arch],
-           f"model.preset={preset}", "model.checkpoint=null", f"model.overrides.num_layers={sizes.bench_layers}",
-           "parallel.tensor_parallel=1", f"logging.run_dir={run_dir}", *sizes.bench_overrides["all"],
-           *sizes.bench_overrides[arch],
-           "--phases", "train", "--no-baseline", "--warmup", "1", "--repeats", "3", "--json", result]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=sizes.timeout_s,
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    cmd = [
+        sys.executable,
+        "-m",
+        "stabledrl_mcore.cli",
+        "bench",
+        "--config",
+        RECIPES[arch],
+        f"model.preset={preset}",
+        "model.checkpoint=null",
+        f"model.overrides.num_layers={sizes.bench_layers}",
+        "parallel.tensor_parallel=1",
+        f"logging.run_dir={run_dir}",
+        *sizes.bench_overrides["all"],
+        *sizes.bench_overrides[arch],
+        "--phases",
+        "train",
+        "--no-baseline",
+        "--warmup",
+        "1",
+        "--repeats",
+        "3",
+        "--json",
+        result,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=sizes.timeout_s,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"stabledrl bench exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     with open(result) as handle:
         bench = json.load(handle)
     mfu, train = bench.get("mfu"), bench["phases"]["train"]
-    out = {"mfu": mfu, "peak": bench["peak"]["kind"], "peak_dtype": bench["peak"].get("dtype"),
-           "peak_flops": bench["matmul_peak_flops"],
-           "train_tokens_per_s": train["tokens_per_s"], "model_flops_per_s": train["model_flops_per_s"],
-           "params": bench["model"]["params"], "workload": bench["workload"]}
+    out = {
+        "mfu": mfu,
+        "peak": bench["peak"]["kind"],
+        "peak_dtype": bench["peak"].get("dtype"),
+        "peak_flops": bench["matmul_peak_flops"],
+        "train_tokens_per_s": train["tokens_per_s"],
+        "model_flops_per_s": train["model_flops_per_s"],
+        "params": bench["model"]["params"],
+        "workload": bench["workload"],
+    }
     met = mfu is not None and mfu >= MFU_TARGET
-    out.update(status="ok", value=f"MFU {100 * (mfu or 0):.1f}% of the {describe(bench['peak'])} peak"
-               + ("" if cpu else (" (target met)" if met else f" (below the {100 * MFU_TARGET:.0f}% target)")),
-               target_met=None if cpu else met)
+    out.update(
+        status="ok",
+        value=f"MFU {100 * (mfu or 0):.1f}% of the {describe(bench['peak'])} peak"
+        + ("" if cpu else (" (target met)" if met else f" (below the {100 * MFU_TARGET:.0f}% target)")),
+        target_met=None if cpu else met,
+    )
     return out
 
 
 # ---------------------------------------------------------------------------------- driver
-def run_checks(*, cpu: bool, workdir: Optional[str] = None,
-               only: Optional[List[str]] = None) -> Dict[str, Any]:
+def run_checks(*, cpu: bool, workdir: Optional[str] = None, only: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run every check (or ``only`` those); returns the JSON-ready result."""
 
     if not cpu and not torch.cuda.is_available():
@@ -400,8 +503,11 @@ def run_checks(*, cpu: bool, workdir: Optional[str] = None,
             try:
                 results[name] = fn()
             except Exception as err:  # noqa: BLE001 - one broken check must not hide the others
-                results[name] = {"status": "FAIL", "value": f"{type(err).__name__}: {str(err).splitlines()[0]}"
-                                 if str(err) else type(err).__name__, "traceback": traceback.format_exc()[-4000:]}
+                results[name] = {
+                    "status": "FAIL",
+                    "value": f"{type(err).__name__}: {str(err).splitlines()[0]}" if str(err) else type(err).__name__,
+                    "traceback": traceback.format_exc()[-4000:],
+                }
             results[name]["seconds"] = round(time.perf_counter() - start, 1)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -409,9 +515,15 @@ def run_checks(*, cpu: bool, workdir: Optional[str] = None,
         bootstrap.destroy()
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
-    return {"mode": "cpu" if cpu else "gpu", "device": _device_name(), "torch": torch.__version__,
-            "transformer_engine": _te_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "ok": all(r["status"] != "FAIL" for r in results.values()), "checks": results}
+    return {
+        "mode": "cpu" if cpu else "gpu",
+        "device": _device_name(),
+        "torch": torch.__version__,
+        "transformer_engine": _te_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "ok": all(r["status"] != "FAIL" for r in results.values()),
+        "checks": results,
+    }
 
 
 def _device_name() -> str:
@@ -432,8 +544,11 @@ def _te_version() -> Optional[str]:
 
 def format_table(result: Dict[str, Any]) -> str:
     """One row per check: name, status, seconds, headline figure."""
-    rows = [f"device check ({result['mode']}) on {result['device']}, torch {result['torch']}, "
-            f"TE {result['transformer_engine'] or 'not installed'}", ""]
+    rows = [
+        f"device check ({result['mode']}) on {result['device']}, torch {result['torch']}, "
+        f"TE {result['transformer_engine'] or 'not installed'}",
+        "",
+    ]
     header = f"{'check':<18}{'status':<9}{'s':>7}  result"
     rows += [header, "-" * 100]
     for name, r in result["checks"].items():

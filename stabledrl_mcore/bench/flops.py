@@ -102,7 +102,9 @@ class FlopCounter:
             return None
         batch, queries, keys = shape
         factor = 3.0 if torch.is_grad_enabled() else 1.0
-        skipped_head = batch * (queries - _head_rows(kwargs, queries)) * 2.0 * self.cfg.vocab_size * self.cfg.hidden_size
+        skipped_head = (
+            batch * (queries - _head_rows(kwargs, queries)) * 2.0 * self.cfg.vocab_size * self.cfg.hidden_size
+        )
         self.flops += factor * (forward_flops(self.cfg, batch, queries, keys) - skipped_head)
         self.tokens += batch * queries
         return None

@@ -22,11 +22,11 @@ reported; the benchmark measures before and after its phases and keeps the best 
 
 from __future__ import annotations
 
+import platform
 import time
 from typing import Dict, Optional, Sequence, Union
 
 import torch
-import platform
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no 2:4 sparsity), from the vendors' data sheets.
 # Longer names first: the first substring match wins.
@@ -35,7 +35,7 @@ GPU_BF16_PEAK_TFLOPS = (
     ("H200", 989.0),
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
-    ("H100", 989.0),   # SXM
+    ("H100", 989.0),  # SXM
     ("H800", 989.0),
     ("B200", 2250.0),
     ("B100", 1750.0),
@@ -73,9 +73,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, *, device: Optional[torch.device] = None,
-                         sizes: Optional[Sequence[int]] = None, repeats: int = 3,
-                         min_seconds: float = 0.05) -> Dict[str, float]:
+def measure_matmul_flops(
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    device: Optional[torch.device] = None,
+    sizes: Optional[Sequence[int]] = None,
+    repeats: int = 3,
+    min_seconds: float = 0.05,
+) -> Dict[str, float]:
     """Best measured ``n x n @ n x n`` rate: ``{"flops": FLOP/s, "size": n, "seconds": t}``.
 
     Each size is warmed up once, then timed ``repeats`` times (a timing repeats the
@@ -100,7 +105,7 @@ def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, *, device: Optiona
                 elapsed = time.perf_counter() - start
                 if elapsed >= min_seconds:
                     break
-            rate = 2.0 * n ** 3 * count / elapsed
+            rate = 2.0 * n**3 * count / elapsed
             if rate > best["flops"]:
                 best = {"flops": rate, "size": n, "seconds": elapsed / count}
         del a, b
@@ -117,8 +122,12 @@ def _best(runs, key):
     return max(rates, default=(None, None))
 
 
-def device_peak(dtype: Union[str, torch.dtype] = "bf16", *, override_tflops: Optional[float] = None,
-                previous: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+def device_peak(
+    dtype: Union[str, torch.dtype] = "bf16",
+    *,
+    override_tflops: Optional[float] = None,
+    previous: Optional[Dict[str, object]] = None,
+) -> Dict[str, object]:
     """The peak MFU is taken against for a model that runs in ``dtype``, and how it was obtained.
 
     Returns ``{"device", "kind": "rated"|"measured"|"given", "dtype", "model_dtype", "peak_flops",
@@ -137,8 +146,14 @@ def device_peak(dtype: Union[str, torch.dtype] = "bf16", *, override_tflops: Opt
     fp32 = measure_matmul_flops(torch.float32, device=device)
     rated = gpu_peak_flops(name) if cuda else None
     runs = list((previous or {}).get("measurements", [])) + [
-        {"bf16": bf16["flops"], "bf16_size": bf16["size"], "fp32": fp32["flops"], "fp32_size": fp32["size"],
-         "time": time.strftime("%H:%M:%S")}]
+        {
+            "bf16": bf16["flops"],
+            "bf16_size": bf16["size"],
+            "fp32": fp32["flops"],
+            "fp32_size": fp32["size"],
+            "time": time.strftime("%H:%M:%S"),
+        }
+    ]
     best16, size16 = _best(runs, "bf16")
     best32, size32 = _best(runs, "fp32")
     peak_dtype = want if want == "bf16" else _fp32_label(cuda)
@@ -148,10 +163,21 @@ def device_peak(dtype: Union[str, torch.dtype] = "bf16", *, override_tflops: Opt
         kind, peak = "rated", rated
     else:
         kind, peak = "measured", best16 if want == "bf16" else best32
-    return {"device": name, "kind": kind, "dtype": peak_dtype, "model_dtype": want, "peak_flops": peak,
-            "bf16_matmul_flops": best16, "bf16_matmul_size": size16,
-            "fp32_matmul_flops": best32, "fp32_matmul_size": size32, "fp32_matmul_dtype": _fp32_label(cuda),
-            "rated_bf16_flops": rated, "threads": torch.get_num_threads(), "measurements": runs}
+    return {
+        "device": name,
+        "kind": kind,
+        "dtype": peak_dtype,
+        "model_dtype": want,
+        "peak_flops": peak,
+        "bf16_matmul_flops": best16,
+        "bf16_matmul_size": size16,
+        "fp32_matmul_flops": best32,
+        "fp32_matmul_size": size32,
+        "fp32_matmul_dtype": _fp32_label(cuda),
+        "rated_bf16_flops": rated,
+        "threads": torch.get_num_threads(),
+        "measurements": runs,
+    }
 
 
 def describe(peak: Dict[str, object]) -> str:

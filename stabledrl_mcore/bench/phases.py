@@ -31,24 +31,28 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from stabledrl_mcore.parallel.bootstrap import comm_device
-from stabledrl_mcore.engine.pipeline import CLOCK
-from stabledrl_mcore.rl.trainer import likelihood_spec, old_logp_phase, rollout_phase
-from stabledrl_mcore.rl.rollout import score_rollouts
-from stabledrl_mcore.rl.estimates import LikelihoodSpec
-from stabledrl_mcore.models.placement import model_device
-from stabledrl_mcore.engine.expert import phase_model
-from stabledrl_mcore.engine.seeding import chunk_generators
-from stabledrl_mcore.engine.seeding import first_chunk
-from stabledrl_mcore.rl.estimates import old_policy_likelihood
-from stabledrl_mcore.rl.update import accumulate_gradients
-from stabledrl_mcore.engine.gradients import sync_gradients
-from stabledrl_mcore.rl.trainer import PhaseTimer, filter_phase, policy_update
-from stabledrl_mcore.models import get_preset
-from stabledrl_mcore.models.presets import ModelConfigError
+
 from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.config.schema import RunConfig, load_config
+from stabledrl_mcore.engine.expert import phase_model
+from stabledrl_mcore.engine.gradients import sync_gradients
+from stabledrl_mcore.engine.pipeline import CLOCK
+from stabledrl_mcore.engine.seeding import chunk_generators, first_chunk
+from stabledrl_mcore.models import get_preset
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.models.presets import ModelConfigError
+from stabledrl_mcore.parallel.bootstrap import comm_device
+from stabledrl_mcore.rl.estimates import LikelihoodSpec, old_policy_likelihood
+from stabledrl_mcore.rl.rollout import score_rollouts
+from stabledrl_mcore.rl.trainer import (
+    PhaseTimer,
+    filter_phase,
+    likelihood_spec,
+    old_logp_phase,
+    policy_update,
+    rollout_phase,
+)
+from stabledrl_mcore.rl.update import accumulate_gradients
 
 PHASES = ("rollout", "likelihood_full", "likelihood_staircase", "train", "optimizer", "step")
 
@@ -60,8 +64,8 @@ class PhaseResult:
     name: str
     seconds: List[float] = field(default_factory=list)
     cpu_seconds: List[float] = field(default_factory=list)
-    tokens: float = 0.0   # per repetition, summed over data-parallel ranks
-    flops: float = 0.0    # model FLOPs per repetition of one model replica
+    tokens: float = 0.0  # per repetition, summed over data-parallel ranks
+    flops: float = 0.0  # model FLOPs per repetition of one model replica
     stage_busy_s: float = 0.0  # pipeline parallelism: seconds inside this stage's forwards (all ranks)
     stage_wall_s: float = 0.0  # ... and inside forward-only pipeline calls (all ranks)
 
@@ -69,11 +73,20 @@ class PhaseResult:
         """median/quartiles/IQR of the wall time, tokens/s at the median, model FLOP/s and MFU."""
         s = sorted(self.seconds)
         med = statistics.median(s)
-        q1, q3 = (statistics.quantiles(s, n=4, method="inclusive")[::2] if len(s) > 1 else (med, med))
-        out = {"median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "min_s": s[0], "max_s": s[-1],
-               "repeats": len(s), "cpu_median_s": statistics.median(self.cpu_seconds) if self.cpu_seconds else None,
-               "tokens": self.tokens, "tokens_per_s": self.tokens / med if med > 0 and self.tokens else None,
-               "model_flops": self.flops}
+        q1, q3 = statistics.quantiles(s, n=4, method="inclusive")[::2] if len(s) > 1 else (med, med)
+        out = {
+            "median_s": med,
+            "q1_s": q1,
+            "q3_s": q3,
+            "iqr_s": q3 - q1,
+            "min_s": s[0],
+            "max_s": s[-1],
+            "repeats": len(s),
+            "cpu_median_s": statistics.median(self.cpu_seconds) if self.cpu_seconds else None,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / med if med > 0 and self.tokens else None,
+            "model_flops": self.flops,
+        }
         if self.stage_wall_s > 0:  # the share of a stage's forward-only pipeline time spent waiting
             out["pipeline_bubble_fraction"] = 1.0 - self.stage_busy_s / self.stage_wall_s
         cpu = out["cpu_median_s"]
@@ -119,8 +132,14 @@ def log(message: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
-            counters: Optional[Dict[str, object]] = None, label: str = "") -> Dict[str, PhaseResult]:
+def measure(
+    jobs: Dict[str, Callable[[], float]],
+    *,
+    warmup: int,
+    repeats: int,
+    counters: Optional[Dict[str, object]] = None,
+    label: str = "",
+) -> Dict[str, PhaseResult]:
     """Time each job ``warmup`` + ``repeats`` times, interleaved; ``counters[name]`` is a FlopCounter.
 
     Every job returns its local token count; tokens are summed over ranks and
@@ -160,8 +179,9 @@ def measure(jobs: Dict[str, Callable[[], float]], *, warmup: int, repeats: int,
         res.cpu_seconds = _reduce(res.cpu_seconds, torch.distributed.ReduceOp.MAX if _dist() else None)
         if _dist():
             res.tokens = _reduce([res.tokens], torch.distributed.ReduceOp.SUM)[0] / _model_parallel_size()
-            res.stage_busy_s, res.stage_wall_s = _reduce([res.stage_busy_s, res.stage_wall_s],
-                                                         torch.distributed.ReduceOp.SUM)
+            res.stage_busy_s, res.stage_wall_s = _reduce(
+                [res.stage_busy_s, res.stage_wall_s], torch.distributed.ReduceOp.SUM
+            )
     return results
 
 
@@ -176,8 +196,7 @@ def fill_flat_groups(batch) -> None:
     for g in torch.unique(batch.group_index):
         rows = (batch.group_index == g).nonzero().flatten()
         if bool((adv[rows] == 0).all()) and len(rows) > 1:
-            pattern = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rows))],
-                                   device=adv.device)
+            pattern = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rows))], device=adv.device)
             if len(rows) % 2:
                 pattern[-1] = 0.0
             adv[rows] = pattern.to(adv.dtype)
@@ -214,8 +233,10 @@ class StableDRLPhases:
         self.mask_id = s.model.dllm_config.mask_token_id
         self.block = s.model.dllm_config.block_size or cfg.rollout.block_length
         common = dict(num_mc=cfg.algo.num_mc, length_normalize=cfg.algo.length_normalize)
-        self.specs = {"likelihood_full": LikelihoodSpec(kind="elbo", **common),
-                      "likelihood_staircase": LikelihoodSpec(kind="staircase", block_size=self.block, **common)}
+        self.specs = {
+            "likelihood_full": LikelihoodSpec(kind="elbo", **common),
+            "likelihood_staircase": LikelihoodSpec(kind="staircase", block_size=self.block, **common),
+        }
         batch = rollout_phase(s, 0)
         batch = score_rollouts(batch, s.task, advantage=cfg.algo.advantage)
         fill_flat_groups(batch)
@@ -237,9 +258,15 @@ class StableDRLPhases:
         spec = self.specs[name]
         batch = dataclasses.replace(self.batch)
         with phase_model(self.s.model) as model:
-            old_policy_likelihood(model, batch, spec, micro_batch=self.mb, mask_id=self.mask_id,
-                                  chunk_generator=chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
-                                  first_chunk=first_chunk(self.s))
+            old_policy_likelihood(
+                model,
+                batch,
+                spec,
+                micro_batch=self.mb,
+                mask_id=self.mask_id,
+                chunk_generator=chunk_generators(self.s.cfg, 0, model_device(self.s.model))("masks"),
+                first_chunk=first_chunk(self.s),
+            )
         return float(batch.plan.num_mc * self.seq_tokens)
 
     def train(self) -> float:
@@ -272,10 +299,14 @@ class StableDRLPhases:
 
 def phase_jobs(runner, phases: Sequence[str]) -> Dict[str, Callable[[], float]]:
     """Phase name -> callable of a runner (ours or the baseline: same method names)."""
-    table = {"rollout": runner.rollout, "train": runner.train, "optimizer": runner.optimizer,
-             "step": runner.step,
-             "likelihood_full": lambda: runner.likelihood("likelihood_full"),
-             "likelihood_staircase": lambda: runner.likelihood("likelihood_staircase")}
+    table = {
+        "rollout": runner.rollout,
+        "train": runner.train,
+        "optimizer": runner.optimizer,
+        "step": runner.step,
+        "likelihood_full": lambda: runner.likelihood("likelihood_full"),
+        "likelihood_staircase": lambda: runner.likelihood("likelihood_staircase"),
+    }
     return {p: table[p] for p in phases}
 
 
@@ -284,7 +315,6 @@ def bench_config(config: Optional[str], overrides: Sequence[str], *, keep_tokeni
     (a random-init run otherwise shrinks the embedding to the task's tokenizer)."""
     cfg = load_config(config, list(overrides))
     if not keep_tokenizer_vocab and not cfg.model.checkpoint and "vocab_size" not in cfg.model.overrides:
-
         try:
             cfg.model.overrides["vocab_size"] = get_preset(cfg.model.preset).vocab_size
         except ModelConfigError as err:

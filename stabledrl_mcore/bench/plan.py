@@ -80,18 +80,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.bench.flops import forward_flops_per_token
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass
 class PlanSpec:
     """Everything the estimate depends on (the CLI flags)."""
 
-    model: Any                      # DLLMConfig
+    model: Any  # DLLMConfig
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
@@ -100,13 +100,13 @@ class PlanSpec:
     micro_batch: int = 2
     seq_len: int = 512
     gen_length: int = 256
-    global_batch: int = 1024        # sequences per step (prompts x group size)
-    recompute: str = "none"         # none | full | selective
+    global_batch: int = 1024  # sequences per step (prompts x group size)
+    recompute: str = "none"  # none | full | selective
     dtype: str = "bf16"
     optimizer: str = "adam"
     distributed_optimizer: bool = True
-    likelihood: str = "elbo"        # elbo | staircase (2x tokens per training pass)
-    impl: str = "te"                # te | local
+    likelihood: str = "elbo"  # elbo | staircase (2x tokens per training pass)
+    impl: str = "te"  # te | local
     scored_fraction: Optional[float] = None
     overhead_gib: float = 4.0
     peak_tflops: float = 989.0
@@ -115,24 +115,39 @@ class PlanSpec:
     rollout_steps: Optional[int] = None
     num_mc: int = 2
     inner_iterations: int = 2
-    reference_model: bool = False   # a frozen copy of the policy for the KL penalty (algo.kl_coef > 0)
-    ep: int = 1                     # expert parallel (MoE models)
-    etp: Optional[int] = None       # expert tensor parallel (None = TP)
+    reference_model: bool = False  # a frozen copy of the policy for the KL penalty (algo.kl_coef > 0)
+    ep: int = 1  # expert parallel (MoE models)
+    etp: Optional[int] = None  # expert tensor parallel (None = TP)
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def validate(self) -> "PlanSpec":
-        for name in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "seq_len", "gen_length",
-                     "global_batch", "num_mc", "inner_iterations", "ep"):
+        for name in (
+            "nodes",
+            "gpus_per_node",
+            "tp",
+            "pp",
+            "micro_batch",
+            "seq_len",
+            "gen_length",
+            "global_batch",
+            "num_mc",
+            "inner_iterations",
+            "ep",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.gen_length > self.seq_len:
             raise ConfigError(f"--gen-length ({self.gen_length}) cannot exceed --seq-len ({self.seq_len})")
-        for name, allowed in (("recompute", ("none", "full", "selective")), ("dtype", ("bf16", "fp32")),
-                              ("optimizer", ("adam", "sgd")), ("likelihood", ("elbo", "staircase")),
-                              ("impl", ("te", "local"))):
+        for name, allowed in (
+            ("recompute", ("none", "full", "selective")),
+            ("dtype", ("bf16", "fp32")),
+            ("optimizer", ("adam", "sgd")),
+            ("likelihood", ("elbo", "staircase")),
+            ("impl", ("te", "local")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.gpu_memory_gib <= 0 or self.peak_tflops <= 0 or not 0 < self.mfu <= 1 or not 0 < self.rollout_mfu <= 1:
@@ -187,8 +202,9 @@ def expert_layer_params(m, ep: int, etp: int) -> float:
     return m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size / (ep * etp) if m.is_moe else 0.0
 
 
-def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optional[str] = None,
-                                     etp: Optional[int] = None) -> float:
+def activation_bytes_per_token_layer(
+    spec: PlanSpec, tp: int, recompute: Optional[str] = None, etp: Optional[int] = None
+) -> float:
     """Bytes autograd keeps per token and layer (see the module doc), no recompute."""
     m, b = spec.model, (2 if spec.dtype == "bf16" else 4)
     h, hd, nh, ng, f = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
@@ -200,7 +216,8 @@ def activation_bytes_per_token_layer(spec: PlanSpec, tp: int, recompute: Optiona
         attn -= (2 * nh + 2 * ng) * hd  # q, k, v, out of the core attention are recomputed
     if m.is_moe:
         return b * (rep + (attn + (qk if m.qk_layernorm else 0)) / tp) + moe_activation_bytes_per_token(
-            spec, etp or spec.etp or tp)
+            spec, etp or spec.etp or tp
+        )
     return b * (rep + (attn + mlp + (qk if m.qk_layernorm else 0)) / tp)
 
 
@@ -237,16 +254,19 @@ def rollout_micro_batches(spec: PlanSpec, pp: int) -> int:
     return 1 if spec.model.arch == "sdar" else min(2 * pp, spec.micro_batch)
 
 
-def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
-             recompute: Optional[str] = None, ep: Optional[int] = None) -> Dict[str, Any]:
+def estimate(
+    spec: PlanSpec,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    recompute: Optional[str] = None,
+    ep: Optional[int] = None,
+) -> Dict[str, Any]:
     """Per-GPU memory (bytes, worst pipeline stage) and job throughput of one layout."""
     tp, pp, ep = tp or spec.tp, pp or spec.pp, ep or spec.ep
     recompute = recompute or spec.recompute
     why = check_layout(spec, tp, pp, ep)
     if why:
-
-        raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "")
-                                  + f": {why}")
+        raise ParallelLayoutError(f"invalid layout TP {tp} x PP {pp}" + (f" x EP {ep}" if ep > 1 else "") + f": {why}")
     m = spec.model
     dp = spec.gpus // (tp * pp)
     etp = spec.etp or tp
@@ -262,7 +282,8 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
     if pp > 1:
         stages.append(("last", body + emb + m.hidden_size, True))
     opt_bytes = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 4, ("sgd", "fp32"): 0}[
-        (spec.optimizer, spec.dtype)]
+        (spec.optimizer, spec.dtype)
+    ]
     shard, expert_shard = (dp, edp) if spec.distributed_optimizer else (1, 1)
     tokens = spec.micro_batch * spec.seq_len * (2 if spec.likelihood == "staircase" else 1)
     per_rank_seqs = max(spec.global_batch // dp, 1)
@@ -274,8 +295,11 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
         per_layer_kept, extra_layer = full, 0.0
     frac = _scored_fraction(spec)
     head_rows = spec.micro_batch * spec.gen_length  # the head runs on the completion's positions only
-    head = bw * head_rows * m.vocab_size * (1 + (1 / tp if tp > 1 else 0)) \
-        + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len + 3 * bw * m.hidden_size * tokens
+    head = (
+        bw * head_rows * m.vocab_size * (1 + (1 / tp if tp > 1 else 0))
+        + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len
+        + 3 * bw * m.hidden_size * tokens
+    )
     kv = 0.0
     block = m.block_size or 32
     if m.arch == "sdar":
@@ -290,30 +314,57 @@ def estimate(spec: PlanSpec, tp: Optional[int] = None, pp: Optional[int] = None,
         act = in_flight * per_stage_layers * per_layer_kept * tokens
         sent = in_flight * bw * m.hidden_size * tokens if not last else 0.0  # outputs kept for the backward
         stage_head = head if last else 0.0
-        row = {"stage": name, "params": params, "weights": params * bw,
-               "reference_weights": params * bw if spec.reference_model else 0.0, "gradients": params * 4.0,
-               "expert_params": experts, "optimizer": dense * opt_bytes / shard + experts * opt_bytes / expert_shard,
-               "activations": act + sent + extra_layer,
-               "head": stage_head, "in_flight": in_flight, "pipeline_outputs": sent,
-               "rollout_kv_cache": kv, "rollout_transient": rollout_tmp, "likelihood_peak": logprob_broadcast,
-               "overhead": spec.overhead_gib * GIB, "recomputed_layer": extra_layer}
+        row = {
+            "stage": name,
+            "params": params,
+            "weights": params * bw,
+            "reference_weights": params * bw if spec.reference_model else 0.0,
+            "gradients": params * 4.0,
+            "expert_params": experts,
+            "optimizer": dense * opt_bytes / shard + experts * opt_bytes / expert_shard,
+            "activations": act + sent + extra_layer,
+            "head": stage_head,
+            "in_flight": in_flight,
+            "pipeline_outputs": sent,
+            "rollout_kv_cache": kv,
+            "rollout_transient": rollout_tmp,
+            "likelihood_peak": logprob_broadcast,
+            "overhead": spec.overhead_gib * GIB,
+            "recomputed_layer": extra_layer,
+        }
         # the recomputed layer lives only while its backward runs, after the head's tensors are gone
         kept = act + sent
         row["training_peak"] = kept + max(stage_head, extra_layer) if extra_layer else kept + stage_head
         row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
-        row["total"] = (row["weights"] + row["reference_weights"] + row["gradients"] + row["optimizer"]
-                        + max(row["training_peak"], row["rollout_peak"], row["likelihood_peak"]) + row["overhead"])
+        row["total"] = (
+            row["weights"]
+            + row["reference_weights"]
+            + row["gradients"]
+            + row["optimizer"]
+            + max(row["training_peak"], row["rollout_peak"], row["likelihood_peak"])
+            + row["overhead"]
+        )
         stage_totals[name] = row["total"]
         if worst is None or row["total"] > worst["total"]:
             worst = row
     a2a = all_to_all_bytes(spec, ep)
-    out = dict(worst, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp, all_to_all_layer_bytes=a2a,
-               recompute=recompute, micro_batches=micro_batches,
-               rollout_micro_batches=rollout_micro_batches(spec, pp), stage_totals=stage_totals,
-               fits=worst["total"] <= spec.gpu_memory_gib * GIB)
+    out = dict(
+        worst,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        etp=etp,
+        edp=edp,
+        all_to_all_layer_bytes=a2a,
+        recompute=recompute,
+        micro_batches=micro_batches,
+        rollout_micro_batches=rollout_micro_batches(spec, pp),
+        stage_totals=stage_totals,
+        fits=worst["total"] <= spec.gpu_memory_gib * GIB,
+    )
     out.update(_throughput(spec, pp, micro_batches, out["rollout_micro_batches"]))
-    out["all_to_all_step_bytes"] = a2a / spec.micro_batch * per_rank_seqs * out["a2a_passes_per_seq"] \
-        * m.num_layers
+    out["all_to_all_step_bytes"] = a2a / spec.micro_batch * per_rank_seqs * out["a2a_passes_per_seq"] * m.num_layers
     return out
 
 
@@ -331,7 +382,7 @@ def _throughput(spec: PlanSpec, pp: int, micro_batches: int, rollout_micro_batch
     if m.arch == "llada":
         steps = spec.rollout_steps or max(spec.gen_length // 2, 1)
         per_gen = steps / spec.gen_length * s * forward_flops_per_token(m, s)
-        rollout_tokens = steps * s                    # query tokens the sampler runs per sequence
+        rollout_tokens = steps * s  # query tokens the sampler runs per sequence
     else:
         steps = spec.rollout_steps or 4
         per_gen = (steps + 1) * forward_flops_per_token(m, s // 2)
@@ -342,10 +393,15 @@ def _throughput(spec: PlanSpec, pp: int, micro_batches: int, rollout_micro_batch
     update = mc * f_train * (1 + 3 * inner + (inner - 1))  # old-policy pass, fwd+bwd, re-scoring
     seconds_per_seq = spec.gen_length * per_gen / rollout_rate + update / rate
     without_bubbles = spec.gen_length * per_gen / ideal_rollout + update / ideal
-    return {"train_tokens_per_s": rate / (3 * f_train) * s, "rollout_tokens_per_s": rollout_rate / per_gen,
-            "step_tokens_per_s": s / seconds_per_seq, "bubble_efficiency": bubble,
-            "rollout_bubble_efficiency": rollout_bubble, "pipeline_idle": 1 - without_bubbles / seconds_per_seq,
-            "a2a_passes_per_seq": a2a_passes}
+    return {
+        "train_tokens_per_s": rate / (3 * f_train) * s,
+        "rollout_tokens_per_s": rollout_rate / per_gen,
+        "step_tokens_per_s": s / seconds_per_seq,
+        "bubble_efficiency": bubble,
+        "rollout_bubble_efficiency": rollout_bubble,
+        "pipeline_idle": 1 - without_bubbles / seconds_per_seq,
+        "a2a_passes_per_seq": a2a_passes,
+    }
 
 
 def all_layouts(spec: PlanSpec) -> List[Dict[str, Any]]:
@@ -376,47 +432,58 @@ def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     m = spec.model
     moe = m.is_moe
-    active = (f" ({m.num_active_parameters() / 1e9:.2f}B active: {m.num_experts} experts, top-{m.moe_router_topk})"
-              if moe else "")
-    lines = [f"{m.arch} {m.num_parameters() / 1e9:.2f}B params{active}, {spec.nodes} node(s) x {spec.gpus_per_node} GPUs "
-             f"({spec.gpu_memory_gib:g} GiB), {spec.dtype}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens"
-             f" ({spec.likelihood}), recompute {spec.recompute}, {spec.impl} kernels, optimizer {spec.optimizer}"
-             f"{' (distributed)' if spec.distributed_optimizer else ''}",
-             f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']}"
-             + (f" x EP {chosen['ep']} (ETP {chosen['etp']}, expert DP {chosen['edp']})" if moe else "")
-             + f" -- per GPU ({chosen['stage']} stage), GiB:",
-             f"  weights {g(chosen['weights'])}"
-             + (f" (experts {g(chosen['expert_params'] * chosen['weights'] / chosen['params'])})" if moe else "")
-             + (f"  reference {g(chosen['reference_weights'])}" if spec.reference_model else "")
-             + f"  gradients {g(chosen['gradients'])}  optimizer "
-             f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
-             f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient)  "
-             f"overhead {g(chosen['overhead'])}",
-             f"  total {g(chosen['total'])} GiB of {spec.gpu_memory_gib:g}: "
-             f"{'fits' if chosen['fits'] else 'does NOT fit'}",
-             f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
-             f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "
-             f"{chosen['rollout_tokens_per_s']:.0f} generated, whole step {chosen['step_tokens_per_s']:.0f}",
-             *_pipeline_lines(chosen, g), *_expert_lines(spec, chosen, g),
-             "", f"{'TP':>3}{'PP':>4}{'DP':>5}" + (f"{'EP':>4}" if moe else "")
-             + f"{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
-             f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}{'stage':>7}{'idle':>6}" + (f"{'a2a MiB':>9}" if moe else "")]
+    active = (
+        f" ({m.num_active_parameters() / 1e9:.2f}B active: {m.num_experts} experts, top-{m.moe_router_topk})"
+        if moe
+        else ""
+    )
+    lines = [
+        f"{m.arch} {m.num_parameters() / 1e9:.2f}B params{active}, {spec.nodes} node(s) x {spec.gpus_per_node} GPUs "
+        f"({spec.gpu_memory_gib:g} GiB), {spec.dtype}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens"
+        f" ({spec.likelihood}), recompute {spec.recompute}, {spec.impl} kernels, optimizer {spec.optimizer}"
+        f"{' (distributed)' if spec.distributed_optimizer else ''}",
+        f"layout TP {chosen['tp']} x PP {chosen['pp']} x DP {chosen['dp']}"
+        + (f" x EP {chosen['ep']} (ETP {chosen['etp']}, expert DP {chosen['edp']})" if moe else "")
+        + f" -- per GPU ({chosen['stage']} stage), GiB:",
+        f"  weights {g(chosen['weights'])}"
+        + (f" (experts {g(chosen['expert_params'] * chosen['weights'] / chosen['params'])})" if moe else "")
+        + (f"  reference {g(chosen['reference_weights'])}" if spec.reference_model else "")
+        + f"  gradients {g(chosen['gradients'])}  optimizer "
+        f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
+        f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient)  "
+        f"overhead {g(chosen['overhead'])}",
+        f"  total {g(chosen['total'])} GiB of {spec.gpu_memory_gib:g}: {'fits' if chosen['fits'] else 'does NOT fit'}",
+        f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
+        f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "
+        f"{chosen['rollout_tokens_per_s']:.0f} generated, whole step {chosen['step_tokens_per_s']:.0f}",
+        *_pipeline_lines(chosen, g),
+        *_expert_lines(spec, chosen, g),
+        "",
+        f"{'TP':>3}{'PP':>4}{'DP':>5}"
+        + (f"{'EP':>4}" if moe else "")
+        + f"{'weights':>9}{'grads':>8}{'optim':>8}{'activ.':>8}{'total':>8}"
+        f"{'fits':>6}{'alt total':>11}{'step tok/s':>12}{'stage':>7}{'idle':>6}" + (f"{'a2a MiB':>9}" if moe else ""),
+    ]
     for r in rows:
         alt = r["alternative"]
         mark = " <" if layout_key(r) == layout_key(chosen) else ""
         piped = r["pp"] > 1
         idle = f"{100 * r['pipeline_idle']:.0f}%" if piped else "-"
-        a2a = f"{r['all_to_all_layer_bytes'] / 2 ** 20:>9.1f}" if moe else ""
-        lines.append(f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}" + (f"{r['ep']:>4}" if moe else "")
-                     + f"{g(r['weights']):>9}{g(r['gradients']):>8}"
-                     f"{g(r['optimizer']):>8}{g(r['training_peak']):>8}{g(r['total']):>8}"
-                     f"{'yes' if r['fits'] else 'no':>6}{g(alt['total']) + ('*' if alt['fits'] else ''):>11}"
-                     f"{r['step_tokens_per_s']:>12.0f}{r['stage'] if piped else '-':>7}{idle:>6}{a2a}{mark}")
+        a2a = f"{r['all_to_all_layer_bytes'] / 2**20:>9.1f}" if moe else ""
+        lines.append(
+            f"{r['tp']:>3}{r['pp']:>4}{r['dp']:>5}"
+            + (f"{r['ep']:>4}" if moe else "")
+            + f"{g(r['weights']):>9}{g(r['gradients']):>8}"
+            f"{g(r['optimizer']):>8}{g(r['training_peak']):>8}{g(r['total']):>8}"
+            f"{'yes' if r['fits'] else 'no':>6}{g(alt['total']) + ('*' if alt['fits'] else ''):>11}"
+            f"{r['step_tokens_per_s']:>12.0f}{r['stage'] if piped else '-':>7}{idle:>6}{a2a}{mark}"
+        )
     alt = rows[0]["alternative"]["recompute"] if rows else "full"
-    lines.append(f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout; PP > 1: "
-                 f"pipelined, totals of the most loaded 'stage', 'idle' = the step's pipeline-bubble share"
-                 + ("; 'a2a MiB' = all-to-all per layer and micro-batch forward, per GPU, time not modelled)"
-                    if moe else ")"))
+    lines.append(
+        f"(GiB per GPU; 'alt total' = with recompute {alt}, * = fits; < = the requested layout; PP > 1: "
+        f"pipelined, totals of the most loaded 'stage', 'idle' = the step's pipeline-bubble share"
+        + ("; 'a2a MiB' = all-to-all per layer and micro-batch forward, per GPU, time not modelled)" if moe else ")")
+    )
     return "\n".join(lines)
 
 
@@ -425,12 +492,16 @@ def _expert_lines(spec: PlanSpec, est: Dict[str, Any], g) -> List[str]:
     if not spec.model.is_moe:
         return []
     ep = est["ep"]
-    line = (f"  experts: {spec.model.num_experts // ep} of {spec.model.num_experts} per GPU (EP {ep} x ETP "
-            f"{est['etp']}), optimizer states sharded over DP {est['dp']} (dense) and expert DP {est['edp']}")
+    line = (
+        f"  experts: {spec.model.num_experts // ep} of {spec.model.num_experts} per GPU (EP {ep} x ETP "
+        f"{est['etp']}), optimizer states sharded over DP {est['dp']} (dense) and expert DP {est['edp']}"
+    )
     if ep > 1:
-        line += (f"; all-to-all {est['all_to_all_layer_bytes'] / 2 ** 20:.1f} MiB per layer and micro-batch "
-                 f"forward (as much backward), {g(est['all_to_all_step_bytes'])} GiB per GPU per step, "
-                 f"{100 * (ep - 1) / ep:.0f}% of it across GPUs (its time is not modelled)")
+        line += (
+            f"; all-to-all {est['all_to_all_layer_bytes'] / 2**20:.1f} MiB per layer and micro-batch "
+            f"forward (as much backward), {g(est['all_to_all_step_bytes'])} GiB per GPU per step, "
+            f"{100 * (ep - 1) / ep:.0f}% of it across GPUs (its time is not modelled)"
+        )
     return [line]
 
 
@@ -440,9 +511,9 @@ def _pipeline_lines(est: Dict[str, Any], g) -> List[str]:
         return []
     stages = ", ".join(f"{name} {g(total)}" for name, total in est["stage_totals"].items())
     held = min(est["pp"], est["micro_batches"])
-    return [f"  pipeline PP {est['pp']}: GiB per stage {stages}; 1F1B holds {held} of {est['micro_batches']} "
-            f"micro-batches on the first stage; {est['rollout_micro_batches']} micro-batch(es) per sampler call; "
-            f"bubble efficiency training {est['bubble_efficiency']:.2f}, rollout "
-            f"{est['rollout_bubble_efficiency']:.2f}; stages idle {100 * est['pipeline_idle']:.0f}% of the step"]
-
-
+    return [
+        f"  pipeline PP {est['pp']}: GiB per stage {stages}; 1F1B holds {held} of {est['micro_batches']} "
+        f"micro-batches on the first stage; {est['rollout_micro_batches']} micro-batch(es) per sampler call; "
+        f"bubble efficiency training {est['bubble_efficiency']:.2f}, rollout "
+        f"{est['rollout_bubble_efficiency']:.2f}; stages idle {100 * est['pipeline_idle']:.0f}% of the step"
+    ]

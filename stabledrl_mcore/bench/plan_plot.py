@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence, Tuple
-from stabledrl_mcore.common.errors import ConfigError
 import textwrap
+from typing import Any, Dict, List, Sequence, Tuple
 
-GIB = 1024 ** 3
+from stabledrl_mcore.common.errors import ConfigError
+
+GIB = 1024**3
 
 # (label, colour) of each stacked component, bottom to top
-COMPONENTS = (("weights", "#4c72b0"), ("reference weights", "#8172b2"), ("gradients", "#dd8452"),
-              ("optimizer", "#c44e52"), ("activations kept for the backward", "#55a868"),
-              ("LM head or one recomputed layer (the larger)", "#8c8c3c"),
-              ("rollout beyond the training peak", "#64b5cd"), ("overhead", "#b0b0b0"))
+COMPONENTS = (
+    ("weights", "#4c72b0"),
+    ("reference weights", "#8172b2"),
+    ("gradients", "#dd8452"),
+    ("optimizer", "#c44e52"),
+    ("activations kept for the backward", "#55a868"),
+    ("LM head or one recomputed layer (the larger)", "#8c8c3c"),
+    ("rollout beyond the training peak", "#64b5cd"),
+    ("overhead", "#b0b0b0"),
+)
 
 
 def memory_components(row: Dict[str, Any]) -> List[Tuple[str, float]]:
@@ -24,11 +31,16 @@ def memory_components(row: Dict[str, Any]) -> List[Tuple[str, float]]:
     phases never coincide) and the overhead."""
     kept = row["activations"] - row["recomputed_layer"]
     peak = max(row["training_peak"], row["rollout_peak"], row.get("likelihood_peak", 0.0))
-    return [("weights", row["weights"]), ("reference weights", row["reference_weights"]),
-            ("gradients", row["gradients"]), ("optimizer", row["optimizer"]),
-            ("activations kept for the backward", kept),
-            ("LM head or one recomputed layer (the larger)", row["training_peak"] - kept),
-            ("rollout beyond the training peak", peak - row["training_peak"]), ("overhead", row["overhead"])]
+    return [
+        ("weights", row["weights"]),
+        ("reference weights", row["reference_weights"]),
+        ("gradients", row["gradients"]),
+        ("optimizer", row["optimizer"]),
+        ("activations kept for the backward", kept),
+        ("LM head or one recomputed layer (the larger)", row["training_peak"] - kept),
+        ("rollout beyond the training peak", peak - row["training_peak"]),
+        ("overhead", row["overhead"]),
+    ]
 
 
 def check_plot_path(path: str) -> None:
@@ -41,8 +53,13 @@ def check_plot_path(path: str) -> None:
         raise ConfigError(f"--plot {path}: no folder {folder}; create it first")
 
 
-def plot_plan(rows: Sequence[Dict[str, Any]], gpu_memory_gib: float, out_png: str, title: str = "",
-              requested: Tuple[int, ...] = (0, 0)) -> None:
+def plot_plan(
+    rows: Sequence[Dict[str, Any]],
+    gpu_memory_gib: float,
+    out_png: str,
+    title: str = "",
+    requested: Tuple[int, ...] = (0, 0),
+) -> None:
     """One stacked bar per layout (GiB per GPU, worst pipeline stage), the GPU capacity as a line,
     the total with the alternative recompute setting as a marker; ``requested`` = (TP, PP) or
     (TP, PP, EP) marked; a mixture-of-experts model's bars also name their EP."""
@@ -63,17 +80,32 @@ def plot_plan(rows: Sequence[Dict[str, Any]], gpu_memory_gib: float, out_png: st
     ax.axhline(gpu_memory_gib, color="black", lw=1.2, ls="--", label=f"GPU capacity ({gpu_memory_gib:g} GiB)")
     if rows:
         alt = rows[0]["alternative"]["recompute"]
-        ax.scatter(x, [r["alternative"]["total"] / GIB for r in rows], marker="_", s=300, color="black", lw=2,
-                   zorder=3, label=f"total with recompute {alt}")
+        ax.scatter(
+            x,
+            [r["alternative"]["total"] / GIB for r in rows],
+            marker="_",
+            s=300,
+            color="black",
+            lw=2,
+            zorder=3,
+            label=f"total with recompute {alt}",
+        )
     experts = any(r.get("ep", 1) > 1 for r in rows)
     key = (lambda r: (r["tp"], r["pp"], r.get("ep", 1))) if len(requested) == 3 else (lambda r: (r["tp"], r["pp"]))
-    ax.set_xticks(x, [f"TP{r['tp']} PP{r['pp']}\nDP{r['dp']}" + (f" EP{r['ep']}" if experts else "")
-                      + ("" if r["fits"] else "\nno fit")
-                      + ("\nrequested" if key(r) == tuple(requested) else "") for r in rows], fontsize=7)
+    ax.set_xticks(
+        x,
+        [
+            f"TP{r['tp']} PP{r['pp']}\nDP{r['dp']}"
+            + (f" EP{r['ep']}" if experts else "")
+            + ("" if r["fits"] else "\nno fit")
+            + ("\nrequested" if key(r) == tuple(requested) else "")
+            for r in rows
+        ],
+        fontsize=7,
+    )
     ax.set_ylabel("GiB per GPU (most loaded stage)")
     ax.set_ylim(0, max([gpu_memory_gib * 1.15] + [b * 1.05 for b in bottoms]))
     if title:
-
         ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     handles, labels = ax.get_legend_handles_labels()  # the stack's order, top first
     ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)

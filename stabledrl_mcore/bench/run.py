@@ -27,7 +27,6 @@ tokens/s, NFE per completion, greedy held-out accuracy with a checkpoint, speed-
 
 from __future__ import annotations
 
-
 import gc
 import os
 import socket
@@ -36,19 +35,18 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.algorithms.losses import available_token_policy_losses
+from stabledrl_mcore.bench.baseline import BaselineStep
+from stabledrl_mcore.bench.flops import FlopCounter, matmul_params
+from stabledrl_mcore.bench.modes import RolloutMode, summarize_modes
+from stabledrl_mcore.bench.peak import device_peak
 from stabledrl_mcore.bench.phases import PHASES, StableDRLPhases, VocabGuard, log, measure
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.engine.pipeline import timed_stage_forward
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.rl.setup import build_training
-from stabledrl_mcore.bench.flops import FlopCounter, matmul_params
-from stabledrl_mcore.bench.peak import device_peak
-from stabledrl_mcore.bench.modes import RolloutMode
-from stabledrl_mcore.algorithms.losses import available_token_policy_losses
-from stabledrl_mcore.engine.pipeline import timed_stage_forward
-from stabledrl_mcore.bench.baseline import BaselineStep
-from stabledrl_mcore.bench.modes import summarize_modes
 
 
 def parse_phases(text: str, allowed: Sequence[str] = PHASES) -> List[str]:
@@ -68,9 +66,17 @@ def _load() -> Optional[List[float]]:
         return None
 
 
-def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repeats: int,
-                     baseline: Optional[bool] = None, peak_tflops: Optional[float] = None,
-                     measure_peak: bool = True, rollout_modes: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def bench_in_process(
+    cfg: RunConfig,
+    phases: Sequence[str],
+    *,
+    warmup: int,
+    repeats: int,
+    baseline: Optional[bool] = None,
+    peak_tflops: Optional[float] = None,
+    measure_peak: bool = True,
+    rollout_modes: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
     """Build the training set-up of ``cfg`` on this process's ranks and time ``phases``.
 
     ``rollout_modes``: name -> (overrides, the mode's RunConfig) (see :mod:`.modes`), timed
@@ -95,8 +101,9 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
 
         token_loss = cfg.algo.loss in available_token_policy_losses()
         if baseline and token_loss:
-            raise ConfigError(f"the baseline implements sequence-level losses only, not {cfg.algo.loss!r}; "
-                              "run with --no-baseline")
+            raise ConfigError(
+                f"the baseline implements sequence-level losses only, not {cfg.algo.loss!r}; run with --no-baseline"
+            )
         if baseline is None:  # by default: in a one-process run, for the losses it implements
             baseline = world == 1 and not token_loss
             if token_loss:
@@ -105,10 +112,8 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
         log("preparing one rollout batch (generation, scoring, old-policy likelihood)")
         ours = StableDRLPhases(s)
         if cfg.parallel.pipeline_parallel > 1:  # stage busy time: pipeline_bubble_fraction per phase
-
             timed_stage_forward(s.model)
         if baseline:
-
             log("building the baseline (transformers model, torch AdamW)")
             base = BaselineStep(ours)
         dcfg = s.model.dllm_config
@@ -128,20 +133,36 @@ def bench_in_process(cfg: RunConfig, phases: Sequence[str], *, warmup: int, repe
             finally:
                 if base_counter:
                     base_counter.__exit__(None, None, None)
-        mode_out = _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter,
-                                warmup, repeats) if rollout_modes else None
+        mode_out = (
+            _bench_modes(s, rollout_modes, base, results, counters, ours_counter, base_counter, warmup, repeats)
+            if rollout_modes
+            else None
+        )
         if peak:
             log("measuring the matmul peak again (the best of both measurements is kept)")
             peak = device_peak(cfg.model.dtype, override_tflops=peak_tflops, previous=peak)
         mp = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
         peak_flops = peak["peak_flops"] if peak else None
-        out = _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world,
-                        matmul_params(dcfg), with_baseline=base is not None)
+        out = _assemble(
+            cfg,
+            s,
+            ours,
+            results,
+            phases,
+            peak,
+            peak_flops,
+            mp,
+            warmup,
+            repeats,
+            world,
+            matmul_params(dcfg),
+            with_baseline=base is not None,
+        )
         if mode_out:
-
             modes, mode_results, accuracy = mode_out
-            base_rollout = (mode_results["baseline/rollout"].summary(peak_flops, mp)
-                            if "baseline/rollout" in mode_results else None)
+            base_rollout = (
+                mode_results["baseline/rollout"].summary(peak_flops, mp) if "baseline/rollout" in mode_results else None
+            )
             out["rollout_modes"] = summarize_modes(modes, mode_results, peak_flops, mp, accuracy, base_rollout)
             out["rollout_modes_baseline"] = base_rollout
         out["load_average"] = {"before": load_before, "after": _load()}
@@ -185,28 +206,56 @@ def _measure_by_phase(jobs, counters, phases, warmup, repeats):
     return results
 
 
-def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world, n_mm, *,
-              with_baseline):
+def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repeats, world, n_mm, *, with_baseline):
     dcfg = s.model.dllm_config
     batch = ours.batch
     phase_out = {p: results[p].summary(peak_flops, mp) for p in phases}
     fp32 = peak.get("fp32_matmul_flops") if peak else None
     out: Dict[str, Any] = {
-        "mfu": None, "matmul_peak_flops": peak_flops, "step_tokens_per_s": None, "train_tokens_per_s": None,
-        "model": {"name": cfg.model.preset, "arch": dcfg.arch, "params": dcfg.num_parameters(),
-                  "active_params": dcfg.num_active_parameters(), "num_experts": dcfg.num_experts,
-                  "moe_router_topk": dcfg.moe_router_topk if dcfg.is_moe else None, "matmul_params": n_mm, "dtype": cfg.model.dtype, "vocab_size": dcfg.vocab_size,
-                  "recompute": cfg.model.recompute},
-        "layout": {"world_size": world, "tp": cfg.parallel.tensor_parallel, "pp": cfg.parallel.pipeline_parallel,
-                   "dp": s.dp_size, "threads": torch.get_num_threads(),
-                   "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None},
-        "workload": {"sequences": batch.size, "seq_len": batch.sequences.shape[1], "prompt_len": batch.prompt_len,
-                     "generated": batch.sequences.shape[1] - batch.prompt_len, "num_mc": batch.plan.num_mc,
-                     "inner_iterations": cfg.algo.inner_iterations, "micro_batch": cfg.parallel.micro_batch_size,
-                     "likelihood": cfg.algo.likelihood, "staircase_block": ours.block,
-                     "rollout_steps": cfg.rollout.steps, "block_length": cfg.rollout.block_length},
-        "peak": peak, "warmup": warmup, "repeats": repeats, "phases": phase_out,
-        "host": socket.gethostname(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "mfu": None,
+        "matmul_peak_flops": peak_flops,
+        "step_tokens_per_s": None,
+        "train_tokens_per_s": None,
+        "model": {
+            "name": cfg.model.preset,
+            "arch": dcfg.arch,
+            "params": dcfg.num_parameters(),
+            "active_params": dcfg.num_active_parameters(),
+            "num_experts": dcfg.num_experts,
+            "moe_router_topk": dcfg.moe_router_topk if dcfg.is_moe else None,
+            "matmul_params": n_mm,
+            "dtype": cfg.model.dtype,
+            "vocab_size": dcfg.vocab_size,
+            "recompute": cfg.model.recompute,
+        },
+        "layout": {
+            "world_size": world,
+            "tp": cfg.parallel.tensor_parallel,
+            "pp": cfg.parallel.pipeline_parallel,
+            "dp": s.dp_size,
+            "threads": torch.get_num_threads(),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        },
+        "workload": {
+            "sequences": batch.size,
+            "seq_len": batch.sequences.shape[1],
+            "prompt_len": batch.prompt_len,
+            "generated": batch.sequences.shape[1] - batch.prompt_len,
+            "num_mc": batch.plan.num_mc,
+            "inner_iterations": cfg.algo.inner_iterations,
+            "micro_batch": cfg.parallel.micro_batch_size,
+            "likelihood": cfg.algo.likelihood,
+            "staircase_block": ours.block,
+            "rollout_steps": cfg.rollout.steps,
+            "block_length": cfg.rollout.block_length,
+        },
+        "peak": peak,
+        "warmup": warmup,
+        "repeats": repeats,
+        "phases": phase_out,
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": to_dict(cfg),
     }
     key = "train" if "train" in phase_out else ("step" if "step" in phase_out else None)
@@ -223,10 +272,12 @@ def _assemble(cfg, s, ours, results, phases, peak, peak_flops, mp, warmup, repea
         out["train_tokens_per_s"] = phase_out["train"]["tokens_per_s"]
     if with_baseline:
         base = {p: results["baseline/" + p].summary(peak_flops, mp) for p in phases}
-        hf_class = "LlamaForCausalLM" if dcfg.arch == "llada" else (
-            "Qwen3MoeForCausalLM" if dcfg.is_moe else "Qwen3ForCausalLM")
-        out["baseline"] = {"implementation": f"transformers {hf_class}, torch AdamW",
-                           "phases": base}
+        hf_class = (
+            "LlamaForCausalLM"
+            if dcfg.arch == "llada"
+            else ("Qwen3MoeForCausalLM" if dcfg.is_moe else "Qwen3ForCausalLM")
+        )
+        out["baseline"] = {"implementation": f"transformers {hf_class}, torch AdamW", "phases": base}
         out["speedup_vs_baseline"] = {p: speedup(phase_out[p], base[p]) for p in phases}
         out["speedup_vs_baseline_cpu_time"] = {p: speedup_cpu(phase_out[p], base[p]) for p in phases}
     return out
@@ -247,5 +298,3 @@ def speedup(ours: Dict[str, Any], base: Dict[str, Any]) -> Optional[float]:
     if ours["median_s"] > 0:
         return base["median_s"] / ours["median_s"]
     return None
-
-

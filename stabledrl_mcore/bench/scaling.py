@@ -23,22 +23,29 @@ the measured efficiency by it, i.e. the part of the loss our code is responsible
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from stabledrl_mcore.bench.phases import bench_config, log
 from stabledrl_mcore.bench.run import bench_in_process
-from stabledrl_mcore.bench.phases import bench_config
 from stabledrl_mcore.parallel.launch import spawn
-import multiprocessing as mp
-import statistics
-from stabledrl_mcore.bench.phases import log
 
 
-def _rank_main(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], warmup: int,
-               repeats: int, out_path: str, keep_tokenizer_vocab: bool) -> None:
+def _rank_main(
+    config: Optional[str],
+    overrides: Sequence[str],
+    phases: Sequence[str],
+    warmup: int,
+    repeats: int,
+    out_path: str,
+    keep_tokenizer_vocab: bool,
+) -> None:
     """One rank of a scaling run (module level, so ``spawn`` can import it)."""
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
@@ -48,9 +55,17 @@ def _rank_main(config: Optional[str], overrides: Sequence[str], phases: Sequence
             json.dump(result, handle)
 
 
-def run_ranks(config: Optional[str], overrides: Sequence[str], phases: Sequence[str], ranks: int, *,
-              warmup: int, repeats: int, keep_tokenizer_vocab: bool = False,
-              timeout: float = 3600.0) -> Dict[str, Any]:
+def run_ranks(
+    config: Optional[str],
+    overrides: Sequence[str],
+    phases: Sequence[str],
+    ranks: int,
+    *,
+    warmup: int,
+    repeats: int,
+    keep_tokenizer_vocab: bool = False,
+    timeout: float = 3600.0,
+) -> Dict[str, Any]:
     """The benchmark on ``ranks`` local data-parallel ranks, ``prompts_per_step`` scaled by ``ranks``."""
 
     cfg = bench_config(config, overrides, keep_tokenizer_vocab=keep_tokenizer_vocab)
@@ -58,9 +73,13 @@ def run_ranks(config: Optional[str], overrides: Sequence[str], phases: Sequence[
     fd, out_path = tempfile.mkstemp(prefix="stabledrl-scaling-", suffix=".json")
     os.close(fd)
     try:
-        spawn(_rank_main, ranks, (config, list(overrides) + extra, list(phases), warmup, repeats, out_path,
-                                  keep_tokenizer_vocab),
-              timeout=timeout, threads=cfg.parallel.threads or torch.get_num_threads())
+        spawn(
+            _rank_main,
+            ranks,
+            (config, list(overrides) + extra, list(phases), warmup, repeats, out_path, keep_tokenizer_vocab),
+            timeout=timeout,
+            threads=cfg.parallel.threads or torch.get_num_threads(),
+        )
         with open(out_path) as handle:
             return json.load(handle)
     finally:
@@ -109,8 +128,9 @@ def _ceiling_worker(rank: int, barrier, queue, size: int, seconds: float, thread
         queue.put(("together", round_, _matmul_window(a, b, seconds)))
 
 
-def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, seconds: float = 2.0,
-                    rounds: int = 3, timeout: float = 300.0) -> Dict[str, Any]:
+def machine_ceiling(
+    ranks: int = 2, *, threads: int = 1, size: int = 512, seconds: float = 2.0, rounds: int = 3, timeout: float = 300.0
+) -> Dict[str, Any]:
     """Per-process fp32 matmul rate with ``ranks`` processes at once over one process alone.
 
     One set of ``ranks`` spawned processes runs ``rounds`` alternating windows of
@@ -124,8 +144,10 @@ def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, second
 
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(ranks), ctx.Queue()
-    procs = [ctx.Process(target=_ceiling_worker, args=(r, barrier, queue, size, seconds, threads, rounds))
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(target=_ceiling_worker, args=(r, barrier, queue, size, seconds, threads, rounds))
+        for r in range(ranks)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -137,17 +159,27 @@ def machine_ceiling(ranks: int = 2, *, threads: int = 1, size: int = 512, second
                 proc.kill()
                 proc.join()
     alone = {r: v for kind, r, v in got if kind == "alone"}
-    together = {r: statistics.fmean(v for kind, rr, v in got if kind == "together" and rr == r)
-                for r in range(rounds)}
+    together = {r: statistics.fmean(v for kind, rr, v in got if kind == "together" and rr == r) for r in range(rounds)}
     per_round = [together[r] / alone[r] for r in range(rounds)]
-    return {"ceiling": statistics.median(per_round), "one_process_flops": statistics.median(alone.values()),
-            "per_process_flops": statistics.median(together.values()), "rounds": rounds,
-            "per_round": per_round}
+    return {
+        "ceiling": statistics.median(per_round),
+        "one_process_flops": statistics.median(alone.values()),
+        "per_process_flops": statistics.median(together.values()),
+        "rounds": rounds,
+        "per_round": per_round,
+    }
 
 
-def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[str], *, warmup: int,
-                 repeats: int, reference: Optional[Dict[str, Any]] = None,
-                 keep_tokenizer_vocab: bool = False) -> Dict[str, Any]:
+def weak_scaling(
+    config: Optional[str],
+    overrides: List[str],
+    phases: Sequence[str],
+    *,
+    warmup: int,
+    repeats: int,
+    reference: Optional[Dict[str, Any]] = None,
+    keep_tokenizer_vocab: bool = False,
+) -> Dict[str, Any]:
     """1 vs 2 data-parallel ranks; ``reference`` = a 1-rank result that may already hold the phases."""
 
     have = reference and reference["layout"]["world_size"] == 1 and all(p in reference["phases"] for p in phases)
@@ -155,24 +187,39 @@ def weak_scaling(config: Optional[str], overrides: List[str], phases: Sequence[s
         one = reference
     else:
         log(f"weak scaling: 1 rank ({', '.join(phases)})")
-        one = run_ranks(config, overrides, phases, 1, warmup=warmup, repeats=repeats,
-                        keep_tokenizer_vocab=keep_tokenizer_vocab)
+        one = run_ranks(
+            config, overrides, phases, 1, warmup=warmup, repeats=repeats, keep_tokenizer_vocab=keep_tokenizer_vocab
+        )
     log(f"weak scaling: 2 data-parallel ranks ({', '.join(phases)})")
-    two = run_ranks(config, overrides, phases, 2, warmup=warmup, repeats=repeats,
-                    keep_tokenizer_vocab=keep_tokenizer_vocab)
+    two = run_ranks(
+        config, overrides, phases, 2, warmup=warmup, repeats=repeats, keep_tokenizer_vocab=keep_tokenizer_vocab
+    )
     eff = {p: efficiency(one["phases"][p], two["phases"][p], 2) for p in phases}
     cpu = {p: efficiency_cpu(one["phases"][p], two["phases"][p], 2) for p in phases}
     headline = eff.get("step", next(iter(eff.values()), None))
-    ceiling = None if torch.cuda.is_available() else machine_ceiling(
-        2, threads=two["layout"]["threads"] or 1)
+    ceiling = None if torch.cuda.is_available() else machine_ceiling(2, threads=two["layout"]["threads"] or 1)
     if ceiling:
-        log(f"machine ceiling: 2 processes at once run fp32 matmuls at {ceiling['ceiling']:.2f}x "
+        log(
+            f"machine ceiling: 2 processes at once run fp32 matmuls at {ceiling['ceiling']:.2f}x "
             f"the per-process rate of one alone (median of {ceiling['rounds']} rounds: "
-            + ", ".join(f"{r:.2f}" for r in ceiling["per_round"]) + ")")
-    return {"ranks": [1, 2], "backend": two["layout"]["backend"], "threads_per_rank": two["layout"]["threads"],
-            "phases": list(phases), "efficiency": eff, "efficiency_cpu_time": cpu, "headline": headline,
-            "one_rank": {p: one["phases"][p] for p in phases}, "two_ranks": {p: two["phases"][p] for p in phases},
-            "one_rank_from_main_run": bool(have), "load_average": two.get("load_average"),
-            "cpu_count": os.cpu_count(), "machine_ceiling": ceiling,
-            "efficiency_vs_ceiling": ({p: (v / ceiling["ceiling"] if v is not None else None)
-                                       for p, v in eff.items()} if ceiling else None)}
+            + ", ".join(f"{r:.2f}" for r in ceiling["per_round"])
+            + ")"
+        )
+    return {
+        "ranks": [1, 2],
+        "backend": two["layout"]["backend"],
+        "threads_per_rank": two["layout"]["threads"],
+        "phases": list(phases),
+        "efficiency": eff,
+        "efficiency_cpu_time": cpu,
+        "headline": headline,
+        "one_rank": {p: one["phases"][p] for p in phases},
+        "two_ranks": {p: two["phases"][p] for p in phases},
+        "one_rank_from_main_run": bool(have),
+        "load_average": two.get("load_average"),
+        "cpu_count": os.cpu_count(),
+        "machine_ceiling": ceiling,
+        "efficiency_vs_ceiling": (
+            {p: (v / ceiling["ceiling"] if v is not None else None) for p, v in eff.items()} if ceiling else None
+        ),
+    }

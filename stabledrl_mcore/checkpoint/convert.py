@@ -39,17 +39,31 @@ import time
 from typing import Callable, Optional
 
 import torch
+from tqdm import tqdm
 
-from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
-from stabledrl_mcore.checkpoint.mcore_io import DTYPES, HF_ASSETS, attach, build_shell, copy_assets, discard_output, ensure_single_process, expanded_sharded_state_dict, finalize_output, iter_full_tensors, prepare_output, read_checkpoint_info, write_json, write_marker
+from stabledrl_mcore.checkpoint.mcore_io import (
+    DTYPES,
+    HF_ASSETS,
+    attach,
+    build_shell,
+    copy_assets,
+    discard_output,
+    ensure_single_process,
+    expanded_sharded_state_dict,
+    finalize_output,
+    iter_full_tensors,
+    prepare_output,
+    read_checkpoint_info,
+    write_json,
+    write_marker,
+)
 from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
-from tqdm import tqdm
-from stabledrl_mcore.models import available_presets, get_preset
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.models import DLLMConfig, available_presets, get_preset
 from stabledrl_mcore.parallel import bootstrap
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -66,8 +80,10 @@ def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
     bad = int((~torch.isfinite(tensor)).sum())
     if bad:
         nan = int(torch.isnan(tensor).sum())
-        raise ConversionError(f"{source}: tensor {name!r} holds {nan} NaN and {bad - nan} inf value(s) "
-                              f"of {tensor.numel()}; pass --allow-nonfinite to convert it anyway")
+        raise ConversionError(
+            f"{source}: tensor {name!r} holds {nan} NaN and {bad - nan} inf value(s) "
+            f"of {tensor.numel()}; pass --allow-nonfinite to convert it anyway"
+        )
 
 
 class _FiniteReader:
@@ -109,11 +125,13 @@ def check_layout(cfg: DLLMConfig, tp: int, pp: int, ep: int = 1) -> None:
     """The suggested layout must split heads, KV groups, FFN (each expert's, for MoE: the expert
     tensor-parallel size is TP), layers and experts (``ep``) evenly."""
     problems = []
-    ffn = ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size) if cfg.is_moe else ("ffn_hidden_size",
-                                                                                cfg.ffn_hidden_size)
-    for name, value, parts in (("num_attention_heads", cfg.num_attention_heads, tp),
-                               ("num_query_groups", cfg.num_query_groups, tp),
-                               (*ffn, tp), ("num_layers", cfg.num_layers, pp)):
+    ffn = ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size) if cfg.is_moe else ("ffn_hidden_size", cfg.ffn_hidden_size)
+    for name, value, parts in (
+        ("num_attention_heads", cfg.num_attention_heads, tp),
+        ("num_query_groups", cfg.num_query_groups, tp),
+        (*ffn, tp),
+        ("num_layers", cfg.num_layers, pp),
+    ):
         if parts < 1 or value % parts:
             problems.append(f"{name} ({value}) is not divisible by {parts}")
     if ep != 1 and not cfg.is_moe:
@@ -136,9 +154,19 @@ def layout_record(cfg: DLLMConfig, tp: int, pp: int, ep: int = 1) -> dict:
 
 
 # ------------------------------------------------------------------ HF -> Megatron
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                "kv_channels", "ffn_hidden_size", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
-                "moe_router_topk")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "qk_layernorm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+)
 
 
 def resolve_model_choice(model: Optional[str]):
@@ -152,27 +180,45 @@ def resolve_model_choice(model: Optional[str]):
         return model, None
     if model in available_presets():
         return get_preset(model).arch, model
-    raise ConversionError(f"--model {model!r} is neither an architecture "
-                          f"({', '.join(sorted(hfc.MODEL_TYPES.values()))}) nor a preset "
-                          f"({', '.join(available_presets())})")
+    raise ConversionError(
+        f"--model {model!r} is neither an architecture "
+        f"({', '.join(sorted(hfc.MODEL_TYPES.values()))}) nor a preset "
+        f"({', '.join(available_presets())})"
+    )
 
 
 def check_preset_shape(cfg, preset: str) -> None:
     """The checkpoint has the shape of ``preset`` (else a one-line error naming the fields)."""
 
     want = get_preset(preset)
-    wrong = [f"{f} {getattr(cfg, f)} (preset {getattr(want, f)})" for f in SHAPE_FIELDS
-             if getattr(cfg, f) != getattr(want, f)]
+    wrong = [
+        f"{f} {getattr(cfg, f)} (preset {getattr(want, f)})"
+        for f in SHAPE_FIELDS
+        if getattr(cfg, f) != getattr(want, f)
+    ]
     if wrong:
-        raise ConversionError(f"--model {preset}: the checkpoint does not have the preset's shape: "
-                              f"{', '.join(wrong)}; pass --model {want.arch} to convert any {want.arch} "
-                              "checkpoint")
+        raise ConversionError(
+            f"--model {preset}: the checkpoint does not have the preset's shape: "
+            f"{', '.join(wrong)}; pass --model {want.arch} to convert any {want.arch} "
+            "checkpoint"
+        )
 
 
-def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int = 1, pp: int = 1,
-                ep: int = 1, dtype: Optional[str] = None, vocab_multiple: int = 1, overwrite: bool = False,
-                progress: bool = True, allow_nonfinite: bool = False,
-                before_commit: Optional[Callable[[str], None]] = None) -> str:
+def hf_to_mcore(
+    hf_dir: str,
+    out: str,
+    *,
+    model: Optional[str] = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: Optional[str] = None,
+    vocab_multiple: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+    allow_nonfinite: bool = False,
+    before_commit: Optional[Callable[[str], None]] = None,
+) -> str:
     """Convert an upstream LLaDA/SDAR directory to a model-only ``torch_dist`` checkpoint.
 
     ``dtype``: ``"bf16"``/``"fp32"``/``"fp16"`` or None (keep the stored dtype).
@@ -183,7 +229,6 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     nothing is written. Returns ``out``.
     """
     from megatron.core import dist_checkpointing
-
 
     raw = hfc.read_hf_config(hf_dir)
     expected_arch, preset = resolve_model_choice(model)
@@ -216,9 +261,18 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
         dist_checkpointing.save(entries, tmp)
         del entries
         copy_assets(hf_dir, os.path.join(tmp, HF_ASSETS), skip=())
-        write_marker(tmp, cfg, dtype=target, tied=tied, layout=layout_record(cfg, tp, pp, ep),
-                     source={"hf_dir": os.path.abspath(hf_dir), "weight_bytes": reader.nbytes(),
-                             "seconds": round(time.time() - started, 2)})
+        write_marker(
+            tmp,
+            cfg,
+            dtype=target,
+            tied=tied,
+            layout=layout_record(cfg, tp, pp, ep),
+            source={
+                "hf_dir": os.path.abspath(hf_dir),
+                "weight_bytes": reader.nbytes(),
+                "seconds": round(time.time() - started, 2),
+            },
+        )
         _fault_injection_pause()
         if before_commit is not None:
             before_commit(tmp)
@@ -226,7 +280,6 @@ def hf_to_mcore(hf_dir: str, out: str, *, model: Optional[str] = None, tp: int =
     finally:
         discard_output(tmp)  # nothing left once finalized; the unfinished output on any failure
         if owns_megatron:
-
             bootstrap.destroy()
 
 
@@ -238,10 +291,18 @@ def _head_still_tied(path, shell, engine, dtype) -> bool:
     return torch.equal(tensors[0][: engine.cfg.vocab_size], tensors[1][: engine.cfg.vocab_size])
 
 
-def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: Optional[str] = None,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-                progress: bool = True, allow_nonfinite: bool = False,
-                before_commit: Optional[Callable[[str], None]] = None) -> str:
+def mcore_to_hf(
+    ckpt: str,
+    out: str,
+    *,
+    hf_assets: Optional[str] = None,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+    allow_nonfinite: bool = False,
+    before_commit: Optional[Callable[[str], None]] = None,
+) -> str:
     """Export a converted (or training) checkpoint to an upstream-format HF directory.
 
     ``hf_assets``: where ``config.json``/tokenizer/``*.py`` come from (default:
@@ -250,8 +311,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
     """
     info = read_checkpoint_info(ckpt)
     cfg, assets = info.config, hf_assets or info.hf_assets
-    base = hfc.read_hf_config(assets) if assets and os.path.isfile(
-        os.path.join(assets, "config.json")) else None
+    base = hfc.read_hf_config(assets) if assets and os.path.isfile(os.path.join(assets, "config.json")) else None
     target = DTYPES[dtype] if dtype else info.dtype
     engine = MappingEngine(table_for(cfg.arch, cfg), cfg, tied=info.tied_embeddings)
     tmp = prepare_output(out, overwrite, protect=ckpt)
@@ -261,8 +321,10 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
         shell = build_shell(cfg, info.dtype)
         tied = info.tied_embeddings and _head_still_tied(ckpt, shell, engine, info.dtype)
         if info.tied_embeddings and not tied:
-            print("stabledrl convert: warning: LM head no longer equals the embedding; "
-                  "exporting it untied", file=sys.stderr)
+            print(
+                "stabledrl convert: warning: LM head no longer equals the embedding; exporting it untied",
+                file=sys.stderr,
+            )
         writer = SafetensorsWriter(tmp, engine.hf_plan(target, omit_head=tied), max_shard_bytes)
         items = iter_full_tensors(ckpt, shell, engine.groups(), info.dtype)
         for _, name, full in _by_group(items, len(engine.groups()), "mcore-to-hf", progress):
@@ -285,7 +347,4 @@ def mcore_to_hf(ckpt: str, out: str, *, hf_assets: Optional[str] = None, dtype: 
             writer.abort()
         discard_output(tmp)
         if owns_megatron:
-
             bootstrap.destroy()
-
-

@@ -19,10 +19,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.mappings import GatedMLP, Mapping, ModelTable, VocabRows, canonical_megatron_name
 from stabledrl_mcore.checkpoint.safetensors_io import Plan, SafetensorsReader
+from stabledrl_mcore.models import DLLMConfig
 
 Group = Tuple[str, List[Mapping]]
 
@@ -35,8 +35,7 @@ class MappingEngine:
     rows of the Megatron embedding/head (default: ``cfg.padded_vocab_size(1)``).
     """
 
-    def __init__(self, table: ModelTable, cfg: DLLMConfig, *, tied: bool = False,
-                 padded_vocab: Optional[int] = None):
+    def __init__(self, table: ModelTable, cfg: DLLMConfig, *, tied: bool = False, padded_vocab: Optional[int] = None):
         if table.arch != cfg.arch:
             raise ValueError(f"table {table.arch} does not fit a {cfg.arch} config")
         self.table, self.cfg, self.tied = table, cfg, tied
@@ -60,8 +59,9 @@ class MappingEngine:
         """The row for a (global-layer, local- or TE-spec) Megatron parameter name."""
         name = canonical_megatron_name(megatron_name)
         if name not in self._by_megatron:
-            raise ConversionError(f"Megatron parameter {megatron_name!r} has no row in the "
-                                  f"{self.table.arch} mapping table")
+            raise ConversionError(
+                f"Megatron parameter {megatron_name!r} has no row in the {self.table.arch} mapping table"
+            )
         return self._by_megatron[name]
 
     def megatron_shape(self, mapping: Mapping) -> Tuple[int, ...]:
@@ -71,8 +71,9 @@ class MappingEngine:
         return (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
 
     def _is_tied_head(self, mapping: Mapping, available) -> bool:
-        return (isinstance(mapping, VocabRows) and mapping.tied_to is not None and self.tied
-                and mapping.hf not in available)
+        return (
+            isinstance(mapping, VocabRows) and mapping.tied_to is not None and self.tied and mapping.hf not in available
+        )
 
     def expected_hf(self, available=()) -> Dict[str, Tuple[int, ...]]:
         """Upstream name -> shape of every tensor the source must hold."""
@@ -96,15 +97,18 @@ class MappingEngine:
             problems.append(f"unexpected tensor(s) {_few(unexpected)}")
         for name, shape in expected.items():
             if name in keys and reader.shape(name) != shape:
-                problems.append(f"tensor {name!r} has shape {list(reader.shape(name))}, "
-                                f"expected {list(shape)} from config.json")
+                problems.append(
+                    f"tensor {name!r} has shape {list(reader.shape(name))}, expected {list(shape)} from config.json"
+                )
         if problems:
-            raise ConversionError(f"{reader.root} does not match its config.json "
-                                  f"({self.cfg.arch}): " + "; ".join(problems))
+            raise ConversionError(
+                f"{reader.root} does not match its config.json ({self.cfg.arch}): " + "; ".join(problems)
+            )
 
     # ------------------------------------------------------------ HF -> Megatron
-    def to_megatron(self, mapping: Mapping, get: Callable[[str], torch.Tensor],
-                    dtype: Optional[torch.dtype] = None, available=None) -> List[torch.Tensor]:
+    def to_megatron(
+        self, mapping: Mapping, get: Callable[[str], torch.Tensor], dtype: Optional[torch.dtype] = None, available=None
+    ) -> List[torch.Tensor]:
         """Row blocks of one full Megatron tensor (``dtype`` cast, upstream read via ``get``)."""
         tied = self._is_tied_head(mapping, available if available is not None else ())
         names = (mapping.tied_to,) if tied else mapping.hf_names()
@@ -114,8 +118,9 @@ class MappingEngine:
             tensors[mapping.hf if tied else hf_name] = tensor if dtype is None else tensor.to(dtype)
         return mapping.to_megatron(tensors, self.cfg, self.padded_vocab)
 
-    def iter_megatron(self, reader: SafetensorsReader, dtype: Optional[torch.dtype] = None
-                      ) -> Iterator[Tuple[str, str, List[torch.Tensor]]]:
+    def iter_megatron(
+        self, reader: SafetensorsReader, dtype: Optional[torch.dtype] = None
+    ) -> Iterator[Tuple[str, str, List[torch.Tensor]]]:
         """``(group, megatron name, row blocks)`` for every parameter, group by group."""
         keys = set(reader.keys())
         for group_name, group in self.groups():
@@ -126,11 +131,15 @@ class MappingEngine:
     def to_hf(self, megatron_name: str, full: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
         mapping = self.mapping(megatron_name)
         if tuple(full.shape) != self.megatron_shape(mapping) and not isinstance(mapping, VocabRows):
-            raise ConversionError(f"Megatron tensor {megatron_name!r} has shape {list(full.shape)}, "
-                                  f"expected {list(self.megatron_shape(mapping))}")
+            raise ConversionError(
+                f"Megatron tensor {megatron_name!r} has shape {list(full.shape)}, "
+                f"expected {list(self.megatron_shape(mapping))}"
+            )
         if isinstance(mapping, VocabRows) and full.shape[0] < self.cfg.vocab_size:
-            raise ConversionError(f"Megatron tensor {megatron_name!r} has {full.shape[0]} rows, "
-                                  f"fewer than the vocabulary ({self.cfg.vocab_size})")
+            raise ConversionError(
+                f"Megatron tensor {megatron_name!r} has {full.shape[0]} rows, "
+                f"fewer than the vocabulary ({self.cfg.vocab_size})"
+            )
         return mapping.to_hf(full, self.cfg)
 
     def hf_plan(self, dtype: torch.dtype, *, omit_head: bool = False) -> Plan:
@@ -144,8 +153,9 @@ class MappingEngine:
         return plan
 
     # ------------------------------------------------------------ TP slicing
-    def shard_for_rank(self, megatron_name: str, blocks: List[torch.Tensor], param: torch.Tensor,
-                       tp_rank: int, tp_size: int) -> torch.Tensor:
+    def shard_for_rank(
+        self, megatron_name: str, blocks: List[torch.Tensor], param: torch.Tensor, tp_rank: int, tp_size: int
+    ) -> torch.Tensor:
         """This rank's slice of a full tensor, following Megatron's partition attributes.
 
         Expert weights are sliced like the dense MLP over the *expert* tensor-parallel group

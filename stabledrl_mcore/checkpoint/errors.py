@@ -3,7 +3,6 @@
 from stabledrl_mcore.common.errors import UserError
 
 
-
 class ConversionError(UserError, ValueError):
     """A checkpoint or config that cannot be converted as given.
 

@@ -35,8 +35,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from stabledrl_mcore.models import DLLMConfig, ModelConfigError
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.models import DLLMConfig, ModelConfigError
 
 Default = Union[None, float, int, Callable[[Dict[str, Any]], Any]]
 
@@ -70,6 +70,7 @@ def _rope_theta(default: float) -> Callable[[Dict[str, Any]], float]:
     def read(hf: Dict[str, Any]) -> float:  # transformers 5 nests it in ``rope_parameters``
         nested = hf.get("rope_parameters") or {}
         return float(nested.get("rope_theta", default))
+
     return read
 
 
@@ -110,15 +111,29 @@ FIELDS: Dict[str, List[Field]] = {
 
 # Switches that must have these values when present (the backbone implements nothing else).
 REQUIRED_VALUES: Dict[str, Dict[str, Tuple[Any, ...]]] = {
-    "llada": {"rope": (True, False), "alibi": (False, None), "layer_norm_type": ("rms",),
-              "include_bias": (False,), "include_qkv_bias": (False, None),
-              "activation_type": ("silu",), "block_type": ("llama",),
-              "attention_layer_norm": (False, None), "scale_logits": (False, None),
-              "input_emb_norm": (False, None), "layer_norm_with_affine": (True, None),
-              "block_group_size": (1, None), "multi_query_attention": (False, None),
-              "clip_qkv": (None,)},
-    "sdar": {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
-             "use_sliding_window": (False, None), "rope_scaling": (None,)},
+    "llada": {
+        "rope": (True, False),
+        "alibi": (False, None),
+        "layer_norm_type": ("rms",),
+        "include_bias": (False,),
+        "include_qkv_bias": (False, None),
+        "activation_type": ("silu",),
+        "block_type": ("llama",),
+        "attention_layer_norm": (False, None),
+        "scale_logits": (False, None),
+        "input_emb_norm": (False, None),
+        "layer_norm_with_affine": (True, None),
+        "block_group_size": (1, None),
+        "multi_query_attention": (False, None),
+        "clip_qkv": (None,),
+    },
+    "sdar": {
+        "hidden_act": ("silu",),
+        "attention_bias": (False, None),
+        "mlp_bias": (False, None),
+        "use_sliding_window": (False, None),
+        "rope_scaling": (None,),
+    },
 }
 
 
@@ -131,12 +146,17 @@ MOE_FIELDS: List[Field] = [
 
 # What the MoE backbone cannot build (it makes every layer a routed-experts layer, nothing shared).
 MOE_REQUIRED_VALUES: Dict[str, Tuple[Any, ...]] = {
-    "decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
-    "shared_expert_intermediate_size": (0, None), "n_shared_experts": (0, None),
-    "num_shared_experts": (0, None), "moe_shared_expert_intermediate_size": (0, None),
+    "decoder_sparse_step": (1, None),
+    "mlp_only_layers": ([], None),
+    "shared_expert_intermediate_size": (0, None),
+    "n_shared_experts": (0, None),
+    "num_shared_experts": (0, None),
+    "moe_shared_expert_intermediate_size": (0, None),
 }
-MOE_UNSUPPORTED_HINT = ("stabledrl builds every layer as a routed mixture-of-experts layer without "
-                        "shared experts (decoder_sparse_step 1, mlp_only_layers [])")
+MOE_UNSUPPORTED_HINT = (
+    "stabledrl builds every layer as a routed mixture-of-experts layer without "
+    "shared experts (decoder_sparse_step 1, mlp_only_layers [])"
+)
 
 
 def is_moe_config(hf_cfg: Dict[str, Any]) -> bool:
@@ -212,13 +232,14 @@ def detect_arch(hf_cfg: Dict[str, Any], expected: Optional[str] = None) -> str:
     entry); checks it against ``expected`` (``--model``)."""
     model_type = _model_type(hf_cfg)
     if model_type not in MODEL_TYPES:
-        raise ConversionError(f"unknown model_type {model_type!r} in config.json; supported: "
-                              f"{sorted(MODEL_TYPES)} (LLaDA: 'llada', SDAR: 'sdar', SDAR-MoE: "
-                              "'sdar_moe')")
+        raise ConversionError(
+            f"unknown model_type {model_type!r} in config.json; supported: "
+            f"{sorted(MODEL_TYPES)} (LLaDA: 'llada', SDAR: 'sdar', SDAR-MoE: "
+            "'sdar_moe')"
+        )
     arch = MODEL_TYPES[model_type]
     if expected is not None and expected != arch:
-        raise ConversionError(f"--model {expected} was given but config.json has "
-                              f"model_type {model_type!r} ({arch})")
+        raise ConversionError(f"--model {expected} was given but config.json has model_type {model_type!r} ({arch})")
     return arch
 
 
@@ -227,38 +248,49 @@ def is_tied(hf_cfg: Dict[str, Any], arch: str) -> bool:
     return bool(hf_cfg.get(TIE_KEY[arch], False))
 
 
-def hf_to_dllm_config(hf_cfg: Dict[str, Any], arch: Optional[str] = None, *,
-                      source_dir: Optional[str] = None,
-                      make_vocab_size_divisible_by: int = 1) -> DLLMConfig:
+def hf_to_dllm_config(
+    hf_cfg: Dict[str, Any],
+    arch: Optional[str] = None,
+    *,
+    source_dir: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 1,
+) -> DLLMConfig:
     """Translate an upstream ``config.json`` dict into a validated :class:`DLLMConfig`."""
     arch = detect_arch(hf_cfg, arch)
     for key, allowed in REQUIRED_VALUES[arch].items():
         if key in hf_cfg and hf_cfg[key] not in allowed:
-            raise ConversionError(f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not "
-                                  f"supported (expected {' or '.join(map(repr, allowed))})")
+            raise ConversionError(
+                f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not "
+                f"supported (expected {' or '.join(map(repr, allowed))})"
+            )
     moe = is_moe_config(hf_cfg)
-    for key, allowed in (MOE_REQUIRED_VALUES.items() if moe else ()):
+    for key, allowed in MOE_REQUIRED_VALUES.items() if moe else ():
         if key in hf_cfg and hf_cfg[key] not in allowed:
-            raise ConversionError(f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not supported: "
-                                  f"{MOE_UNSUPPORTED_HINT}")
+            raise ConversionError(
+                f"{arch} config.json field {key!r} = {hf_cfg[key]!r} is not supported: {MOE_UNSUPPORTED_HINT}"
+            )
     view = dict(hf_cfg, _source_dir=source_dir)
-    values: Dict[str, Any] = {"arch": arch, "qk_layernorm": arch == "sdar",
-                              "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+    values: Dict[str, Any] = {
+        "arch": arch,
+        "qk_layernorm": arch == "sdar",
+        "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+    }
     for field in FIELDS[arch] + (MOE_FIELDS if moe else []):
         value = hf_cfg.get(field.theirs)
         if value is None:
             if field.required:
-                raise ConversionError(f"{arch} config.json is missing the required field "
-                                      f"{field.theirs!r} ({field.ours})")
+                raise ConversionError(
+                    f"{arch} config.json is missing the required field {field.theirs!r} ({field.ours})"
+                )
             value = field.default(view) if callable(field.default) else field.default
             if field.warn:
-                warnings.warn(f"{arch} config.json has no {field.theirs!r}; using {value!r}",
-                              stacklevel=2)
+                warnings.warn(f"{arch} config.json has no {field.theirs!r}; using {value!r}", stacklevel=2)
         values[field.ours] = _first(value) if field.ours.endswith("token_id") else value
     if arch == "llada" and hf_cfg.get("embedding_size") is not None:
         if hf_cfg["embedding_size"] < _need(hf_cfg, "vocab_size", arch):
-            raise ConversionError(f"llada config.json: embedding_size ({hf_cfg['embedding_size']}) "
-                                  f"< vocab_size ({hf_cfg['vocab_size']})")
+            raise ConversionError(
+                f"llada config.json: embedding_size ({hf_cfg['embedding_size']}) < vocab_size ({hf_cfg['vocab_size']})"
+            )
     for name in ("rope_theta", "norm_eps"):
         values[name] = float(values[name])
     values.update(_read_extensions(hf_cfg, arch))
@@ -270,9 +302,11 @@ def hf_to_dllm_config(hf_cfg: Dict[str, Any], arch: Optional[str] = None, *,
 
 # Our own keys for position schemes upstream configs cannot express (LLaDA/OLMo has
 # learned positions, ``rope: false`` + ``wpe``; nothing upstream has the segment scheme).
-EXTENSION_KEYS = {"position_embedding": "stabledrl_position_embedding",
-                  "segment_separator_id": "stabledrl_segment_separator_id",
-                  "num_segments": "stabledrl_num_segments"}
+EXTENSION_KEYS = {
+    "position_embedding": "stabledrl_position_embedding",
+    "segment_separator_id": "stabledrl_segment_separator_id",
+    "num_segments": "stabledrl_num_segments",
+}
 
 
 def _read_extensions(hf_cfg: Dict[str, Any], arch: str) -> Dict[str, Any]:
@@ -294,22 +328,46 @@ def _write_extensions(cfg: DLLMConfig, out: Dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ writing
 _TEMPLATES: Dict[str, Dict[str, Any]] = {
-    "llada": {"model_type": "llada", "architectures": ["LLaDAModelLM"], "activation_type": "silu",
-              "alibi": False, "block_type": "llama", "include_bias": False,
-              "include_qkv_bias": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
-              "attention_layer_norm": False, "rope": True, "rope_full_precision": True,
-              "scale_logits": False, "weight_tying": False, "use_cache": False},
-    "sdar": {"model_type": "sdar", "architectures": ["SDARForCausalLM"], "hidden_act": "silu",
-             "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-             "rope_scaling": None, "tie_word_embeddings": False},
+    "llada": {
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "activation_type": "silu",
+        "alibi": False,
+        "block_type": "llama",
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "attention_layer_norm": False,
+        "rope": True,
+        "rope_full_precision": True,
+        "scale_logits": False,
+        "weight_tying": False,
+        "use_cache": False,
+    },
+    "sdar": {
+        "model_type": "sdar",
+        "architectures": ["SDARForCausalLM"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
 }
-_MOE_TEMPLATE: Dict[str, Any] = {"model_type": "sdar_moe", "architectures": ["SDARMoeForCausalLM"],
-                                 "decoder_sparse_step": 1, "mlp_only_layers": [],
-                                 "output_router_logits": False}
+_MOE_TEMPLATE: Dict[str, Any] = {
+    "model_type": "sdar_moe",
+    "architectures": ["SDARMoeForCausalLM"],
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+}
 
 
-def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
-                      dtype: Optional[str] = None, tied: Optional[bool] = None) -> Dict[str, Any]:
+def dllm_to_hf_config(
+    cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *, dtype: Optional[str] = None, tied: Optional[bool] = None
+) -> Dict[str, Any]:
     """An upstream-style ``config.json`` dict for ``cfg``.
 
     ``base`` (the source model's ``config.json``) keeps every key it has (auto_map,
@@ -322,9 +380,11 @@ def dllm_to_hf_config(cfg: DLLMConfig, base: Optional[Dict[str, Any]] = None, *,
     if base is not None:
         detect_arch(base, cfg.arch)
         if is_moe_config(base) != cfg.is_moe:
-            raise ConversionError(f"the base config.json (model_type {_model_type(base)!r}) is "
-                                  f"{'' if is_moe_config(base) else 'not '}a mixture-of-experts config but "
-                                  f"the model is {'MoE' if cfg.is_moe else 'dense'}; pass matching --hf-assets")
+            raise ConversionError(
+                f"the base config.json (model_type {_model_type(base)!r}) is "
+                f"{'' if is_moe_config(base) else 'not '}a mixture-of-experts config but "
+                f"the model is {'MoE' if cfg.is_moe else 'dense'}; pass matching --hf-assets"
+            )
     elif cfg.is_moe:
         out.update(_MOE_TEMPLATE)
     for field in FIELDS[cfg.arch] + (MOE_FIELDS if cfg.is_moe else []):

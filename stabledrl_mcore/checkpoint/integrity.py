@@ -24,6 +24,7 @@ import re
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
+
 from stabledrl_mcore.common.errors import UserError
 
 CHECKSUM_FILE = "checksums.json"
@@ -91,17 +92,20 @@ def write_checksums(directory: str) -> None:
         box = [names]
         torch.distributed.broadcast_object_list(box, src=0)
         names = box[0]
-    mine = {name: {"size": os.path.getsize(os.path.join(directory, name)),
-                   CHECKSUM_ALGORITHM: file_digest(os.path.join(directory, name))}
-            for name in _my_share(names)}
+    mine = {
+        name: {
+            "size": os.path.getsize(os.path.join(directory, name)),
+            CHECKSUM_ALGORITHM: file_digest(os.path.join(directory, name)),
+        }
+        for name in _my_share(names)
+    }
     files: Dict[str, Any] = {}
     for part in _gather(mine):
         files.update(part)
     if _rank() == 0:
         tmp = os.path.join(directory, CHECKSUM_FILE + ".part")
         with open(tmp, "w") as handle:
-            json.dump({"algorithm": CHECKSUM_ALGORITHM, "files": dict(sorted(files.items()))}, handle,
-                      indent=1)
+            json.dump({"algorithm": CHECKSUM_ALGORITHM, "files": dict(sorted(files.items()))}, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, os.path.join(directory, CHECKSUM_FILE))
@@ -117,9 +121,11 @@ def read_manifest(directory: str) -> Dict[str, Dict[str, Any]]:
             raise ValueError(f"unsupported algorithm {manifest.get('algorithm')!r}")
         return files
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {directory} has no {CHECKSUM_FILE} (incomplete, or written "
-                              f"by an older stabledrl), so it cannot be verified; its weights still load "
-                              f"as model.checkpoint={directory} in a new run") from None
+        raise CheckpointError(
+            f"checkpoint {directory} has no {CHECKSUM_FILE} (incomplete, or written "
+            f"by an older stabledrl), so it cannot be verified; its weights still load "
+            f"as model.checkpoint={directory} in a new run"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is unreadable ({err}); the checkpoint is corrupt") from None
 
@@ -178,14 +184,21 @@ def check_finite(named: Iterable[Tuple[str, torch.Tensor]], what: str) -> None:
 def rng_to_tensors(state: Dict[str, Any]) -> Dict[str, Any]:
     """:func:`~.state.capture_rng_state`'s dict as tensors, ints and lists (no other types)."""
     version, internal, gauss = state["python"]
-    out: Dict[str, Any] = {"format": RNG_FORMAT,
-                           "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                                      "gauss": gauss},
-                           "torch": state["torch"], "tracker": dict(state["tracker"])}
+    out: Dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "torch": state["torch"],
+        "tracker": dict(state["tracker"]),
+    }
     if "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
-        out["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
-                        "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        out["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     if "cuda" in state:
         out["cuda"] = state["cuda"]
     return out
@@ -194,8 +207,11 @@ def rng_to_tensors(state: Dict[str, Any]) -> Dict[str, Any]:
 def rng_from_tensors(saved: Dict[str, Any]) -> Dict[str, Any]:
     """Inverse of :func:`rng_to_tensors`."""
     py = saved["python"]
-    state: Dict[str, Any] = {"python": (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]),
-                             "torch": saved["torch"], "tracker": saved["tracker"]}
+    state: Dict[str, Any] = {
+        "python": (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]),
+        "torch": saved["torch"],
+        "tracker": saved["tracker"],
+    }
     if "numpy" in saved:
         n = saved["numpy"]
         state["numpy"] = (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
@@ -215,15 +231,20 @@ def load_rng_file(path: str) -> Dict[str, Any]:
     except Exception as err:  # the unpickler names the refused global; never fall back to pickle
         text = str(err)
         refused = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
-        reason = f"it holds an object built by {refused.group(1)}" if refused else \
-            (text.strip().splitlines() or [type(err).__name__])[0][:200]
-        raise CheckpointError(f"{path} is not a safe RNG state file (refused to load it: {reason}); the "
-                              f"checkpoint is corrupt or untrusted") from None
+        reason = (
+            f"it holds an object built by {refused.group(1)}"
+            if refused
+            else (text.strip().splitlines() or [type(err).__name__])[0][:200]
+        )
+        raise CheckpointError(
+            f"{path} is not a safe RNG state file (refused to load it: {reason}); the "
+            f"checkpoint is corrupt or untrusted"
+        ) from None
     if not isinstance(saved, dict) or saved.get("format") != RNG_FORMAT:
-        raise CheckpointError(f"{path} is not an RNG state file of format {RNG_FORMAT} (written by an "
-                              f"older stabledrl?)")
+        raise CheckpointError(
+            f"{path} is not an RNG state file of format {RNG_FORMAT} (written by an older stabledrl?)"
+        )
     try:
         return rng_from_tensors(saved)
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise CheckpointError(f"{path} is a malformed RNG state file ({err})") from None
-

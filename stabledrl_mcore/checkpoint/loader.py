@@ -24,13 +24,19 @@ from typing import Optional, Union
 
 import torch
 
-from stabledrl_mcore.models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name, table_for
-from stabledrl_mcore.checkpoint.mcore_io import build_shell, ensure_single_process, is_model_checkpoint, load_model_weights, read_checkpoint_info
+from stabledrl_mcore.checkpoint.mcore_io import (
+    build_shell,
+    ensure_single_process,
+    is_model_checkpoint,
+    load_model_weights,
+    read_checkpoint_info,
+)
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -61,16 +67,16 @@ class InspectionModel(torch.nn.Module):
             return AttentionLayout.block_causal(self.config.block_size)
         return None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask=None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None, **kwargs
+    ) -> torch.Tensor:
         if attention_mask is None:
             attention_mask = self.default_layout()
         elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             blocked = padding_mask(attention_mask.bool())
             if self.config.arch == "sdar":
                 seq = input_ids.shape[1]
-                blocked = blocked | block_causal_mask(seq, self.config.block_size,
-                                                      device=blocked.device)
+                blocked = blocked | block_causal_mask(seq, self.config.block_size, device=blocked.device)
             attention_mask = blocked
         return self.model(input_ids, position_ids, attention_mask, **kwargs)
 
@@ -92,7 +98,7 @@ def _global_names(model):
     for name, param in model.named_parameters():
         match = _LAYER.match(name)
         if match:
-            name = f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end():]
+            name = f"decoder.layers.{offsets[int(match.group(1))]}." + name[match.end() :]
         if cfg.is_moe:
             name = global_expert_name(canonical_megatron_name(name), ep_rank, local_experts)
         yield name, param
@@ -107,21 +113,22 @@ def load_hf_weights(model, hf_dir: str) -> None:
     raw = hfc.read_hf_config(hf_dir)
     hfc.detect_arch(raw, cfg.arch)
     reader = SafetensorsReader(hf_dir)
-    engine = MappingEngine(table_for(cfg.arch, cfg), cfg, tied=hfc.is_tied(raw, cfg.arch),
-                           padded_vocab=model.padded_vocab_size)
+    engine = MappingEngine(
+        table_for(cfg.arch, cfg), cfg, tied=hfc.is_tied(raw, cfg.arch), padded_vocab=model.padded_vocab_size
+    )
     engine.check_source(reader)
     keys = set(reader.keys())
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
-    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()) \
-        if cfg.is_moe else tp
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()) if cfg.is_moe else tp
     with torch.no_grad():
         for name, param in _global_names(model):
             mapping = engine.mapping(name)
             blocks = engine.to_megatron(mapping, reader.get, param.dtype, keys)
             shard = engine.shard_for_rank(name, blocks, param, *(etp if ".mlp.experts." in name else tp))
             if tuple(shard.shape) != tuple(param.shape):
-                raise ConversionError(f"{name}: mapped shape {list(shard.shape)} does not fit the "
-                                      f"parameter {list(param.shape)}")
+                raise ConversionError(
+                    f"{name}: mapped shape {list(shard.shape)} does not fit the parameter {list(param.shape)}"
+                )
             param.copy_(shard)
 
 
@@ -132,8 +139,13 @@ def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
     return read_checkpoint_info(path).config
 
 
-def load_model(path: str, *, dtype: Union[str, torch.dtype] = torch.float32,
-               arch: Optional[str] = None, device: Union[str, torch.device] = "cpu") -> InspectionModel:
+def load_model(
+    path: str,
+    *,
+    dtype: Union[str, torch.dtype] = torch.float32,
+    arch: Optional[str] = None,
+    device: Union[str, torch.device] = "cpu",
+) -> InspectionModel:
     """A single-process model from an HF directory (``config.json`` + safetensors) or a
     converted checkpoint (``stabledrl_model.json``), in eval mode, on ``device`` (CPU by default).
 

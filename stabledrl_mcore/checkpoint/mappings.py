@@ -47,10 +47,18 @@ Shape = Tuple[str, ...]
 
 def resolve_shape(shape: Shape, cfg: DLLMConfig) -> Tuple[int, ...]:
     """Symbols -> sizes for one config (see the module docstring)."""
-    sizes = {"H": cfg.hidden_size, "F": cfg.ffn_hidden_size, "V": cfg.vocab_size,
-             "D": cfg.kv_channels, "Q": cfg.num_attention_heads * cfg.kv_channels,
-             "K": cfg.num_query_groups * cfg.kv_channels, "P": cfg.max_position_embeddings,
-             "T": cfg.num_segments, "E": cfg.num_experts or 0, "M": cfg.moe_ffn_hidden_size or 0}
+    sizes = {
+        "H": cfg.hidden_size,
+        "F": cfg.ffn_hidden_size,
+        "V": cfg.vocab_size,
+        "D": cfg.kv_channels,
+        "Q": cfg.num_attention_heads * cfg.kv_channels,
+        "K": cfg.num_query_groups * cfg.kv_channels,
+        "P": cfg.max_position_embeddings,
+        "T": cfg.num_segments,
+        "E": cfg.num_experts or 0,
+        "M": cfg.moe_ffn_hidden_size or 0,
+    }
     return tuple(sizes[s] for s in shape)
 
 
@@ -66,8 +74,7 @@ class Mapping:
     def hf_shapes(self, cfg: DLLMConfig) -> Dict[str, Tuple[int, ...]]:
         raise NotImplementedError
 
-    def to_megatron(self, hf: Dict[str, torch.Tensor], cfg: DLLMConfig,
-                    padded_vocab: int) -> List[torch.Tensor]:
+    def to_megatron(self, hf: Dict[str, torch.Tensor], cfg: DLLMConfig, padded_vocab: int) -> List[torch.Tensor]:
         """Row blocks whose concatenation (dim 0) is the full Megatron tensor."""
         raise NotImplementedError
 
@@ -76,12 +83,16 @@ class Mapping:
 
     def for_layer(self, i: int, e: Optional[int] = None) -> "Mapping":
         """A copy with ``{i}`` (and ``{e}``, the expert) replaced in every name."""
+
         def fill(name: str) -> str:
             name = name.replace("{i}", str(i))
             return name if e is None else name.replace("{e}", str(e))
 
-        changes = {f.name: fill(getattr(self, f.name)) for f in dataclasses.fields(self)
-                   if isinstance(getattr(self, f.name), str)}
+        changes = {
+            f.name: fill(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), str)
+        }
         return dataclasses.replace(self, **changes)
 
 
@@ -135,8 +146,11 @@ class QKV(Mapping):
         return (self.q, self.k, self.v)
 
     def hf_shapes(self, cfg):
-        return {self.q: resolve_shape(("Q", "H"), cfg), self.k: resolve_shape(("K", "H"), cfg),
-                self.v: resolve_shape(("K", "H"), cfg)}
+        return {
+            self.q: resolve_shape(("Q", "H"), cfg),
+            self.k: resolve_shape(("K", "H"), cfg),
+            self.v: resolve_shape(("K", "H"), cfg),
+        }
 
     def to_megatron(self, hf, cfg, padded_vocab):
         groups, d, h = cfg.num_query_groups, cfg.kv_channels, cfg.hidden_size
@@ -201,19 +215,24 @@ LLADA = ModelTable(
     head=[VocabRows("embedding.word_embeddings.weight", "model.transformer.wte.weight")],
     layer=[
         Direct(_L + "input_layernorm.weight", "model.transformer.blocks.{i}.attn_norm.weight", ("H",)),
-        QKV(_L + "self_attention.linear_qkv.weight", "model.transformer.blocks.{i}.q_proj.weight",
-            "model.transformer.blocks.{i}.k_proj.weight", "model.transformer.blocks.{i}.v_proj.weight"),
-        Direct(_L + "self_attention.linear_proj.weight", "model.transformer.blocks.{i}.attn_out.weight",
-               ("H", "Q")),
+        QKV(
+            _L + "self_attention.linear_qkv.weight",
+            "model.transformer.blocks.{i}.q_proj.weight",
+            "model.transformer.blocks.{i}.k_proj.weight",
+            "model.transformer.blocks.{i}.v_proj.weight",
+        ),
+        Direct(_L + "self_attention.linear_proj.weight", "model.transformer.blocks.{i}.attn_out.weight", ("H", "Q")),
         Direct(_L + "pre_mlp_layernorm.weight", "model.transformer.blocks.{i}.ff_norm.weight", ("H",)),
-        GatedMLP(_L + "mlp.linear_fc1.weight", "model.transformer.blocks.{i}.ff_proj.weight",
-                 "model.transformer.blocks.{i}.up_proj.weight"),
+        GatedMLP(
+            _L + "mlp.linear_fc1.weight",
+            "model.transformer.blocks.{i}.ff_proj.weight",
+            "model.transformer.blocks.{i}.up_proj.weight",
+        ),
         Direct(_L + "mlp.linear_fc2.weight", "model.transformer.blocks.{i}.ff_out.weight", ("H", "F")),
     ],
     tail=[
         Direct("decoder.final_layernorm.weight", "model.transformer.ln_f.weight", ("H",)),
-        VocabRows("output_layer.weight", "model.transformer.ff_out.weight",
-                  tied_to="model.transformer.wte.weight"),
+        VocabRows("output_layer.weight", "model.transformer.ff_out.weight", tied_to="model.transformer.wte.weight"),
     ],
 )
 
@@ -222,14 +241,19 @@ SDAR = ModelTable(
     head=[VocabRows("embedding.word_embeddings.weight", "model.embed_tokens.weight")],
     layer=[
         Direct(_L + "input_layernorm.weight", "model.layers.{i}.input_layernorm.weight", ("H",)),
-        QKV(_L + "self_attention.linear_qkv.weight", "model.layers.{i}.self_attn.q_proj.weight",
-            "model.layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+        QKV(
+            _L + "self_attention.linear_qkv.weight",
+            "model.layers.{i}.self_attn.q_proj.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        ),
         Direct(_L + "self_attention.q_layernorm.weight", "model.layers.{i}.self_attn.q_norm.weight", ("D",)),
         Direct(_L + "self_attention.k_layernorm.weight", "model.layers.{i}.self_attn.k_norm.weight", ("D",)),
         Direct(_L + "self_attention.linear_proj.weight", "model.layers.{i}.self_attn.o_proj.weight", ("H", "Q")),
         Direct(_L + "pre_mlp_layernorm.weight", "model.layers.{i}.post_attention_layernorm.weight", ("H",)),
-        GatedMLP(_L + "mlp.linear_fc1.weight", "model.layers.{i}.mlp.gate_proj.weight",
-                 "model.layers.{i}.mlp.up_proj.weight"),
+        GatedMLP(
+            _L + "mlp.linear_fc1.weight", "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"
+        ),
         Direct(_L + "mlp.linear_fc2.weight", "model.layers.{i}.mlp.down_proj.weight", ("H", "F")),
     ],
     tail=[
@@ -242,12 +266,19 @@ SDAR = ModelTable(
 _MOE_MLP = _L + "mlp.experts.local_experts.{e}."
 SDAR_MOE = dataclasses.replace(
     SDAR,
-    layer=[*[m for m in SDAR.layer if ".mlp." not in m.megatron],
-           Direct(_L + "mlp.router.weight", "model.layers.{i}.mlp.gate.weight", ("E", "H"))],
-    expert=[GatedMLP(_MOE_MLP + "linear_fc1.weight", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                     "model.layers.{i}.mlp.experts.{e}.up_proj.weight", width="M"),
-            Direct(_MOE_MLP + "linear_fc2.weight", "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-                   ("H", "M"))],
+    layer=[
+        *[m for m in SDAR.layer if ".mlp." not in m.megatron],
+        Direct(_L + "mlp.router.weight", "model.layers.{i}.mlp.gate.weight", ("E", "H")),
+    ],
+    expert=[
+        GatedMLP(
+            _MOE_MLP + "linear_fc1.weight",
+            "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+            "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+            width="M",
+        ),
+        Direct(_MOE_MLP + "linear_fc2.weight", "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ("H", "M")),
+    ],
 )
 """SDAR-MoE (SDAR-30B-A3B, the Qwen3-MoE layout): SDAR's rows with the MLP made router + experts."""
 
@@ -257,8 +288,10 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 # Transformer Engine fuses the pre-norms into the following linear; same checkpoint keys.
-TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 
 
 def canonical_megatron_name(name: str) -> str:
@@ -269,8 +302,7 @@ def canonical_megatron_name(name: str) -> str:
             return name[: -len(te_name)] + local_name
     grouped = _GROUPED_EXPERT.search(name)
     if grouped:
-        return (name[: grouped.start()] + f".mlp.experts.local_experts.{grouped.group(2)}."
-                f"{grouped.group(1)}.weight")
+        return name[: grouped.start()] + f".mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     return name
 
 
@@ -280,7 +312,7 @@ def global_expert_name(name: str, ep_rank: int, local_experts: int) -> str:
     if not match:
         return name
     expert = ep_rank * local_experts + int(match.group(1))
-    return name[: match.start()] + f".mlp.experts.local_experts.{expert}." + name[match.end():]
+    return name[: match.start()] + f".mlp.experts.local_experts.{expert}." + name[match.end() :]
 
 
 # Optional embedding tables (``DLLMConfig.position_embedding="learned"``, ``num_segments``):

@@ -36,15 +36,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.common.version import __version__
-from stabledrl_mcore.parallel import bootstrap
-from stabledrl_mcore.models import DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
-import numpy as np
+from stabledrl_mcore.common.version import __version__
+from stabledrl_mcore.models import DLLMConfig, DLLMModel, dllm_layer_spec, place_model, to_transformer_config
+from stabledrl_mcore.parallel import bootstrap
 
 MARKER = "stabledrl_model.json"
 MODEL_CONFIG = "model_config.json"
@@ -53,10 +52,29 @@ FORMAT = "stabledrl-mcore-model"
 FORMAT_VERSION = 1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
-                   "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.distcp")
-MARKER_FIELDS = ("format", "version", "arch", "dtype", "tied_embeddings", "padded_vocab_size",
-                 "suggested_layout", "source")
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.gguf",
+    "*.distcp",
+)
+MARKER_FIELDS = (
+    "format",
+    "version",
+    "arch",
+    "dtype",
+    "tied_embeddings",
+    "padded_vocab_size",
+    "suggested_layout",
+    "source",
+)
 
 
 @dataclass
@@ -100,17 +118,20 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
     if is_model_checkpoint(path):
         marker = _read_json(os.path.join(path, MARKER))
         if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
-            raise ConversionError(f"{path}/{MARKER}: unsupported format {marker.get('format')!r} "
-                                  f"version {marker.get('version')!r}")
+            raise ConversionError(
+                f"{path}/{MARKER}: unsupported format {marker.get('format')!r} version {marker.get('version')!r}"
+            )
         cfg = DLLMConfig.from_dict(_read_json(os.path.join(path, MODEL_CONFIG)))
-        return CheckpointInfo(path, cfg, DTYPES[marker["dtype"]], bool(marker["tied_embeddings"]),
-                              marker.get("suggested_layout"), assets)
-    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(
-            os.path.join(path, ".metadata")):
+        return CheckpointInfo(
+            path, cfg, DTYPES[marker["dtype"]], bool(marker["tied_embeddings"]), marker.get("suggested_layout"), assets
+        )
+    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(os.path.join(path, ".metadata")):
         cfg = DLLMConfig.from_dict(_read_json(os.path.join(path, MODEL_CONFIG)))
         return CheckpointInfo(path, cfg, stored_dtype(path), False, None, assets)
-    raise ConversionError(f"{path} is not a converted checkpoint (no {MARKER}; a training "
-                          f"checkpoint needs a {MODEL_CONFIG} beside its tensors)")
+    raise ConversionError(
+        f"{path} is not a converted checkpoint (no {MARKER}; a training "
+        f"checkpoint needs a {MODEL_CONFIG} beside its tensors)"
+    )
 
 
 def stored_dtype(path: str) -> torch.dtype:
@@ -125,16 +146,33 @@ def stored_dtype(path: str) -> torch.dtype:
     raise ConversionError(f"{path} holds no embedding or attention tensor")
 
 
-def write_marker(out_dir: str, cfg: DLLMConfig, *, dtype: torch.dtype, tied: bool,
-                 layout: Dict[str, int], source: Dict[str, Any],
-                 padded_vocab: Optional[int] = None) -> None:
+def write_marker(
+    out_dir: str,
+    cfg: DLLMConfig,
+    *,
+    dtype: torch.dtype,
+    tied: bool,
+    layout: Dict[str, int],
+    source: Dict[str, Any],
+    padded_vocab: Optional[int] = None,
+) -> None:
     """Write ``model_config.json`` then the marker (last: its presence means complete)."""
 
     write_json(os.path.join(out_dir, MODEL_CONFIG), cfg.to_dict())
-    write_json(os.path.join(out_dir, MARKER), {
-        "format": FORMAT, "version": FORMAT_VERSION, "arch": cfg.arch, "dtype": DTYPE_NAMES[dtype],
-        "tied_embeddings": tied, "padded_vocab_size": padded_vocab or cfg.padded_vocab_size(1),
-        "suggested_layout": layout, "source": source, "stabledrl_version": __version__})
+    write_json(
+        os.path.join(out_dir, MARKER),
+        {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "arch": cfg.arch,
+            "dtype": DTYPE_NAMES[dtype],
+            "tied_embeddings": tied,
+            "padded_vocab_size": padded_vocab or cfg.padded_vocab_size(1),
+            "suggested_layout": layout,
+            "source": source,
+            "stabledrl_version": __version__,
+        },
+    )
 
 
 # ------------------------------------------------------------------ atomic output
@@ -158,14 +196,14 @@ def prepare_output(out: str, overwrite: bool, protect: Optional[str] = None) -> 
         if not os.path.isdir(out):
             raise ConversionError(f"output {out} exists and is not a directory")
         if os.listdir(out) and not overwrite:
-            raise ConversionError(f"output directory {out} is not empty; pass --overwrite to "
-                                  "replace it")
+            raise ConversionError(f"output directory {out} is not empty; pass --overwrite to replace it")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     remove_stale_outputs(out)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out)}-", dir=parent)
-    write_json(tmp + OWNER_SUFFIX, {"out": out, "host": socket.gethostname(), "pid": os.getpid(),
-                                    "started": time.time()})
+    write_json(
+        tmp + OWNER_SUFFIX, {"out": out, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    )
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any directory
@@ -202,8 +240,12 @@ def remove_stale_outputs(out: str) -> List[str]:
             owner = _read_json(owner_file)
         except (ConversionError, OSError, ValueError):
             continue
-        if (not isinstance(owner, dict) or owner.get("out") != out or owner.get("host") != socket.gethostname()
-                or _pid_alive(owner.get("pid"))):
+        if (
+            not isinstance(owner, dict)
+            or owner.get("out") != out
+            or owner.get("host") != socket.gethostname()
+            or _pid_alive(owner.get("pid"))
+        ):
             continue
         shutil.rmtree(owner_file[: -len(OWNER_SUFFIX)], ignore_errors=True)
         os.remove(owner_file)
@@ -245,16 +287,21 @@ def copy_assets(src: str, dst: str, *, skip=("config.json",)) -> list:
     copied = []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
-        if (name.startswith(".") or not os.path.isfile(path) or name in skip
-                or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)):
+        if (
+            name.startswith(".")
+            or not os.path.isfile(path)
+            or name in skip
+            or any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
+        ):
             continue
         shutil.copy2(path, os.path.join(dst, name))
         copied.append(name)
     return copied
 
 
-def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, tied: bool = False,
-                          overwrite: bool = False) -> str:
+def save_model_checkpoint(
+    model, out: str, *, hf_assets: Optional[str] = None, tied: bool = False, overwrite: bool = False
+) -> str:
     """Save a (TP/PP-sharded) model as a model-only checkpoint; every rank calls it.
 
     Written atomically like a conversion (rank 0 prepares, renames and writes the
@@ -280,13 +327,21 @@ def save_model_checkpoint(model, out: str, *, hf_assets: Optional[str] = None, t
             if hf_assets:
                 copy_assets(hf_assets, os.path.join(tmp, HF_ASSETS), skip=())
             cfg = model.dllm_config
-            layout = {"tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-                      "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size()}
+            layout = {
+                "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+                "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            }
             if cfg.is_moe:
                 layout["expert_parallel"] = parallel_state.get_expert_model_parallel_world_size()
-            write_marker(tmp, cfg, dtype=model.config.params_dtype, tied=tied, layout=layout,
-                         source={"saved_from_layout": layout},
-                         padded_vocab=model.padded_vocab_size)
+            write_marker(
+                tmp,
+                cfg,
+                dtype=model.config.params_dtype,
+                tied=tied,
+                layout=layout,
+                source={"saved_from_layout": layout},
+                padded_vocab=model.padded_vocab_size,
+            )
             finalize_output(tmp, out)
     finally:
         if rank == 0:
@@ -314,16 +369,18 @@ def ensure_single_process() -> bool:
     """
     from megatron.core import parallel_state
 
-
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() != 1
-                or parallel_state.get_pipeline_model_parallel_world_size() != 1):
-            raise ConversionError("conversion and load_model run with TP=PP=1, but Megatron is "
-                                  "initialised with another layout in this process")
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1
+        ):
+            raise ConversionError(
+                "conversion and load_model run with TP=PP=1, but Megatron is "
+                "initialised with another layout in this process"
+            )
         return False
     with _rng_preserved():
-        bootstrap.initialize(1, 1, backend="gloo",
-                             environ=None if torch.distributed.is_initialized() else {})
+        bootstrap.initialize(1, 1, backend="gloo", environ=None if torch.distributed.is_initialized() else {})
     return True
 
 
@@ -333,9 +390,13 @@ def build_shell(cfg: DLLMConfig, dtype: torch.dtype):
     the CPU, every parameter in ``dtype`` (norms included, :func:`~..models.place_model`); an MoE
     model holds all its experts (EP=1: local expert index = global one)."""
 
-    config = to_transformer_config(cfg, dict(tensor_model_parallel_size=1,
-                                             pipeline_model_parallel_size=1), dtype,
-                                   perform_initialization=False, use_cpu_initialization=True)
+    config = to_transformer_config(
+        cfg,
+        dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+        dtype,
+        perform_initialization=False,
+        use_cpu_initialization=True,
+    )
     spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=False, num_experts=cfg.num_experts)
     model = DLLMModel(cfg, config, spec)
     return place_model(model, "cpu", dtype)
@@ -363,8 +424,9 @@ def attach(entry: Any, blocks: List[torch.Tensor]) -> None:
     if len(blocks) != len(pieces) or [tuple(b.shape) for b in blocks] != shapes:
         full = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         if full.shape[0] != sum(s[0] for s in shapes):
-            raise ConversionError(f"cannot place a tensor of shape {list(full.shape)} into "
-                                  f"{pieces[0].key} pieces {shapes}")
+            raise ConversionError(
+                f"cannot place a tensor of shape {list(full.shape)} into {pieces[0].key} pieces {shapes}"
+            )
         blocks = list(full.split([s[0] for s in shapes]))
     for piece, block in zip(pieces, blocks):
         if tuple(block.shape) != tuple(piece.local_shape):
@@ -378,24 +440,34 @@ def check_keys_present(entries: Dict[str, Any], path: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     stored = set(dist_checkpointing.load_tensors_metadata(path))
-    wanted = {p.key for e in entries.values() for p in (e if isinstance(e, list) else [e])
-              if isinstance(p, ShardedTensor)}
+    wanted = {
+        p.key for e in entries.values() for p in (e if isinstance(e, list) else [e]) if isinstance(p, ShardedTensor)
+    }
     missing = sorted(wanted - stored)
     if missing:
-        raise ConversionError(f"checkpoint {path} lacks tensor(s) {missing[:5]}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ConversionError(
+            f"checkpoint {path} lacks tensor(s) {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
 
 
 def _standalone(piece, dtype: torch.dtype):
     """The same region as a self-contained chunk (no prepended layer axis, no grid), so that
     one layer of a layer-stacked tensor can be loaded without the others."""
     shape = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
-    return dataclasses.replace(piece, data=torch.empty(shape, dtype=dtype), dtype=dtype,
-                               local_shape=shape, prepend_axis_num=0, axis_fragmentations=None)
+    return dataclasses.replace(
+        piece,
+        data=torch.empty(shape, dtype=dtype),
+        dtype=dtype,
+        local_shape=shape,
+        prepend_axis_num=0,
+        axis_fragmentations=None,
+    )
 
 
-def iter_full_tensors(path: str, shell, groups: List[Tuple[str, List[Any]]], dtype: torch.dtype
-                      ) -> Iterator[Tuple[str, str, torch.Tensor]]:
+def iter_full_tensors(
+    path: str, shell, groups: List[Tuple[str, List[Any]]], dtype: torch.dtype
+) -> Iterator[Tuple[str, str, torch.Tensor]]:
     """``(group, megatron name, full tensor)`` read from ``path`` one group at a time (TP=1 view),
     so that only one layer is held in memory."""
     from megatron.core import dist_checkpointing
@@ -406,12 +478,13 @@ def iter_full_tensors(path: str, shell, groups: List[Tuple[str, List[Any]]], dty
         sub = {}
         for mapping in mappings:
             entry = entries[mapping.megatron]
-            sub[mapping.megatron] = [_standalone(p, dtype)
-                                     for p in (entry if isinstance(entry, list) else [entry])]
+            sub[mapping.megatron] = [_standalone(p, dtype) for p in (entry if isinstance(entry, list) else [entry])]
         dist_checkpointing.load(sub, path, validate_access_integrity=False)
         for mapping in mappings:
-            pieces = [p.data.reshape(p.data.shape[-len(q.local_shape):])
-                      for p, q in zip(sub.pop(mapping.megatron), _as_list(entries[mapping.megatron]))]
+            pieces = [
+                p.data.reshape(p.data.shape[-len(q.local_shape) :])
+                for p, q in zip(sub.pop(mapping.megatron), _as_list(entries[mapping.megatron]))
+            ]
             yield group_name, mapping.megatron, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -426,7 +499,6 @@ def load_model_weights(model, path: str) -> None:
     do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters."""
     from megatron.core import dist_checkpointing
 
-
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)
     sharded = model.sharded_state_dict()
@@ -437,6 +509,7 @@ def load_model_weights(model, path: str) -> None:
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ConversionError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+        raise ConversionError(
+            f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     check_finite(model.named_parameters(), f"after loading {path}: the checkpoint is corrupt")

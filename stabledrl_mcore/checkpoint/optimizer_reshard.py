@@ -26,19 +26,26 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD
-from stabledrl_mcore.checkpoint.optimizer_state import _distributed_class, inner_optimizers
-from stabledrl_mcore.checkpoint.optimizer_state import _loaded_parts
-from stabledrl_mcore.checkpoint.optimizer_state import _all_gather
-from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError
-from stabledrl_mcore.checkpoint.optimizer_state import load_optimizer_state, prepare_for_checkpoint
+from stabledrl_mcore.checkpoint.optimizer_state import (
+    MAP_FIELD,
+    OptimizerFormatError,
+    _all_gather,
+    _distributed_class,
+    _loaded_parts,
+    inner_optimizers,
+    load_optimizer_state,
+    prepare_for_checkpoint,
+)
 
 
 def _distributed(optimizer):
 
     cls = _distributed_class()
-    return [(index, opt) for index, opt in enumerate(inner_optimizers(optimizer))
-            if isinstance(opt, cls) and not getattr(opt, "is_stub_optimizer", False)]
+    return [
+        (index, opt)
+        for index, opt in enumerate(inner_optimizers(optimizer))
+        if isinstance(opt, cls) and not getattr(opt, "is_stub_optimizer", False)
+    ]
 
 
 def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
@@ -53,8 +60,7 @@ def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
         if not isinstance(getattr(value, "data", None), torch.Tensor) or id(value.data) in names:
             continue
         if isinstance(value, ShardedTensorFactory):  # e.g. SwiGLU's fc1: the tensors it builds
-            offsets = [tuple(t.global_offset) for t in nested_values(value.build())
-                       if isinstance(t, ShardedTensor)]
+            offsets = [tuple(t.global_offset) for t in nested_values(value.build()) if isinstance(t, ShardedTensor)]
         elif isinstance(value, ShardedTensor):
             offsets = [tuple(value.global_offset)]
         else:
@@ -66,7 +72,6 @@ def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
 # ---------------------------------------------------------------------------- save
 def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_state_dict) -> Optional[dict]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
 
     names = parameter_names(model_sharded_state_dict)
     parts = _loaded_parts(optimizer, optimizer_sharded_state_dict)
@@ -91,10 +96,14 @@ def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_stat
                             return None  # a parameter without a sharded tensor: no map, no reshard
                         params.append([names[id(param)], start - bucket.offset, end - bucket.offset])
                     assert len(prefixes) == 1, prefixes
-                    buckets.append({"key": prefixes.pop(), "numel": int(bucket.numel_unpadded),
-                                    "states": sorted(k.rsplit(".", 1)[1] for k in
-                                                     (v.key for v in tensors.values())),
-                                    "params": sorted(params, key=lambda p: p[1])})
+                    buckets.append(
+                        {
+                            "key": prefixes.pop(),
+                            "numel": int(bucket.numel_unpadded),
+                            "states": sorted(k.rsplit(".", 1)[1] for k in (v.key for v in tensors.values())),
+                            "params": sorted(params, key=lambda p: p[1]),
+                        }
+                    )
         common = {name: value.key for name, value in part.items() if isinstance(value, ShardedObject)}
         out[f"{index}:{opt.data_parallel_group_idx}"] = {"buckets": buckets, "common": common}
     return out
@@ -118,7 +127,8 @@ def changes_layout(saved: Dict[str, Any]) -> bool:
 
     return saved.get("kind") == "distributed" and (
         (saved.get("tensor_parallel"), saved.get("pipeline_parallel"))
-        != (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()))
+        != (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    )
 
 
 def _old_locations(saved: Dict[str, Any], index: int) -> Dict[str, Tuple[dict, int, int]]:
@@ -137,9 +147,11 @@ def _local_plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any]
     plan: Dict[int, List[Any]] = {}
     for index, opt in _distributed(optimizer):
         if getattr(opt.config, "use_precision_aware_optimizer", False):
-            return None, (f"checkpoint {path}: the precision-aware distributed optimizer cannot be resumed "
-                          f"at another layout; resume at tensor_parallel={saved.get('tensor_parallel')} "
-                          f"pipeline_parallel={saved.get('pipeline_parallel')}")
+            return None, (
+                f"checkpoint {path}: the precision-aware distributed optimizer cannot be resumed "
+                f"at another layout; resume at tensor_parallel={saved.get('tensor_parallel')} "
+                f"pipeline_parallel={saved.get('pipeline_parallel')}"
+            )
         old = _old_locations(saved, index)
         items = []
         for ranges in opt.gbuf_ranges:
@@ -148,20 +160,34 @@ def _local_plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any]
                     for param, range_map in bucket_ranges["param_map"].items():
                         name = names.get(id(param))
                         if name is None or name not in old:
-                            return None, (f"checkpoint {path} holds no distributed-optimizer state for "
-                                          f"parameter {name or '<unnamed>'}: the model differs; resume with "
-                                          f"the model it was saved with")
+                            return None, (
+                                f"checkpoint {path} holds no distributed-optimizer state for "
+                                f"parameter {name or '<unnamed>'}: the model differs; resume with "
+                                f"the model it was saved with"
+                            )
                         bucket, start, end = old[name]
                         if end - start != param.numel():
-                            return None, (f"checkpoint {path}: parameter {name} has {end - start} elements "
-                                          f"there, {param.numel()} here; resume with the saved model config")
+                            return None, (
+                                f"checkpoint {path}: parameter {name} has {end - start} elements "
+                                f"there, {param.numel()} here; resume with the saved model config"
+                            )
                         missing = sorted({"param", "exp_avg", "exp_avg_sq"} - set(bucket["states"]))
                         if missing:
-                            return None, (f"checkpoint {path} has no {', '.join(missing)} state for {name}; "
-                                          f"resume with the optimizer it was saved with")
+                            return None, (
+                                f"checkpoint {path} has no {', '.join(missing)} state for {name}; "
+                                f"resume with the optimizer it was saved with"
+                            )
                         sub = range_map["param"]
-                        items.append((param, {k: (f"{bucket['key']}.{k}", bucket["numel"], start + sub.start)
-                                              for k in bucket["states"]}, sub.size))
+                        items.append(
+                            (
+                                param,
+                                {
+                                    k: (f"{bucket['key']}.{k}", bucket["numel"], start + sub.start)
+                                    for k in bucket["states"]
+                                },
+                                sub.size,
+                            )
+                        )
         plan[index] = items
     return plan, None
 
@@ -177,18 +203,23 @@ def plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any], path:
 
 
 def _old_groups(saved: Dict[str, Any], index: int) -> List[str]:
-    return sorted((k for k in saved[MAP_FIELD] if k.split(":")[0] == str(index)),
-                  key=lambda k: int(k.split(":")[1]))
+    return sorted((k for k in saved[MAP_FIELD] if k.split(":")[0] == str(index)), key=lambda k: int(k.split(":")[1]))
 
 
 def _common_request(optimizer, saved: Dict[str, Any]) -> dict:
     """The small common state (param groups, Adam's step) of every old model-parallel rank."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    return {index: [{name: ShardedObject(key, None, (1,), (0,), replica_id=0)
-                     for name, key in saved[MAP_FIELD][group]["common"].items()}
-                    for group in _old_groups(saved, index)]
-            for index, _ in _distributed(optimizer)}
+    return {
+        index: [
+            {
+                name: ShardedObject(key, None, (1,), (0,), replica_id=0)
+                for name, key in saved[MAP_FIELD][group]["common"].items()
+            }
+            for group in _old_groups(saved, index)
+        ]
+        for index, _ in _distributed(optimizer)
+    }
 
 
 def _range_request(optimizer, local_plan) -> dict:
@@ -202,9 +233,21 @@ def _range_request(optimizer, local_plan) -> dict:
             current = opt._get_main_param_and_optimizer_states(param)
             for k in states:
                 assert current[k].shape == (size,) and current[k].is_contiguous(), (k, current[k].shape, size)
-            ranges.append({k: ShardedTensor(key, current[k], current[k].dtype, (size,), (numel,), (offset,),
-                                            axis_fragmentations=None, replica_id=0)
-                           for k, (key, numel, offset) in states.items()})
+            ranges.append(
+                {
+                    k: ShardedTensor(
+                        key,
+                        current[k],
+                        current[k].dtype,
+                        (size,),
+                        (numel,),
+                        (offset,),
+                        axis_fragmentations=None,
+                        replica_id=0,
+                    )
+                    for k, (key, numel, offset) in states.items()
+                }
+            )
         request[index] = ranges
     return request
 
@@ -233,18 +276,19 @@ def load(optimizer, local_plan, saved: Dict[str, Any], path: str) -> None:
     """Read this rank's ranges of the old bucket tensors and the old common state into ``optimizer``."""
     from megatron.core import dist_checkpointing
 
-
     prepare_for_checkpoint(optimizer)
     # requests of parts of the saved state (every rank the same objects, sub-ranges of tensors):
     # Megatron's access check (each saved shard read exactly once) does not apply
-    commons = dist_checkpointing.load({"common": _common_request(optimizer, saved)}, path,
-                                      validate_access_integrity=False)["common"]  # top level: str keys
+    commons = dist_checkpointing.load(
+        {"common": _common_request(optimizer, saved)}, path, validate_access_integrity=False
+    )["common"]  # top level: str keys
     commons = {index: _merged_common(parts) for index, parts in commons.items()}
     inner = inner_optimizers(optimizer)
     load_optimizer_state(optimizer, commons[0] if len(inner) == 1 else commons)  # groups, step, state
     with torch.no_grad():  # fp32 main params are views of the model's parameters
-        ranges = dist_checkpointing.load({"ranges": _range_request(optimizer, local_plan)}, path,
-                                         validate_access_integrity=False)["ranges"]
+        ranges = dist_checkpointing.load(
+            {"ranges": _range_request(optimizer, local_plan)}, path, validate_access_integrity=False
+        )["ranges"]
         for index, opt in _distributed(optimizer):
             for (param, _, _), tensors in zip(local_plan[index], ranges[index]):
                 current = opt._get_main_param_and_optimizer_states(param)
@@ -261,7 +305,9 @@ def layout_note(saved_tp: int, saved_pp: int, saved_world: int) -> Optional[str]
     if (saved_tp, saved_pp) == (tp, pp):
         return None
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    parts = [f"PP={pp} from a PP={saved_pp} checkpoint" if pp != saved_pp else f"PP={pp}",
-             f"TP={tp}" if tp == saved_tp else f"TP={tp} (saved at TP={saved_tp})",
-             f"world {saved_world} -> {world}"]
+    parts = [
+        f"PP={pp} from a PP={saved_pp} checkpoint" if pp != saved_pp else f"PP={pp}",
+        f"TP={tp}" if tp == saved_tp else f"TP={tp} (saved at TP={saved_tp})",
+        f"world {saved_world} -> {world}",
+    ]
     return f"resumed at {parts[0]} ({', '.join(parts[1:])}); weights and optimizer state resharded"

@@ -105,8 +105,7 @@ def _torch_adam_step_layout(dist_opt) -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
     inner = getattr(dist_opt, "optimizer", None)
-    return (not distrib_optimizer.HAVE_APEX_OR_TE
-            and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)))
+    return not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def _base_name(optimizer) -> str:
@@ -128,9 +127,13 @@ def local_layout(optimizer) -> Dict[str, Any]:
         buffers = []
         for numels in opt.per_bucket_numel_unpadded:
             for (param_dtype, grad_dtype), buckets in numels.items():
-                buffers.append({"param_dtype": str(param_dtype).replace("torch.", ""),
-                                "grad_dtype": str(grad_dtype).replace("torch.", ""),
-                                "buckets": [int(n) for n in buckets]})
+                buffers.append(
+                    {
+                        "param_dtype": str(param_dtype).replace("torch.", ""),
+                        "grad_dtype": str(grad_dtype).replace("torch.", ""),
+                        "buckets": [int(n) for n in buckets],
+                    }
+                )
         layout[f"{index}:{opt.data_parallel_group_idx}"] = buffers
     return layout
 
@@ -150,22 +153,31 @@ def describe(optimizer) -> Dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     if not is_distributed(optimizer):
-        return {"version": FORMAT_VERSION, "kind": "plain", "optimizer": _base_name(optimizer),
-                "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-                "pipeline_parallel": ps.get_pipeline_model_parallel_world_size()}
+        return {
+            "version": FORMAT_VERSION,
+            "kind": "plain",
+            "optimizer": _base_name(optimizer),
+            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+        }
 
     layout: Dict[str, Any] = {}
     for part in _all_gather(local_layout(optimizer)):
         layout.update(part)
-    torch_step = any(_torch_adam_step_layout(o) for o in inner_optimizers(optimizer)
-                     if isinstance(o, _distributed_class()))
-    return {"version": FORMAT_VERSION, "kind": "distributed", "sharding_type": SHARDING_TYPE,
-            "optimizer": _base_name(optimizer),
-            "step_layout": "per_param_tensor" if torch_step else "param_groups",
-            "data_parallel": ps.get_data_parallel_world_size(),
-            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "layout": layout}
+    torch_step = any(
+        _torch_adam_step_layout(o) for o in inner_optimizers(optimizer) if isinstance(o, _distributed_class())
+    )
+    return {
+        "version": FORMAT_VERSION,
+        "kind": "distributed",
+        "sharding_type": SHARDING_TYPE,
+        "optimizer": _base_name(optimizer),
+        "step_layout": "per_param_tensor" if torch_step else "param_groups",
+        "data_parallel": ps.get_data_parallel_world_size(),
+        "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+        "layout": layout,
+    }
 
 
 def write_format(directory: str, fmt: Dict[str, Any]) -> None:
@@ -197,8 +209,7 @@ def metadata_for(fmt: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- compatibility
-_FRESH = ("to start the optimizer afresh from these weights, train with model.checkpoint={path} "
-          "and no resume")
+_FRESH = "to start the optimizer afresh from these weights, train with model.checkpoint={path} and no resume"
 
 
 def _local_incompatibility(saved: Dict[str, Any], optimizer, path: str) -> Optional[str]:
@@ -211,22 +222,33 @@ def _local_incompatibility(saved: Dict[str, Any], optimizer, path: str) -> Optio
         return f"checkpoint {path} records an unknown optimizer format {kind!r} in {FORMAT_FILE}"
     if kind != current:
         want = "true" if kind == "distributed" else "false"
-        names = {"distributed": "Megatron's distributed (ZeRO-1) optimizer",
-                 "plain": "the plain (non-distributed) Megatron optimizer"}
-        return (f"checkpoint {path} holds the state of {names[kind]} but this run uses "
-                f"{names[current]}; resume with optim.distributed={want}, or {fresh}")
+        names = {
+            "distributed": "Megatron's distributed (ZeRO-1) optimizer",
+            "plain": "the plain (non-distributed) Megatron optimizer",
+        }
+        return (
+            f"checkpoint {path} holds the state of {names[kind]} but this run uses "
+            f"{names[current]}; resume with optim.distributed={want}, or {fresh}"
+        )
     saved_name, name = saved.get("optimizer", "unknown"), _base_name(optimizer)
     adam = {"Adam", "AdamW", "FusedAdam"}
-    if saved_name != "unknown" and saved_name != name and not (
-            set(saved_name.split("+")) <= adam and set(name.split("+")) <= adam):
-        return (f"checkpoint {path} holds {saved_name} optimizer state but this run uses {name}; "
-                f"resume with the same optim.name, or {fresh}")
+    if (
+        saved_name != "unknown"
+        and saved_name != name
+        and not (set(saved_name.split("+")) <= adam and set(name.split("+")) <= adam)
+    ):
+        return (
+            f"checkpoint {path} holds {saved_name} optimizer state but this run uses {name}; "
+            f"resume with the same optim.name, or {fresh}"
+        )
     if kind == "plain":
         return None
     sharding = saved.get("sharding_type")
     if sharding not in READABLE_SHARDING_TYPES:
-        return (f"checkpoint {path} stores the distributed optimizer as {sharding!r}, which this "
-                f"version cannot read (readable: {', '.join(READABLE_SHARDING_TYPES)})")
+        return (
+            f"checkpoint {path} stores the distributed optimizer as {sharding!r}, which this "
+            f"version cannot read (readable: {', '.join(READABLE_SHARDING_TYPES)})"
+        )
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -234,35 +256,47 @@ def _local_incompatibility(saved: Dict[str, Any], optimizer, path: str) -> Optio
         mapped = MAP_FIELD in saved
         if mapped and saved.get("tensor_parallel") == tp:
             return _dtype_change(saved, optimizer, path, fresh)  # :mod:`.optimizer_reshard` reads it
-        why = ("reshards across data- and pipeline-parallel sizes, not tensor-parallel ones" if mapped else
-               "reshards across data-parallel sizes only (this checkpoint predates the bucket map that "
-               "a pipeline-parallel change needs)")
-        return (f"checkpoint {path} stores the distributed optimizer per grad bucket "
-                f"(dp_reshardable), which {why}: it was saved at "
-                f"tensor_parallel={saved.get('tensor_parallel')} pipeline_parallel="
-                f"{saved.get('pipeline_parallel')}, this run has {tp}/{pp}; resume with that layout, "
-                f"or {fresh}")
+        why = (
+            "reshards across data- and pipeline-parallel sizes, not tensor-parallel ones"
+            if mapped
+            else "reshards across data-parallel sizes only (this checkpoint predates the bucket map that "
+            "a pipeline-parallel change needs)"
+        )
+        return (
+            f"checkpoint {path} stores the distributed optimizer per grad bucket "
+            f"(dp_reshardable), which {why}: it was saved at "
+            f"tensor_parallel={saved.get('tensor_parallel')} pipeline_parallel="
+            f"{saved.get('pipeline_parallel')}, this run has {tp}/{pp}; resume with that layout, "
+            f"or {fresh}"
+        )
     recorded = saved.get("layout") or {}
     for key, buffers in local_layout(optimizer).items():
         if key not in recorded:
-            return (f"checkpoint {path} has no distributed-optimizer state for model-parallel "
-                    f"group {key}; resume with the layout it was saved at, or {fresh}")
+            return (
+                f"checkpoint {path} has no distributed-optimizer state for model-parallel "
+                f"group {key}; resume with the layout it was saved at, or {fresh}"
+            )
         if recorded[key] != buffers:
-            return (f"checkpoint {path} was saved with a different distributed-optimizer bucket "
-                    f"layout ({_short(recorded[key])}) than this run's ({_short(buffers)}): the model "
-                    f"or model.dtype differs; resume with the saved model config and dtype, or {fresh}")
+            return (
+                f"checkpoint {path} was saved with a different distributed-optimizer bucket "
+                f"layout ({_short(recorded[key])}) than this run's ({_short(buffers)}): the model "
+                f"or model.dtype differs; resume with the saved model config and dtype, or {fresh}"
+            )
     return None
 
 
 def _dtype_change(saved: Dict[str, Any], optimizer, path: str, fresh: str) -> Optional[str]:
     """At a layout change the buckets differ; their parameter dtypes must not."""
+
     def dtypes(layout):
         return sorted({(b["param_dtype"], b["grad_dtype"]) for buffers in layout.values() for b in buffers})
 
     before, now = dtypes(saved.get("layout") or {}), dtypes(local_layout(optimizer))
     if now and not set(now) <= set(before):
-        return (f"checkpoint {path} holds distributed-optimizer state of {before} parameters, this run's "
-                f"are {now}: model.dtype differs; resume with the saved dtype, or {fresh}")
+        return (
+            f"checkpoint {path} holds distributed-optimizer state of {before} parameters, this run's "
+            f"are {now}: model.dtype differs; resume with the saved dtype, or {fresh}"
+        )
     return None
 
 
@@ -298,10 +332,11 @@ def _materialize_torch_adam_state(adam: torch.optim.Optimizer) -> int:
         for param in group["params"]:
             if adam.state.get(param):
                 continue
-            state = {"step": torch.zeros((), dtype=_scalar_dtype(),
-                                         device=param.device if on_device else "cpu"),
-                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+            state = {
+                "step": torch.zeros((), dtype=_scalar_dtype(), device=param.device if on_device else "cpu"),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
             if group.get("amsgrad"):
                 state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             adam.state[param] = state
@@ -325,20 +360,21 @@ def prepare_for_checkpoint(optimizer) -> None:
 def _stateless_sgd(inner) -> None:
     """Refuse anything but momentum-free torch SGD, whose state is empty (adapter item 4)."""
     if not isinstance(inner, torch.optim.SGD) or any(g.get("momentum", 0) for g in inner.param_groups):
-        raise OptimizerFormatError(f"{type(inner).__name__} has no state initialiser; only momentum-free SGD "
-                                   "can be checkpointed without one")
+        raise OptimizerFormatError(
+            f"{type(inner).__name__} has no state initialiser; only momentum-free SGD can be checkpointed without one"
+        )
 
 
 def _no_state(optimizer, config=None) -> None:
     """Momentum-free SGD keeps no per-parameter state: nothing to create before a load."""
 
 
-def sharded_optimizer_state(optimizer, model_sharded_state_dict: dict, fmt: Dict[str, Any], *,
-                            is_loading: bool) -> dict:
+def sharded_optimizer_state(
+    optimizer, model_sharded_state_dict: dict, fmt: Dict[str, Any], *, is_loading: bool
+) -> dict:
     """``optimizer.sharded_state_dict`` in format ``fmt`` (the adapter applied)."""
     prepare_for_checkpoint(optimizer)
-    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                        metadata=metadata_for(fmt))
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata_for(fmt))
 
 
 def _loaded_parts(optimizer, loaded: Any) -> List[Any]:
@@ -355,8 +391,10 @@ def _group_step(part: Any) -> Optional[float]:
     groups = (part.get("optimizer") or {}).get("param_groups", []) if isinstance(part, dict) else []
     steps = {group["step"] for group in groups if group.get("step") is not None}
     if len(steps) > 1:
-        raise OptimizerFormatError(f"the checkpoint's optimizer param groups disagree on Adam's "
-                                   f"step count ({sorted(steps)}); it cannot be resumed exactly")
+        raise OptimizerFormatError(
+            f"the checkpoint's optimizer param groups disagree on Adam's "
+            f"step count ({sorted(steps)}); it cannot be resumed exactly"
+        )
     return steps.pop() if steps else None
 
 
@@ -367,8 +405,9 @@ def _set_torch_steps(adam: torch.optim.Optimizer, step: float) -> None:
         for param in group["params"]:
             state = adam.state.get(param)
             if state:
-                state["step"] = torch.tensor(float(step), dtype=_scalar_dtype(),
-                                             device=param.device if on_device else "cpu")
+                state["step"] = torch.tensor(
+                    float(step), dtype=_scalar_dtype(), device=param.device if on_device else "cpu"
+                )
 
 
 def load_optimizer_state(optimizer, loaded: Any) -> None:

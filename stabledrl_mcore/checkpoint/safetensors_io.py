@@ -26,18 +26,25 @@ import struct
 from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from safetensors import safe_open
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 DTYPES: Dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -63,8 +70,10 @@ def _read_header(path: str) -> Dict[str, dict]:
     except (TypeError, KeyError, IndexError, ValueError):
         raise ConversionError(f"{path} is not a readable safetensors file: malformed tensor entries") from None
     if file_size < 8 + size + data_end:
-        raise ConversionError(f"{path} is truncated: {file_size} bytes, its header needs {8 + size + data_end} "
-                              f"(an interrupted download or copy?); fetch or convert it again")
+        raise ConversionError(
+            f"{path} is truncated: {file_size} bytes, its header needs {8 + size + data_end} "
+            f"(an interrupted download or copy?); fetch or convert it again"
+        )
     return header
 
 
@@ -118,8 +127,7 @@ class SafetensorsReader:
 
     def nbytes(self) -> int:
         """Total tensor bytes (the size of the weights on disk)."""
-        return sum(int(info["data_offsets"][1]) - int(info["data_offsets"][0])
-                   for _, info in self._entries.values())
+        return sum(int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for _, info in self._entries.values())
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, backed by a memory map of its file (freed when dropped)."""
@@ -179,10 +187,10 @@ class SafetensorsWriter:
         self.out_dir = out_dir
         self.shards = shard_plan(plan, max_shard_bytes)
         n = len(self.shards)
-        self.files = [SINGLE_FILE] if n == 1 else \
-            [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self._order = [(k, name, tuple(shape), dtype)
-                       for k, shard in enumerate(self.shards) for name, shape, dtype in shard]
+        self.files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self._order = [
+            (k, name, tuple(shape), dtype) for k, shard in enumerate(self.shards) for name, shape, dtype in shard
+        ]
         self._next = 0
         self._handle: Optional[BinaryIO] = None
         self._shard = -1
@@ -195,8 +203,11 @@ class SafetensorsWriter:
         offset = 0
         for name, shape, dtype in self.shards[k]:
             nbytes = _numel(shape) * _itemsize(dtype)
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -210,8 +221,10 @@ class SafetensorsWriter:
             raise ValueError(f"tensor {name!r} is not in the write plan (all tensors written)")
         k, want, shape, dtype = self._order[self._next]
         if name != want or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"write order violated: expected {want} {shape} {dtype}, got "
-                             f"{name} {tuple(tensor.shape)} {tensor.dtype}")
+            raise ValueError(
+                f"write order violated: expected {want} {shape} {dtype}, got "
+                f"{name} {tuple(tensor.shape)} {tensor.dtype}"
+            )
         if k != self._shard:
             self._open_shard(k)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -221,7 +234,7 @@ class SafetensorsWriter:
     def close(self) -> None:
         """Finish the last shard and write the index (several shards only)."""
         if self._next != len(self._order):
-            missing = [name for _, name, _, _ in self._order[self._next:]]
+            missing = [name for _, name, _, _ in self._order[self._next :]]
             raise ValueError(f"{len(missing)} planned tensors were never written, first {missing[0]}")
         if self._handle is not None:
             self._handle.flush()
@@ -229,8 +242,10 @@ class SafetensorsWriter:
             self._handle.close()
             self._handle = None
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {name: self.files[k] for k, name, _, _ in self._order}}
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {name: self.files[k] for k, name, _, _ in self._order},
+            }
             with open(os.path.join(self.out_dir, INDEX_FILE), "w") as handle:
                 json.dump(index, handle, indent=2, sort_keys=True)
 

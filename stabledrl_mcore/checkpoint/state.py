@@ -49,16 +49,23 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from stabledrl_mcore.checkpoint import optimizer_reshard, optimizer_state
-from stabledrl_mcore.checkpoint.integrity import CheckpointError, check_finite, load_rng_file, save_rng_file, verify_checksums, write_checksums
+from stabledrl_mcore.checkpoint.integrity import (
+    CheckpointError,
+    check_finite,
+    load_rng_file,
+    save_rng_file,
+    verify_checksums,
+    write_checksums,
+)
 from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
-import numpy as np
-import time
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
@@ -126,8 +133,11 @@ def capture_rng_state() -> Dict[str, Any]:
     """Every RNG stream this process uses (restored by :func:`restore_rng_state`)."""
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -140,19 +150,25 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Callable[[], dict],
-                    *, optimizer=None, config_yaml: Optional[str] = None,
-                    rng_state: Optional[Dict[str, Any]] = None, keep_last: int = 3,
-                    extra_files: Optional[Dict[str, str]] = None,
-                    assets: Optional[Dict[str, str]] = None,
-                    extra_modules: Optional[Dict[str, Any]] = None) -> str:
+def save_checkpoint(
+    root: str,
+    state: TrainState,
+    model_sharded_state_dict: Callable[[], dict],
+    *,
+    optimizer=None,
+    config_yaml: Optional[str] = None,
+    rng_state: Optional[Dict[str, Any]] = None,
+    keep_last: int = 3,
+    extra_files: Optional[Dict[str, str]] = None,
+    assets: Optional[Dict[str, str]] = None,
+    extra_modules: Optional[Dict[str, Any]] = None,
+) -> str:
     """Write a complete checkpoint for ``state.step`` and prune old ones; returns its path.
 
     ``extra_modules`` (name -> Megatron module) are saved beside the model under keys
@@ -170,8 +186,10 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
     final = os.path.join(root, step_dir_name(state.step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(state.step))
     sharded = {"model": model_sharded_state_dict()}
-    check_finite(sharded_tensors(sharded["model"]),
-                 f"at step {state.step}: not saving a non-finite checkpoint (the previous ones are kept)")
+    check_finite(
+        sharded_tensors(sharded["model"]),
+        f"at step {state.step}: not saving a non-finite checkpoint (the previous ones are kept)",
+    )
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(tmp):
@@ -181,7 +199,8 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
     fmt = optimizer_state.describe(optimizer)  # collective
     if optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
-            optimizer, sharded["model"], fmt, is_loading=False)
+            optimizer, sharded["model"], fmt, is_loading=False
+        )
         if fmt["kind"] == "distributed":  # collective; what a resume at another PP size reads
             mapping = optimizer_reshard.bucket_map(optimizer, sharded["model"], sharded["optimizer"])
             if mapping is not None:
@@ -190,8 +209,9 @@ def save_checkpoint(root: str, state: TrainState, model_sharded_state_dict: Call
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    save_rng_file(os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"),
-                  rng_state if rng_state is not None else capture_rng_state())
+    save_rng_file(
+        os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"), rng_state if rng_state is not None else capture_rng_state()
+    )
     _barrier()
     _fault_injection_pause()
     problem = ""
@@ -248,21 +268,28 @@ def _missing_files(directory: str, world: int) -> str:
     from megatron.core.dist_checkpointing.core import check_is_distributed_checkpoint
 
     missing = [] if check_is_distributed_checkpoint(directory) else ["dist_checkpointing metadata.json"]
-    missing += [name for name in (".metadata", "common.pt", optimizer_state.FORMAT_FILE)
-                if not os.path.isfile(os.path.join(directory, name))]
-    missing += [f"rng/rank{r:05d}.pt" for r in range(world)
-                if not os.path.isfile(os.path.join(directory, "rng", f"rank{r:05d}.pt"))]
+    missing += [
+        name
+        for name in (".metadata", "common.pt", optimizer_state.FORMAT_FILE)
+        if not os.path.isfile(os.path.join(directory, name))
+    ]
+    missing += [
+        f"rng/rank{r:05d}.pt"
+        for r in range(world)
+        if not os.path.isfile(os.path.join(directory, "rng", f"rank{r:05d}.pt"))
+    ]
     if not missing:
         return ""
-    return (f"checkpoint save into {directory} is incomplete (missing {', '.join(missing)}); "
-            f"not committed, the previous checkpoints are kept")
+    return (
+        f"checkpoint save into {directory} is incomplete (missing {', '.join(missing)}); "
+        f"not committed, the previous checkpoints are kept"
+    )
 
 
 def _fault_injection_pause() -> None:
     """Tests set ``STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT`` (seconds) to kill a save mid-way."""
     pause = float(os.environ.get("STABLEDRL_FAULT_PAUSE_BEFORE_COMMIT", "0") or 0)
     if pause > 0:
-
         time.sleep(pause)
 
 
@@ -289,14 +316,17 @@ def read_train_state(path: str) -> TrainState:
         raise CheckpointError(f"{state_file}: step {state.step!r} is not a step count; the checkpoint is corrupt")
     match = STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     if match and int(match.group(1)) != state.step:
-        raise CheckpointError(f"{state_file} says step {state.step} but its directory is "
-                              f"{os.path.basename(os.path.normpath(path))}; the checkpoint is corrupt "
-                              f"(or was renamed)")
+        raise CheckpointError(
+            f"{state_file} says step {state.step} but its directory is "
+            f"{os.path.basename(os.path.normpath(path))}; the checkpoint is corrupt "
+            f"(or was renamed)"
+        )
     return state
 
 
-def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = True,
-                    extra_modules: Optional[Dict[str, Any]] = None) -> TrainState:
+def load_checkpoint(
+    path: str, model, *, optimizer=None, restore_rng: bool = True, extra_modules: Optional[Dict[str, Any]] = None
+) -> TrainState:
     """Load model (and optimizer, and ``extra_modules``) shards from ``path`` into the current layout.
 
     ``model`` is a module (or list of chunks) with ``sharded_state_dict()`` and
@@ -310,8 +340,9 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
     state = read_train_state(path)
     verify_checksums(path)  # collective
     rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
-    rng = load_rng_file(rng_file) if (restore_rng and state.world_size == _world()
-                                      and os.path.isfile(rng_file)) else None
+    rng = (
+        load_rng_file(rng_file) if (restore_rng and state.world_size == _world() and os.path.isfile(rng_file)) else None
+    )
     chunks = model if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise NotImplementedError("virtual pipeline chunks are not supported yet")
@@ -324,13 +355,14 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
         reshard = optimizer_reshard.plan(optimizer, sharded["model"], fmt, path)  # collective
     elif optimizer is not None:
         sharded["optimizer"] = optimizer_state.sharded_optimizer_state(
-            optimizer, sharded["model"], fmt, is_loading=True)
+            optimizer, sharded["model"], fmt, is_loading=True
+        )
     for name, module in (extra_modules or {}).items():
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     loaded = dist_checkpointing.load(sharded, path)
     chunks[0].load_state_dict(loaded["model"])
     for name, module in (extra_modules or {}).items():
-        module.load_state_dict({k[len(name) + 1:]: v for k, v in loaded[name].items()})
+        module.load_state_dict({k[len(name) + 1 :]: v for k, v in loaded[name].items()})
     named = list(chunks[0].named_parameters())
     for name, module in (extra_modules or {}).items():
         named += [(f"{name}.{k}", v) for k, v in module.named_parameters()]
@@ -342,8 +374,10 @@ def load_checkpoint(path: str, model, *, optimizer=None, restore_rng: bool = Tru
     if rng is not None:
         restore_rng_state(rng)
     note = optimizer is not None and optimizer_reshard.layout_note(  # the optimizer record knows best
-        fmt.get("tensor_parallel", state.tensor_parallel), fmt.get("pipeline_parallel", state.pipeline_parallel),
-        state.world_size)
+        fmt.get("tensor_parallel", state.tensor_parallel),
+        fmt.get("pipeline_parallel", state.pipeline_parallel),
+        state.world_size,
+    )
     if note and _rank() == 0:  # a resume at another layout says so once
         print(f"stabledrl: {note}", flush=True)
     return state

@@ -24,11 +24,11 @@ from typing import Optional
 
 import torch
 
-from stabledrl_mcore.models import DLLMConfig, block_causal_mask
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.checkpoint.loader import load_model, read_config
+from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.models import DLLMConfig, block_causal_mask
 
 # LLaDA (OLMo names) -> LlamaForCausalLM names; SDAR already uses Qwen3's.
 LLADA_TO_LLAMA = [
@@ -61,12 +61,20 @@ def public_reference(hf_dir: str) -> torch.nn.Module:
     raw = hfc.read_hf_config(hf_dir)
     cfg = hfc.hf_to_dllm_config(raw, source_dir=hf_dir)
     tied = hfc.is_tied(raw, cfg.arch)
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                  intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
-                  num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
-                  rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=tied,
-                  max_position_embeddings=cfg.max_position_embeddings, attention_bias=False)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=tied,
+        max_position_embeddings=cfg.max_position_embeddings,
+        attention_bias=False,
+    )
     if cfg.is_moe:
         return _moe_reference(hf_dir, cfg, common)
     if cfg.arch == "llada":
@@ -89,14 +97,23 @@ def _moe_reference(hf_dir: str, cfg: DLLMConfig, common: dict) -> torch.nn.Modul
     """``Qwen3MoeForCausalLM`` (every layer sparse, no router losses) on the upstream tensors."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
-                            moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                            norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1,
-                            mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.0)
-    loaded, info = Qwen3MoeForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32,
-                                                       output_loading_info=True)
-    wrong = {k: sorted(v)[:5] for k, v in info.items()
-             if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    config = Qwen3MoeConfig(
+        **common,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        norm_topk_prob=cfg.moe_norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+        router_aux_loss_coef=0.0,
+    )
+    loaded, info = Qwen3MoeForCausalLM.from_pretrained(
+        hf_dir, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    wrong = {
+        k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
     if wrong:
         raise ConversionError(f"{hf_dir}: Qwen3MoeForCausalLM does not fit the tensors: {wrong}")
     # from_pretrained leaves the non-persistent RoPE buffers unset once torch.distributed runs on
@@ -118,12 +135,12 @@ def remote_reference(hf_dir: str) -> torch.nn.Module:
         raise ConversionError(
             f"--reference remote could not load the upstream {arch} code from {hf_dir} with "
             f"trust_remote_code=True on transformers {transformers.__version__} ({type(err).__name__}: "
-            f"{str(err)[:300]}); it needs transformers {need}. Use --reference public instead.") from None
+            f"{str(err)[:300]}); it needs transformers {need}. Use --reference public instead."
+        ) from None
     return model.float().eval()
 
 
-def reference_logits(model: torch.nn.Module, cfg: DLLMConfig, ids: torch.Tensor,
-                     remote: bool = False) -> torch.Tensor:
+def reference_logits(model: torch.nn.Module, cfg: DLLMConfig, ids: torch.Tensor, remote: bool = False) -> torch.Tensor:
     """Logits with the model's inference attention as an additive 4-D float mask
     (upstream LLaDA code takes no mask: it is bidirectional by construction)."""
     b, s = ids.shape
@@ -139,8 +156,16 @@ def reference_logits(model: torch.nn.Module, cfg: DLLMConfig, ids: torch.Tensor,
         return model(input_ids=ids, attention_mask=mask).logits.float()
 
 
-def verify(hf_dir: str, ckpt: str, *, reference: str = "public", seq_len: int = 16,
-           batch: int = 2, seed: int = 0, ours: Optional[torch.nn.Module] = None) -> float:
+def verify(
+    hf_dir: str,
+    ckpt: str,
+    *,
+    reference: str = "public",
+    seq_len: int = 16,
+    batch: int = 2,
+    seed: int = 0,
+    ours: Optional[torch.nn.Module] = None,
+) -> float:
     """Max abs logit difference between the reference (on ``hf_dir``) and
     :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint)."""
 
@@ -152,6 +177,5 @@ def verify(hf_dir: str, ckpt: str, *, reference: str = "public", seq_len: int = 
     with torch.no_grad():
         got = ours(ids).float()
     if got.shape != want.shape:
-        raise ConversionError(f"logit shapes differ: converted {list(got.shape)}, "
-                              f"reference {list(want.shape)}")
+        raise ConversionError(f"logit shapes differ: converted {list(got.shape)}, reference {list(want.shape)}")
     return (got - want).abs().max().item()

@@ -56,11 +56,13 @@ def _handler(name: str, module: str) -> Callable:
 
 
 def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="stabledrl",
-                     description="StableDRL post-training of diffusion LMs on Megatron-Core.")
+    parser = _Parser(prog="stabledrl", description="StableDRL post-training of diffusion LMs on Megatron-Core.")
     parser.add_argument("--version", action="version", version=f"stabledrl {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error (anywhere on the line; or STABLEDRL_DEBUG=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (anywhere on the line; or STABLEDRL_DEBUG=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, help_text, module in COMMANDS:

@@ -1,52 +1,74 @@
-"""Flags and helpers more than one command shares: the config file and overrides, the world size, sampling and prompt flags.
-"""
+"""Flags and helpers more than one command shares: the config file and overrides, the world size, sampling and prompt flags."""
 
 from __future__ import annotations
 
 import argparse
-from stabledrl_mcore.common.errors import ConfigError
-from typing import Optional
-from stabledrl_mcore.tasks.prompts import PromptFormat
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.common.errors import UserError
-from stabledrl_mcore.engine import preemption
-from stabledrl_mcore.config.schema import load_config
-from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 import os
-from stabledrl_mcore.tasks.prompts import prompt_format
 import sys
+from typing import Optional
+
+from stabledrl_mcore.common.errors import ConfigError, UserError
+from stabledrl_mcore.config.schema import RunConfig, load_config
+from stabledrl_mcore.engine import preemption
+from stabledrl_mcore.tasks.prompts import PromptFormat, prompt_format
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt", required=True, metavar="DIR",
-                        help="HF directory, converted checkpoint or training checkpoint")
+    parser.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="HF directory, converted checkpoint or training checkpoint"
+    )
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer (default: the checkpoint's)")
     parser.add_argument("--gen-length", type=int, default=256, help="new tokens (default 256)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="diffusion steps: LLaDA total (default gen-length), SDAR per block "
-                             "(default the block size)")
-    parser.add_argument("--block-length", type=int, default=None,
-                        help="LLaDA semi-AR block (default 32); SDAR uses its block size")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="diffusion steps: LLaDA total (default gen-length), SDAR per block (default the block size)",
+    )
+    parser.add_argument(
+        "--block-length", type=int, default=None, help="LLaDA semi-AR block (default 32); SDAR uses its block size"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--threshold", type=float, default=None,
-                        help="confidence threshold, e.g. 0.9 (SDAR's dynamic rule; LLaDA: Fast-dLLM's "
-                             "parallel decoding)")
-    parser.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
-                        help="LLaDA's approximate KV cache (default none: exact decoding)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="confidence threshold, e.g. 0.9 (SDAR's dynamic rule; LLaDA: Fast-dLLM's parallel decoding)",
+    )
+    parser.add_argument(
+        "--cache",
+        default="none",
+        choices=("none", "prefix", "dual"),
+        help="LLaDA's approximate KV cache (default none: exact decoding)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8,
-                        help="sequences per forward batch (eval --n K: batch-size // K prompts x K samples)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="sequences per forward batch (eval --n K: batch-size // K prompts x K samples)",
+    )
     add_prompt_arguments(parser)
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompt format, as ``rollout.system_prompt`` / ``prompt_template`` / ``chat_template``."""
-    parser.add_argument("--system-prompt", metavar="TEXT", default=None,
-                        help="system prompt (eval default: the task's own; generate: none)")
-    parser.add_argument("--prompt-template", metavar="TEXT", default=None,
-                        help="user turn with a {question} placeholder (default: the question as is)")
-    parser.add_argument("--chat-template", metavar="FILE.jinja", default=None,
-                        help="Jinja chat template replacing the tokenizer's")
+    parser.add_argument(
+        "--system-prompt",
+        metavar="TEXT",
+        default=None,
+        help="system prompt (eval default: the task's own; generate: none)",
+    )
+    parser.add_argument(
+        "--prompt-template",
+        metavar="TEXT",
+        default=None,
+        help="user turn with a {question} placeholder (default: the question as is)",
+    )
+    parser.add_argument(
+        "--chat-template", metavar="FILE.jinja", default=None, help="Jinja chat template replacing the tokenizer's"
+    )
 
 
 PROMPT_FLAGS = ("--system-prompt", "--prompt-template", "--chat-template")
@@ -60,8 +82,9 @@ def cli_prompt_format(args: argparse.Namespace):
 
 def cli_tokenizer(args):
 
-    path = args.tokenizer or (os.path.join(args.ckpt, "hf") if os.path.isdir(os.path.join(args.ckpt, "hf"))
-                              else args.ckpt)
+    path = args.tokenizer or (
+        os.path.join(args.ckpt, "hf") if os.path.isdir(os.path.join(args.ckpt, "hf")) else args.ckpt
+    )
     return load_tokenizer(path)
 
 
@@ -69,11 +92,18 @@ def sampling_options(args, cfg):
     steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
     block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
     if args.cache != "none" and cfg.arch != "llada":
-
-        raise UserError(f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
-                        f"with its own KV cache of finished blocks (drop --cache)")
-    return dict(gen_length=args.gen_length, steps=steps, block_length=block,
-                temperature=args.temperature, threshold=args.threshold, cache=args.cache)
+        raise UserError(
+            f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
+            f"with its own KV cache of finished blocks (drop --cache)"
+        )
+    return dict(
+        gen_length=args.gen_length,
+        steps=steps,
+        block_length=block,
+        temperature=args.temperature,
+        threshold=args.threshold,
+        cache=args.cache,
+    )
 
 
 def chat_prompt(text: str, tokenizer, prompt_format=None) -> str:
@@ -92,15 +122,21 @@ def refuse_existing(command: str, path: str, overwrite: bool) -> bool:
     """Print the one-line refusal (and return True) when ``path`` exists and ``overwrite`` is off."""
     if overwrite or not os.path.exists(path):
         return False
-    print(f"stabledrl {command}: error: {path} exists; pass --overwrite to replace it or --out FILE to "
-          f"write elsewhere", file=sys.stderr)
+    print(
+        f"stabledrl {command}: error: {path} exists; pass --overwrite to replace it or --out FILE to write elsewhere",
+        file=sys.stderr,
+    )
     return True
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML run config (see examples/configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2",
+    )
 
 
 def world_size(nproc: Optional[int], default: Optional[int]) -> Optional[int]:
@@ -120,7 +156,6 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
     ``--print-config``), so an early USR1 during the slow start-up is not fatal."""
 
     if not args.print_config:
-
         preemption.install_preemption_handlers()
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")

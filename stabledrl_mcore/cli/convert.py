@@ -1,21 +1,19 @@
-"""``stabledrl convert hf-to-mcore | mcore-to-hf``: the converters of :mod:`stabledrl_mcore.checkpoint.convert` with progress, verification and safe interruption.
-"""
+"""``stabledrl convert hf-to-mcore | mcore-to-hf``: the converters of :mod:`stabledrl_mcore.checkpoint.convert` with progress, verification and safe interruption."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
-from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
-from stabledrl_mcore.checkpoint.convert import VerificationFailed
-from stabledrl_mcore.checkpoint.convert import hf_to_mcore
-from stabledrl_mcore.checkpoint.convert import mcore_to_hf
 import os
 import signal
 import sys
 import threading
-from stabledrl_mcore.checkpoint.verify import verify
 import warnings
+from typing import Callable
+
+from stabledrl_mcore.checkpoint.convert import VerificationFailed, hf_to_mcore, mcore_to_hf
+from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from stabledrl_mcore.checkpoint.verify import verify
 
 
 # ------------------------------------------------------------------ command line
@@ -34,33 +32,60 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
     sub.required = True
     a = sub.add_parser("hf-to-mcore", help="Hugging Face directory -> Megatron torch_dist checkpoint")
-    a.add_argument("--model", required=True, metavar="ARCH|PRESET",
-                   help="llada or sdar (any shape), or a preset such as llada-8b / sdar-8b "
-                        "(the checkpoint must then have the preset's shape)")
+    a.add_argument(
+        "--model",
+        required=True,
+        metavar="ARCH|PRESET",
+        help="llada or sdar (any shape), or a preset such as llada-8b / sdar-8b "
+        "(the checkpoint must then have the preset's shape)",
+    )
     a.add_argument("--hf-dir", required=True, metavar="DIR")
     a.add_argument("--tp", type=int, default=1, help="suggested tensor parallel size (checked, recorded)")
     a.add_argument("--pp", type=int, default=1, help="suggested pipeline parallel size (checked, recorded)")
-    a.add_argument("--ep", type=int, default=1,
-                   help="suggested expert parallel size of an MoE model (checked, recorded)")
-    a.add_argument("--vocab-multiple", type=int, default=1, metavar="K",
-                   help="pad vocab rows to a multiple of K x TP (make_vocab_size_divisible_by)")
+    a.add_argument(
+        "--ep", type=int, default=1, help="suggested expert parallel size of an MoE model (checked, recorded)"
+    )
+    a.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=1,
+        metavar="K",
+        help="pad vocab rows to a multiple of K x TP (make_vocab_size_divisible_by)",
+    )
     b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> Hugging Face safetensors directory")
     b.add_argument("--ckpt", required=True, metavar="DIR")
     b.add_argument("--hf-assets", metavar="DIR", help="config/tokenizer source (default: <ckpt>/hf)")
-    b.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
-                   metavar="SIZE", help="largest safetensors shard, e.g. 5GB (default)")
+    b.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="SIZE",
+        help="largest safetensors shard, e.g. 5GB (default)",
+    )
     for p in (a, b):
         p.add_argument("--out", required=True, metavar="DIR")
-        p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="weight dtype of the output (auto = as stored)")
+        p.add_argument(
+            "--dtype",
+            choices=("auto", "bf16", "fp32"),
+            default="auto",
+            help="weight dtype of the output (auto = as stored)",
+        )
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-        p.add_argument("--verify", action="store_true",
-                       help="compare logits of an independent reference with the converted model")
-        p.add_argument("--reference", choices=("public", "remote"), default="public",
-                       help="public transformers classes (default) or the upstream remote code")
+        p.add_argument(
+            "--verify", action="store_true", help="compare logits of an independent reference with the converted model"
+        )
+        p.add_argument(
+            "--reference",
+            choices=("public", "remote"),
+            default="public",
+            help="public transformers classes (default) or the upstream remote code",
+        )
         p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
-        p.add_argument("--allow-nonfinite", action="store_true",
-                       help="convert weights holding NaN/inf (refused by default, naming the tensor)")
+        p.add_argument(
+            "--allow-nonfinite",
+            action="store_true",
+            help="convert weights holding NaN/inf (refused by default, naming the tensor)",
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -70,17 +95,30 @@ def run_convert(args: argparse.Namespace) -> int:
     # torch.distributed.checkpoint deprecation notices raised inside megatron: noise for users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")
     dtype = None if args.dtype == "auto" else args.dtype
-    common = dict(dtype=dtype, overwrite=args.overwrite, progress=not args.no_progress,
-                  allow_nonfinite=args.allow_nonfinite,
-                  before_commit=_verifier(args) if args.verify else None)
+    common = dict(
+        dtype=dtype,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        allow_nonfinite=args.allow_nonfinite,
+        before_commit=_verifier(args) if args.verify else None,
+    )
     restore = _exit_on_sigterm()
     try:
         if args.direction == "hf-to-mcore":
-            out = hf_to_mcore(args.hf_dir, args.out, model=args.model, tp=args.tp, pp=args.pp, ep=args.ep,
-                              vocab_multiple=args.vocab_multiple, **common)
+            out = hf_to_mcore(
+                args.hf_dir,
+                args.out,
+                model=args.model,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                vocab_multiple=args.vocab_multiple,
+                **common,
+            )
         else:
-            out = mcore_to_hf(args.ckpt, args.out, hf_assets=args.hf_assets,
-                              max_shard_bytes=args.max_shard_size, **common)
+            out = mcore_to_hf(
+                args.ckpt, args.out, hf_assets=args.hf_assets, max_shard_bytes=args.max_shard_size, **common
+            )
         print(f"wrote {out}")
         return 0
     except VerificationFailed as err:
@@ -95,16 +133,18 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
     """``--verify`` as a check of the finished temporary output (raises :class:`VerificationFailed`)."""
+
     def check(tmp: str) -> None:
 
         hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
         diff = verify(hf_dir, ckpt, reference=args.reference)
         ok = diff <= args.tolerance
-        print(f"verify: max abs logit difference {diff:.3e} "
-              f"({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
+        print(f"verify: max abs logit difference {diff:.3e} ({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
         if not ok:
-            raise VerificationFailed(f"--verify: max abs logit difference {diff:.3e} is above --tolerance "
-                                     f"{args.tolerance:g}; nothing was written to {os.path.abspath(args.out)}")
+            raise VerificationFailed(
+                f"--verify: max abs logit difference {diff:.3e} is above --tolerance "
+                f"{args.tolerance:g}; nothing was written to {os.path.abspath(args.out)}"
+            )
 
     return check
 

@@ -1,25 +1,27 @@
-"""``stabledrl generate``: completions from an HF directory, a converted checkpoint or a training checkpoint (``step_XXXXXXXX``).
-"""
+"""``stabledrl generate``: completions from an HF directory, a converted checkpoint or a training checkpoint (``step_XXXXXXXX``)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import List
-from stabledrl_mcore.cli.args import PROMPT_FLAGS
-from stabledrl_mcore.cli.args import add_sampling_arguments
-from stabledrl_mcore.cli.args import chat_prompt
-from stabledrl_mcore.cli.args import cli_prompt_format
-from stabledrl_mcore.tasks.prompts import encode_prompts
-from stabledrl_mcore.models.placement import eval_mode
-from stabledrl_mcore.checkpoint.loader import load_model
-from stabledrl_mcore.models.placement import model_device
 import sys
+from typing import List
+
 import torch
-from stabledrl_mcore.evaluation.scoring import write_jsonl
+
+from stabledrl_mcore.checkpoint.loader import load_model
+from stabledrl_mcore.cli.args import (
+    PROMPT_FLAGS,
+    add_sampling_arguments,
+    chat_prompt,
+    cli_prompt_format,
+    cli_tokenizer,
+    refuse_existing,
+    sampling_options,
+)
 from stabledrl_mcore.diffusion import generate
-from stabledrl_mcore.cli.args import cli_tokenizer
-from stabledrl_mcore.cli.args import refuse_existing
-from stabledrl_mcore.cli.args import sampling_options
+from stabledrl_mcore.evaluation.scoring import write_jsonl
+from stabledrl_mcore.models.placement import eval_mode, model_device
+from stabledrl_mcore.tasks.prompts import encode_prompts
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -27,7 +29,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
     Prompts go through the tokenizer's chat template (``--no-chat-template``: as given);
     each JSONL record holds the ``input`` as given and the exact ``prompt`` the model saw."""
-
 
     prompts: List[str] = list(args.prompt or [])
     if args.prompts:
@@ -39,8 +40,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.out and refuse_existing("generate", args.out, args.overwrite):
         return 2
     if args.no_chat_template and any(getattr(args, f[2:].replace("-", "_")) is not None for f in PROMPT_FLAGS):
-        print(f"stabledrl generate: error: --no-chat-template feeds the prompts as given; drop it or "
-              f"{'/'.join(PROMPT_FLAGS)}", file=sys.stderr)
+        print(
+            f"stabledrl generate: error: --no-chat-template feeds the prompts as given; drop it or "
+            f"{'/'.join(PROMPT_FLAGS)}",
+            file=sys.stderr,
+        )
         return 2
     fmt = cli_prompt_format(args)
     tokenizer = cli_tokenizer(args)
@@ -51,13 +55,16 @@ def run_generate(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     results = []
     for start in range(0, len(prompts), args.batch_size):
-        chunk = texts[start:start + args.batch_size]
+        chunk = texts[start : start + args.batch_size]
         ids, valid = encode_prompts(tokenizer, chunk, device=device)
         with torch.no_grad(), eval_mode(model):
-            out = generate(model, ids, generator=generator, prompt_valid=valid,
-                           progress=not args.no_progress, **sampling)
-        results += [{"input": given, "prompt": text, "completion": tokenizer.decode(row)}
-                    for given, text, row in zip(prompts[start:], chunk, out[:, ids.shape[1]:].tolist())]
+            out = generate(
+                model, ids, generator=generator, prompt_valid=valid, progress=not args.no_progress, **sampling
+            )
+        results += [
+            {"input": given, "prompt": text, "completion": tokenizer.decode(row)}
+            for given, text, row in zip(prompts[start:], chunk, out[:, ids.shape[1] :].tolist())
+        ]
     if args.out:
         write_jsonl(args.out, results)
     else:
@@ -70,9 +77,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     parser.add_argument("--prompts", metavar="FILE", help="one prompt per line")
-    parser.add_argument("--out", metavar="FILE", help="write JSONL (input, exact prompt, completion) "
-                                                      "instead of printing")
+    parser.add_argument(
+        "--out", metavar="FILE", help="write JSONL (input, exact prompt, completion) instead of printing"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    parser.add_argument("--no-chat-template", action="store_true",
-                        help="feed the prompts as given (default: the tokenizer's chat template, as eval)")
+    parser.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="feed the prompts as given (default: the tokenizer's chat template, as eval)",
+    )
     parser.add_argument("--no-progress", action="store_true")

@@ -1,21 +1,15 @@
-"""``stabledrl plan``: per-GPU memory and throughput of a layout (the planner is :mod:`stabledrl_mcore.bench.plan`).
-"""
+"""``stabledrl plan``: per-GPU memory and throughput of a layout (the planner is :mod:`stabledrl_mcore.bench.plan`)."""
 
 from __future__ import annotations
 
 import argparse
-from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.models.presets import ModelConfigError
-from stabledrl_mcore.bench.plan import PlanSpec
-from stabledrl_mcore.bench.plan import all_layouts
-from stabledrl_mcore.bench.plan_plot import check_plot_path
 import dataclasses
-from stabledrl_mcore.bench.plan import format_plan
-from stabledrl_mcore.models.presets import get_preset
-from stabledrl_mcore.bench.plan import layout_key
-from stabledrl_mcore.bench.plan_plot import plot_plan
-from stabledrl_mcore.bench.plan import estimate
+
+from stabledrl_mcore.bench.plan import PlanSpec, all_layouts, estimate, format_plan, layout_key
+from stabledrl_mcore.bench.plan_plot import check_plot_path, plot_plan
 from stabledrl_mcore.bench.report import write_json
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.models.presets import ModelConfigError, get_preset
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +30,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", default="bf16", choices=["bf16", "fp32"])
     a("--optimizer", default="adam", choices=["adam", "sgd"])
     a("--no-distributed-optimizer", action="store_true", help="replicate optimizer states over DP")
-    a("--likelihood", default=None, choices=["elbo", "staircase"],
-      help="training layout (default: elbo for LLaDA, staircase for SDAR)")
+    a(
+        "--likelihood",
+        default=None,
+        choices=["elbo", "staircase"],
+        help="training layout (default: elbo for LLaDA, staircase for SDAR)",
+    )
     a("--impl", default="te", choices=["te", "local"], help="kernels whose saved activations to count")
     a("--overhead", type=float, default=4.0, metavar="GIB", help="CUDA context, buffers, fragmentation")
     a("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (989 = H100/H200)")
@@ -46,8 +44,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--rollout-steps", type=int, default=None, help="LLaDA: total denoising steps; SDAR: steps per block")
     a("--num-mc", type=int, default=2)
     a("--inner", type=int, default=2, help="policy updates per rollout batch")
-    a("--reference-model", action="store_true",
-      help="count a frozen reference copy of the weights (the KL penalty, algo.kl_coef > 0)")
+    a(
+        "--reference-model",
+        action="store_true",
+        help="count a frozen reference copy of the weights (the KL penalty, algo.kl_coef > 0)",
+    )
     a("--json", metavar="PATH", help="also write the estimates as JSON")
     a("--plot", metavar="FILE.png", help="also draw every layout's per-GPU memory by component (bar chart)")
 
@@ -58,36 +59,58 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         model = get_preset(args.model)
     except ModelConfigError as err:
         raise ConfigError(f"--model: {err}") from None
-    return PlanSpec(model=model, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
-                    tp=args.tp, pp=args.pp, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                    gen_length=args.gen_length or max(args.seq_len // 2, 1), global_batch=args.global_batch,
-                    recompute=args.recompute, dtype=args.dtype, optimizer=args.optimizer,
-                    distributed_optimizer=not args.no_distributed_optimizer,
-                    likelihood=args.likelihood or ("staircase" if model.arch == "sdar" else "elbo"),
-                    impl=args.impl, overhead_gib=args.overhead, peak_tflops=args.gpu_tflops, mfu=args.mfu,
-                    rollout_mfu=args.rollout_mfu, rollout_steps=args.rollout_steps, num_mc=args.num_mc,
-                    inner_iterations=args.inner, reference_model=args.reference_model, ep=args.ep,
-                    etp=args.etp).validate()
+    return PlanSpec(
+        model=model,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_gib=args.gpu_memory,
+        tp=args.tp,
+        pp=args.pp,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        gen_length=args.gen_length or max(args.seq_len // 2, 1),
+        global_batch=args.global_batch,
+        recompute=args.recompute,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        likelihood=args.likelihood or ("staircase" if model.arch == "sdar" else "elbo"),
+        impl=args.impl,
+        overhead_gib=args.overhead,
+        peak_tflops=args.gpu_tflops,
+        mfu=args.mfu,
+        rollout_mfu=args.rollout_mfu,
+        rollout_steps=args.rollout_steps,
+        num_mc=args.num_mc,
+        inner_iterations=args.inner,
+        reference_model=args.reference_model,
+        ep=args.ep,
+        etp=args.etp,
+    ).validate()
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """The ``stabledrl plan`` command: the requested layout in detail, then every layout."""
     spec = spec_from_args(args)
     if args.plot:
-
         check_plot_path(args.plot)
     chosen = estimate(spec)
     rows = all_layouts(spec)
     print(format_plan(spec, chosen, rows))
     if args.json:
-
         plain = dataclasses.asdict(dataclasses.replace(spec, model=None))
         params = {"total": spec.model.num_parameters(), "active": spec.model.num_active_parameters()}
-        write_json({"spec": dict(plain, model=args.model), "model_params": params, "chosen": chosen,
-                    "layouts": rows}, args.json)
+        write_json(
+            {"spec": dict(plain, model=args.model), "model_params": params, "chosen": chosen, "layouts": rows},
+            args.json,
+        )
     if args.plot:
-
-        plot_plan(rows, spec.gpu_memory_gib, args.plot, title=format_plan(spec, chosen, rows).splitlines()[0],
-                  requested=layout_key(chosen))
+        plot_plan(
+            rows,
+            spec.gpu_memory_gib,
+            args.plot,
+            title=format_plan(spec, chosen, rows).splitlines()[0],
+            requested=layout_key(chosen),
+        )
         print(f"written: {args.plot}")
     return 0

@@ -12,12 +12,6 @@ with one line naming the field and the fix.
 
 from __future__ import annotations
 
-from stabledrl_mcore.config.checks import check_layout
-
-from stabledrl_mcore.config.checks import check_model_options
-
-from stabledrl_mcore.config.checks import check_pipeline_options
-
 import dataclasses
 import difflib
 import glob
@@ -26,33 +20,24 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.config.io import get_dotted
-from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.common.errors import DataError
-from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
-from stabledrl_mcore.tasks import GENERATED_TASKS
-from stabledrl_mcore.tasks.local_datasets import check_local
-from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
-from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
-from stabledrl_mcore.engine import metrics
-from stabledrl_mcore.tasks.from_config import build_task
-from stabledrl_mcore.tasks.from_config import heldout_examples
-from stabledrl_mcore.tasks.from_config import load_train_examples
 from stabledrl_mcore.checkpoint import hf_config
+from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
-from stabledrl_mcore.sft.data import PlainText
-from stabledrl_mcore.sft.config import SFTConfig
-from stabledrl_mcore.sft.data import SFTData
-from stabledrl_mcore.sft.setup import check_batch
-from stabledrl_mcore.sft.setup import check_data
-from stabledrl_mcore.sft.data import load_sft_data
-from stabledrl_mcore.tasks.tokenizer import load_tokenizer
-from stabledrl_mcore.sft.data import read_rows
-from stabledrl_mcore.sft.data import render
-from stabledrl_mcore.sft.setup import sft_tokenizer
-from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
+from stabledrl_mcore.common.errors import ConfigError, DataError
+from stabledrl_mcore.config.checks import check_layout, check_model_options, check_pipeline_options
+from stabledrl_mcore.config.io import get_dotted
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.engine import metrics
 from stabledrl_mcore.engine.resume import check_resume
+from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
+from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError, validate_parallel_layout
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_rows, render
+from stabledrl_mcore.sft.setup import check_batch, check_data, sft_tokenizer
+from stabledrl_mcore.tasks import GENERATED_TASKS
+from stabledrl_mcore.tasks.from_config import build_task, heldout_examples, load_train_examples
+from stabledrl_mcore.tasks.local_datasets import check_local
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
 _TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
 _GENERATED_SAMPLE = 8  # generated tasks: a few examples prove the options work; the run draws its own
@@ -71,11 +56,15 @@ class PreflightReport:
     """The task generates its examples: ``train_examples`` is the size of the sample checked."""
 
     def summary(self) -> str:
-        layout = (f"world {self.world_size}, data-parallel {self.data_parallel}" if self.world_size
-                  else "world size unknown (give --nproc or run under torchrun/srun to check it)")
+        layout = (
+            f"world {self.world_size}, data-parallel {self.data_parallel}"
+            if self.world_size
+            else "world size unknown (give --nproc or run under torchrun/srun to check it)"
+        )
         kind = "generated examples checked" if self.generated else "examples"
         data = f"train: {self.train_examples} {kind}" + (
-            f", eval: {self.eval_examples} {kind}" if self.eval_examples is not None else "")
+            f", eval: {self.eval_examples} {kind}" if self.eval_examples is not None else ""
+        )
         return f"preflight ok: {self.model}; {layout}; {data}"
 
 
@@ -96,18 +85,24 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
         data_parallel = check_layout(cfg, mcfg, world_size)
     except ParallelLayoutError as err:
         p = cfg.parallel
-        experts = (f", parallel.expert_parallel={p.expert_parallel}" if p.expert_parallel > 1
-                   or p.expert_tensor_parallel else "")
-        raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
-                                  f"{p.pipeline_parallel}{experts} on {description}: {err}") from None
+        experts = (
+            f", parallel.expert_parallel={p.expert_parallel}"
+            if p.expert_parallel > 1 or p.expert_tensor_parallel
+            else ""
+        )
+        raise ParallelLayoutError(
+            f"parallel.tensor_parallel={p.tensor_parallel}, parallel.pipeline_parallel="
+            f"{p.pipeline_parallel}{experts} on {description}: {err}"
+        ) from None
     check_model_options(cfg, mcfg, description)
     for name in ("rollout.data_path", "eval.data_path"):  # local files only, refused by the field's name
         if get_dotted(cfg, name):
             check_local(get_dotted(cfg, name), name)
     task = _task(cfg)
     train = _load(cfg, task, "train")
-    report = PreflightReport(description, world_size, data_parallel, len(train),
-                             generated=cfg.rollout.task in GENERATED_TASKS)
+    report = PreflightReport(
+        description, world_size, data_parallel, len(train), generated=cfg.rollout.task in GENERATED_TASKS
+    )
     if cfg.eval.every:
         report.eval_examples = len(_load(cfg, task, cfg.eval.split))  # a sample for generated tasks
     return report
@@ -122,8 +117,9 @@ def model_shape(cfg: RunConfig):
     if cfg.model.preset not in available_presets():
         close = difflib.get_close_matches(cfg.model.preset, available_presets(), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"model.preset: unknown preset {cfg.model.preset!r}{hint} (choose from "
-                          f"{', '.join(available_presets())})")
+        raise ConfigError(
+            f"model.preset: unknown preset {cfg.model.preset!r}{hint} (choose from {', '.join(available_presets())})"
+        )
     if cfg.model.checkpoint:
         base, description = checkpoint_config(cfg.model.checkpoint), f"model.checkpoint {cfg.model.checkpoint}"
     else:
@@ -141,8 +137,9 @@ def model_shape(cfg: RunConfig):
         mcfg = dataclasses.replace(base, **changes).validate()
     except (ModelConfigError, TypeError) as err:
         raise ConfigError(f"model.overrides do not fit {description}: {err}") from None
-    shape = (f"{mcfg.arch}, {mcfg.num_layers} layers, {mcfg.num_attention_heads} heads, "
-             f"{mcfg.num_query_groups} query groups")
+    shape = (
+        f"{mcfg.arch}, {mcfg.num_layers} layers, {mcfg.num_attention_heads} heads, {mcfg.num_query_groups} query groups"
+    )
     return mcfg, f"{description} ({shape})"
 
 
@@ -151,9 +148,11 @@ def checkpoint_config(path: str):
     or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``."""
 
     if not os.path.exists(path):
-        raise ConfigError(f"model.checkpoint: {path} does not exist (give an HF model directory, a "
-                          f"converted checkpoint from 'stabledrl convert hf-to-mcore', or a training "
-                          f"checkpoint step_*; or unset it for a random init)")
+        raise ConfigError(
+            f"model.checkpoint: {path} does not exist (give an HF model directory, a "
+            f"converted checkpoint from 'stabledrl convert hf-to-mcore', or a training "
+            f"checkpoint step_*; or unset it for a random init)"
+        )
     if not os.path.isdir(path):
         raise ConfigError(f"model.checkpoint: {path} is a file, not a model directory")
     if os.path.isfile(os.path.join(path, MARKER)):
@@ -162,11 +161,11 @@ def checkpoint_config(path: str):
         with open(os.path.join(path, MODEL_CONFIG)) as handle:  # a training checkpoint
             return DLLMConfig.from_dict(json.load(handle))
     if os.path.isfile(os.path.join(path, "config.json")):
-
         SafetensorsReader(path)  # headers only: a missing or truncated weight file fails here
         return hf_config.hf_to_dllm_config(hf_config.read_hf_config(path), source_dir=path)
-    raise ConfigError(f"model.checkpoint: {path} is not a model directory (no config.json, {MARKER} "
-                      f"or {MODEL_CONFIG} + .metadata)")
+    raise ConfigError(
+        f"model.checkpoint: {path} is not a model directory (no config.json, {MARKER} or {MODEL_CONFIG} + .metadata)"
+    )
 
 
 def _has_tokenizer(path: str) -> bool:
@@ -179,20 +178,26 @@ def _check_tokenizer(cfg: RunConfig) -> None:
     """``model.tokenizer``, else the checkpoint's own (also under ``hf/``); random init trains one."""
     if cfg.model.tokenizer:
         if not _has_tokenizer(cfg.model.tokenizer):
-            raise ConfigError(f"model.tokenizer: no tokenizer at {cfg.model.tokenizer} (a directory with "
-                              f"tokenizer.json or a sentencepiece *.model, or a *.model file)")
+            raise ConfigError(
+                f"model.tokenizer: no tokenizer at {cfg.model.tokenizer} (a directory with "
+                f"tokenizer.json or a sentencepiece *.model, or a *.model file)"
+            )
         return
     path = cfg.model.checkpoint
     if path and not (_has_tokenizer(path) or _has_tokenizer(os.path.join(path, "hf"))):
-        raise ConfigError(f"model.checkpoint {path} holds no tokenizer (tokenizer.json or *.model, "
-                          f"also looked in {os.path.join(path, 'hf')}); set model.tokenizer=DIR")
+        raise ConfigError(
+            f"model.checkpoint {path} holds no tokenizer (tokenizer.json or *.model, "
+            f"also looked in {os.path.join(path, 'hf')}); set model.tokenizer=DIR"
+        )
 
 
 def _check_logging(cfg: RunConfig) -> None:
 
     if cfg.logging.tensorboard and not metrics.tensorboard_available():
-        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                          "(or set logging.tensorboard=false)")
+        raise ConfigError(
+            "logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+            "(or set logging.tensorboard=false)"
+        )
 
 
 def _task(cfg: RunConfig):
@@ -241,8 +246,13 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
     p = cfg.parallel
     try:
         data_parallel = validate_parallel_layout(
-            world_size or p.tensor_parallel, p.tensor_parallel, 1, num_layers=mcfg.num_layers,
-            num_attention_heads=mcfg.num_attention_heads, num_query_groups=mcfg.num_query_groups)
+            world_size or p.tensor_parallel,
+            p.tensor_parallel,
+            1,
+            num_layers=mcfg.num_layers,
+            num_attention_heads=mcfg.num_attention_heads,
+            num_query_groups=mcfg.num_query_groups,
+        )
     except ParallelLayoutError as err:
         raise ParallelLayoutError(f"parallel.tensor_parallel={p.tensor_parallel} on {description}: {err}") from None
     if world_size is not None:
@@ -272,6 +282,5 @@ def _sft_data(cfg: SFTConfig):
         render(row, where, cfg.sft, PlainText())
         count += 1
     if not count:
-
         raise DataError(f"sft.data_path={cfg.sft.data_path} holds no rows")
     return count

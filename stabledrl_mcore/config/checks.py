@@ -10,8 +10,12 @@ import difflib
 import math
 from typing import Any, Dict, Optional, Sequence
 
-from stabledrl_mcore.algorithms.losses import (available_policy_losses, available_token_policy_losses,
-                                               get_policy_loss, get_token_policy_loss)
+from stabledrl_mcore.algorithms.losses import (
+    available_policy_losses,
+    available_token_policy_losses,
+    get_policy_loss,
+    get_token_policy_loss,
+)
 from stabledrl_mcore.algorithms.losses_common import option_names
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.io import get_dotted
@@ -31,29 +35,45 @@ def validate_run_config(cfg):
     choice("rollout.prompt_style", cfg.rollout.prompt_style, ("chat", "compact"))
     choice("rollout.cache", cfg.rollout.cache, ("none", "prefix", "dual"))
     if cfg.rollout.cache_gap_every < 0 or cfg.rollout.cache_gap_every and cfg.rollout.cache == "none":
-        raise ConfigError(f"rollout.cache_gap_every={cfg.rollout.cache_gap_every} measures the cached "
-                          f"sampler's gap to exact decoding: needs a value >= 0 and rollout.cache=prefix|dual")
+        raise ConfigError(
+            f"rollout.cache_gap_every={cfg.rollout.cache_gap_every} measures the cached "
+            f"sampler's gap to exact decoding: needs a value >= 0 and rollout.cache=prefix|dual"
+        )
     choice("rollout.task", cfg.rollout.task, available_tasks())
     choice("algo.likelihood", cfg.algo.likelihood, ("elbo", "mean_field", "spg", "staircase"))
     _validate_algorithm(cfg)
     if cfg.algo.ratio_noise is not None:
         choice("algo.ratio_noise", cfg.algo.ratio_noise, ("lognormal", "student_t"))
-    for name in ("parallel.tensor_parallel", "parallel.pipeline_parallel",
-                 "parallel.micro_batch_size", "rollout.prompts_per_step", "rollout.group_size",
-                 "rollout.gen_length", "rollout.steps", "rollout.block_length",
-                 "algo.inner_iterations", "algo.num_mc", "checkpoint.keep_last",
-                 "eval.num_examples", "eval.micro_batch_size"):
+    for name in (
+        "parallel.tensor_parallel",
+        "parallel.pipeline_parallel",
+        "parallel.micro_batch_size",
+        "rollout.prompts_per_step",
+        "rollout.group_size",
+        "rollout.gen_length",
+        "rollout.steps",
+        "rollout.block_length",
+        "algo.inner_iterations",
+        "algo.num_mc",
+        "checkpoint.keep_last",
+        "eval.num_examples",
+        "eval.micro_batch_size",
+    ):
         if get_dotted(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {get_dotted(cfg, name)}")
     if cfg.algo.coupled_masks and (cfg.algo.num_mc % 2 or cfg.algo.likelihood == "mean_field"):
-        raise ConfigError(f"algo.coupled_masks needs an even algo.num_mc (got {cfg.algo.num_mc}) "
-                          f"and a masked estimator, not {cfg.algo.likelihood!r}")
+        raise ConfigError(
+            f"algo.coupled_masks needs an even algo.num_mc (got {cfg.algo.num_mc}) "
+            f"and a masked estimator, not {cfg.algo.likelihood!r}"
+        )
     if not 0.0 < cfg.algo.eps < 1.0:
         raise ConfigError(f"algo.eps must be in (0, 1), got {cfg.algo.eps}")
     if cfg.optim.distributed and cfg.optim.name != "adam":
-        raise ConfigError(f"optim.distributed=true needs optim.name=adam (Megatron's distributed "
-                          f"optimizer wraps Adam only); set optim.distributed=false for "
-                          f"{cfg.optim.name!r}")
+        raise ConfigError(
+            f"optim.distributed=true needs optim.name=adam (Megatron's distributed "
+            f"optimizer wraps Adam only); set optim.distributed=false for "
+            f"{cfg.optim.name!r}"
+        )
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
     _validate_dynamic_sampling(cfg)
@@ -62,19 +82,23 @@ def validate_run_config(cfg):
     return cfg
 
 
-
 def _validate_dynamic_sampling(cfg) -> None:
     """``rollout.filter_uniform_groups`` / ``rollout.oversample_prompts``, refused by name."""
     r = cfg.rollout
     if r.oversample_prompts < 0:
         raise ConfigError(f"rollout.oversample_prompts must be >= 0, got {r.oversample_prompts}")
     if r.oversample_prompts and not r.filter_uniform_groups:
-        raise ConfigError("rollout.oversample_prompts needs rollout.filter_uniform_groups=true (without the "
-                          "filter the extra prompts would be generated and never trained on)")
+        raise ConfigError(
+            "rollout.oversample_prompts needs rollout.filter_uniform_groups=true (without the "
+            "filter the extra prompts would be generated and never trained on)"
+        )
     if r.filter_uniform_groups and cfg.algo.kl_coef > 0:
-        raise ConfigError(f"rollout.filter_uniform_groups drops groups whose policy gradient is 0, but with "
-                          f"algo.kl_coef={cfg.algo.kl_coef} they still carry the KL gradient: set "
-                          f"algo.kl_coef=0 (as DAPO) or rollout.filter_uniform_groups=false")
+        raise ConfigError(
+            f"rollout.filter_uniform_groups drops groups whose policy gradient is 0, but with "
+            f"algo.kl_coef={cfg.algo.kl_coef} they still carry the KL gradient: set "
+            f"algo.kl_coef=0 (as DAPO) or rollout.filter_uniform_groups=false"
+        )
+
 
 def _validate_algorithm(cfg) -> None:
     """Combinations of ``algo.*`` fields that cannot work, refused by name."""
@@ -85,8 +109,10 @@ def _validate_algorithm(cfg) -> None:
     choice("algo.normalize_by", a.normalize_by, ("completion", "generation"))
     choice("algo.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
     if a.mask_scheme != "uniform" and a.likelihood not in ("elbo", "spg"):
-        raise ConfigError(f"algo.mask_scheme={a.mask_scheme} applies to the elbo/spg likelihoods, not "
-                          f"{a.likelihood!r} (mean_field masks the whole completion, staircase per block)")
+        raise ConfigError(
+            f"algo.mask_scheme={a.mask_scheme} applies to the elbo/spg likelihoods, not "
+            f"{a.likelihood!r} (mean_field masks the whole completion, staircase per block)"
+        )
     if a.coupled_masks and a.mask_scheme != "uniform":
         raise ConfigError("algo.coupled_masks needs algo.mask_scheme=uniform")
     if not 0.0 <= a.prefix_mask_prob < 1.0:
@@ -94,8 +120,7 @@ def _validate_algorithm(cfg) -> None:
     if a.prefix_mask_prob and a.likelihood == "staircase":
         raise ConfigError("algo.prefix_mask_prob is not defined for the staircase likelihood")
     if a.spg_beta <= 0 or not 0.0 <= a.spg_omega <= 1.0:
-        raise ConfigError(f"algo.spg_beta must be > 0 and algo.spg_omega in [0, 1], got "
-                          f"{a.spg_beta}, {a.spg_omega}")
+        raise ConfigError(f"algo.spg_beta must be > 0 and algo.spg_omega in [0, 1], got {a.spg_beta}, {a.spg_omega}")
     if (a.spg_beta, a.spg_omega) != (1.5, 0.5) and a.likelihood != "spg":
         raise ConfigError("algo.spg_beta / algo.spg_omega shape SPG's bound: set algo.likelihood=spg")
     if a.kl_coef < 0:
@@ -105,25 +130,32 @@ def _validate_algorithm(cfg) -> None:
     if a.kl_estimator != "k3" and a.kl_coef == 0:
         raise ConfigError("algo.kl_estimator has no effect with algo.kl_coef=0")
     if a.reference_sync_every < 0 or not 0.0 < a.reference_mixup <= 1.0:
-        raise ConfigError(f"algo.reference_sync_every must be >= 0 and algo.reference_mixup in (0, 1], got "
-                          f"{a.reference_sync_every}, {a.reference_mixup}")
+        raise ConfigError(
+            f"algo.reference_sync_every must be >= 0 and algo.reference_mixup in (0, 1], got "
+            f"{a.reference_sync_every}, {a.reference_mixup}"
+        )
     if (a.reference_sync_every or a.reference_mixup != 0.6) and a.kl_coef == 0:
         raise ConfigError("algo.reference_sync_every / reference_mixup need a reference: set algo.kl_coef > 0")
     sequence, token = available_policy_losses(), available_token_policy_losses()
     if a.loss not in sequence + token:
         close = difflib.get_close_matches(a.loss, sequence + token, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"algo.loss: unknown loss {a.loss!r}{hint} (choose from "
-                          f"{', '.join(sequence + token)})")
+        raise ConfigError(f"algo.loss: unknown loss {a.loss!r}{hint} (choose from {', '.join(sequence + token)})")
     if a.loss in token and a.likelihood != "mean_field":
-        raise ConfigError(f"algo.loss={a.loss} is token level: it needs algo.likelihood=mean_field "
-                          f"(per-token log-probs of the fully masked completion), not {a.likelihood!r}")
+        raise ConfigError(
+            f"algo.loss={a.loss} is token level: it needs algo.likelihood=mean_field "
+            f"(per-token log-probs of the fully masked completion), not {a.likelihood!r}"
+        )
     if a.loss in token and (a.normalize_by != "completion" or not a.length_normalize):
-        raise ConfigError(f"algo.length_normalize / algo.normalize_by shape sequence estimates; the token-level "
-                          f"loss {a.loss!r} aggregates tokens itself (see algo.loss_options)")
+        raise ConfigError(
+            f"algo.length_normalize / algo.normalize_by shape sequence estimates; the token-level "
+            f"loss {a.loss!r} aggregates tokens itself (see algo.loss_options)"
+        )
     if a.loss in ("spg", "stabledrl_released") and a.eps != 0.2:
-        raise ConfigError(f"algo.eps has no effect with algo.loss={a.loss} (it does not clip the ratio"
-                          + ("; its cap is algo.loss_options.log_weight_cap)" if a.loss != "spg" else ")"))
+        raise ConfigError(
+            f"algo.eps has no effect with algo.loss={a.loss} (it does not clip the ratio"
+            + ("; its cap is algo.loss_options.log_weight_cap)" if a.loss != "spg" else ")")
+        )
     if a.loss == "spg" and a.ratio_noise is not None:
         raise ConfigError("algo.ratio_noise has no effect with algo.loss=spg (no importance ratio)")
     _check_loss_options(a.loss, a.loss_options, token=a.loss in token)
@@ -134,8 +166,10 @@ def _check_loss_options(loss: str, options: Dict[str, Any], *, token: bool) -> N
     accepted = option_names((get_token_policy_loss if token else get_policy_loss)(loss), configurable=True)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ConfigError(f"algo.loss_options: {', '.join(unknown)} not an option of loss {loss!r} "
-                          f"(its options: {', '.join(accepted) or 'none'})")
+        raise ConfigError(
+            f"algo.loss_options: {', '.join(unknown)} not an option of loss {loss!r} "
+            f"(its options: {', '.join(accepted) or 'none'})"
+        )
 
 
 def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
@@ -147,12 +181,13 @@ def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
 
 def validate_logging_and_saving(lg, ck) -> None:
     """wandb fields without wandb, and checkpoint timing fields, refused by name (train and sft)."""
-    given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
-             if getattr(lg, n)]
+    given = [f"logging.{n}" for n in ("wandb_entity", "wandb_name", "wandb_group", "wandb_tags") if getattr(lg, n)]
     if given and lg.wandb_mode == "disabled":
-        raise ConfigError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
-                          f"logging.wandb_mode=disabled: set "
-                          f"logging.wandb_mode=offline or online, or drop them")
+        raise ConfigError(
+            f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect with "
+            f"logging.wandb_mode=disabled: set "
+            f"logging.wandb_mode=offline or online, or drop them"
+        )
     if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
         raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
     if ck.save_every_minutes < 0:
@@ -166,33 +201,44 @@ def check_pipeline_options(cfg) -> None:
     every rank)."""
     p = cfg.parallel
     if p.pipeline_parallel > 1 and p.retain_update_graph:
-        raise ConfigError(f"parallel.retain_update_graph=true keeps each micro-batch's autograd graph for "
-                          f"the update, which Megatron's pipeline schedules cannot reuse: set it to false "
-                          f"with parallel.pipeline_parallel={p.pipeline_parallel}")
+        raise ConfigError(
+            f"parallel.retain_update_graph=true keeps each micro-batch's autograd graph for "
+            f"the update, which Megatron's pipeline schedules cannot reuse: set it to false "
+            f"with parallel.pipeline_parallel={p.pipeline_parallel}"
+        )
     if p.expert_parallel > 1 and p.pipeline_parallel > 1:
-        raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.pipeline_parallel="
-                          f"{p.pipeline_parallel}: expert parallelism runs with PP=1 (each stage's "
-                          f"experts would need its own all-to-all lockstep); set one of them to 1")
+        raise ConfigError(
+            f"parallel.expert_parallel={p.expert_parallel} with parallel.pipeline_parallel="
+            f"{p.pipeline_parallel}: expert parallelism runs with PP=1 (each stage's "
+            f"experts would need its own all-to-all lockstep); set one of them to 1"
+        )
     if p.expert_parallel > 1 and p.retain_update_graph:
-        raise ConfigError(f"parallel.retain_update_graph=true with parallel.expert_parallel={p.expert_parallel}: "
-                          f"a kept graph's backward all-to-all cannot be matched by the other expert ranks; "
-                          f"set it to false")
+        raise ConfigError(
+            f"parallel.retain_update_graph=true with parallel.expert_parallel={p.expert_parallel}: "
+            f"a kept graph's backward all-to-all cannot be matched by the other expert ranks; "
+            f"set it to false"
+        )
 
 
 def check_model_options(cfg, mcfg, description: str = "the model") -> None:
     """Settings the model ``mcfg`` cannot honour (staircase without blocks, LLaDA's caches on SDAR,
     mixture-of-experts router losses under PP), refused by name (preflight and every rank)."""
     if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
-        raise ConfigError(f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; "
-                          f"{description} has no block_size")
+        raise ConfigError(
+            f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; {description} has no block_size"
+        )
     if cfg.rollout.cache != "none" and mcfg.arch != "llada":
-        raise ConfigError(f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
-                          f"decodes with its own KV cache of finished blocks: set rollout.cache=none")
+        raise ConfigError(
+            f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
+            f"decodes with its own KV cache of finished blocks: set rollout.cache=none"
+        )
     p = cfg.parallel
     if mcfg.is_moe and p.pipeline_parallel > 1 and (mcfg.moe_aux_loss_coeff or mcfg.moe_z_loss_coeff):
-        raise ConfigError(f"model.overrides moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel="
-                          f"{p.pipeline_parallel}: Megatron's schedules would sum the router losses over "
-                          f"micro-batches where the PP=1 update averages them; set them to 0 or PP to 1")
+        raise ConfigError(
+            f"model.overrides moe_aux_loss_coeff / moe_z_loss_coeff > 0 with parallel.pipeline_parallel="
+            f"{p.pipeline_parallel}: Megatron's schedules would sum the router losses over "
+            f"micro-batches where the PP=1 update averages them; set them to 0 or PP to 1"
+        )
 
 
 def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:
@@ -200,28 +246,41 @@ def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:
     p = cfg.parallel
     known = world_size is not None
     # an unknown world is checked as the smallest one the layout fits (the expert grid included)
-    smallest = p.pipeline_parallel * math.lcm(max(p.tensor_parallel, 1), max(
-        (p.expert_tensor_parallel or p.tensor_parallel) * p.expert_parallel, 1))
+    smallest = p.pipeline_parallel * math.lcm(
+        max(p.tensor_parallel, 1), max((p.expert_tensor_parallel or p.tensor_parallel) * p.expert_parallel, 1)
+    )
     data_parallel = validate_parallel_layout(
-        world_size if known else smallest, p.tensor_parallel,
-        p.pipeline_parallel, num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
-        num_query_groups=mcfg.num_query_groups, expert_parallel=p.expert_parallel,
-        expert_tensor_parallel=p.expert_tensor_parallel, num_experts=mcfg.num_experts or 0)
+        world_size if known else smallest,
+        p.tensor_parallel,
+        p.pipeline_parallel,
+        num_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_query_groups=mcfg.num_query_groups,
+        expert_parallel=p.expert_parallel,
+        expert_tensor_parallel=p.expert_tensor_parallel,
+        num_experts=mcfg.num_experts or 0,
+    )
     if not known:
         return None
     r = cfg.rollout
     if r.prompts_per_step % data_parallel:
-        raise ConfigError(f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the "
-                          f"data-parallel size {data_parallel} (world {world_size} / TP {p.tensor_parallel} "
-                          f"/ PP {p.pipeline_parallel})")
+        raise ConfigError(
+            f"rollout.prompts_per_step ({r.prompts_per_step}) must be divisible by the "
+            f"data-parallel size {data_parallel} (world {world_size} / TP {p.tensor_parallel} "
+            f"/ PP {p.pipeline_parallel})"
+        )
     if r.generated_prompts % data_parallel:
-        raise ConfigError(f"rollout.oversample_prompts ({r.oversample_prompts}) must be divisible by the "
-                          f"data-parallel size {data_parallel}")
+        raise ConfigError(
+            f"rollout.oversample_prompts ({r.oversample_prompts}) must be divisible by the "
+            f"data-parallel size {data_parallel}"
+        )
     rows = r.generated_prompts // data_parallel * r.group_size
     if rows % p.micro_batch_size:
-        raise ConfigError(f"each data-parallel rank holds {rows} sequences (rollout.prompts_per_step / DP x "
-                          f"rollout.group_size = {r.generated_prompts} / {data_parallel} x {r.group_size}), "
-                          f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})")
+        raise ConfigError(
+            f"each data-parallel rank holds {rows} sequences (rollout.prompts_per_step / DP x "
+            f"rollout.group_size = {r.generated_prompts} / {data_parallel} x {r.group_size}), "
+            f"not a multiple of parallel.micro_batch_size ({p.micro_batch_size})"
+        )
     return data_parallel
 
 
@@ -241,25 +300,31 @@ def validate_sft_config(cfg):
     choice("logging.wandb_mode", cfg.logging.wandb_mode, ("offline", "online", "disabled"))
     choice("sft.chat_template", cfg.sft.chat_template, CHAT_TEMPLATES)
     if not cfg.sft.data_path:
-        raise ConfigError("sft.data_path is required: a JSONL or parquet file of prompt/response or "
-                          "messages rows (or a datasets.save_to_disk folder)")
-    for name in ("parallel.tensor_parallel", "parallel.micro_batch_size", "sft.batch_size",
-                 "checkpoint.keep_last"):
+        raise ConfigError(
+            "sft.data_path is required: a JSONL or parquet file of prompt/response or "
+            "messages rows (or a datasets.save_to_disk folder)"
+        )
+    for name in ("parallel.tensor_parallel", "parallel.micro_batch_size", "sft.batch_size", "checkpoint.keep_last"):
         if get_dotted(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {get_dotted(cfg, name)}")
     if cfg.parallel.pipeline_parallel != 1:
-        raise ConfigError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: SFT runs on "
-                          f"tensor and data parallelism only; set it to 1")
+        raise ConfigError(
+            f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: SFT runs on "
+            f"tensor and data parallelism only; set it to 1"
+        )
     if cfg.parallel.expert_parallel != 1 or cfg.parallel.expert_tensor_parallel is not None:
-        raise ConfigError("parallel.expert_parallel / expert_tensor_parallel: SFT runs on tensor and data "
-                          "parallelism only (experts replicated); set them to 1 / null")
+        raise ConfigError(
+            "parallel.expert_parallel / expert_tensor_parallel: SFT runs on tensor and data "
+            "parallelism only (experts replicated); set them to 1 / null"
+        )
     if cfg.sft.max_length is not None and cfg.sft.max_length < 2:
         raise ConfigError(f"sft.max_length must be >= 2 or null, got {cfg.sft.max_length}")
     if not 0.0 <= cfg.sft.eps < 0.5:
         raise ConfigError(f"sft.eps must be in [0, 0.5), got {cfg.sft.eps}")
     if cfg.optim.distributed and cfg.optim.name != "adam":
-        raise ConfigError(f"optim.distributed=true needs optim.name=adam; set optim.distributed=false "
-                          f"for {cfg.optim.name!r}")
+        raise ConfigError(
+            f"optim.distributed=true needs optim.name=adam; set optim.distributed=false for {cfg.optim.name!r}"
+        )
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {cfg.optim.lr}")
     if cfg.sft.max_skipped_updates is not None and cfg.sft.max_skipped_updates < 0:
@@ -270,6 +335,5 @@ def validate_sft_config(cfg):
     defaults = type(cfg)(sft=type(cfg.sft)(data_path="-"))
     for name in RL_ONLY:
         if get_dotted(cfg, name) != get_dotted(defaults, name):
-            raise ConfigError(f"{name} belongs to the RL loop ('stabledrl train'); SFT does not use it: "
-                              f"remove it")
+            raise ConfigError(f"{name} belongs to the RL loop ('stabledrl train'); SFT does not use it: remove it")
     return cfg

@@ -7,8 +7,6 @@ type, and ``"a.b=value"`` overrides are parsed as YAML scalars or lists.
 
 from __future__ import annotations
 
-from stabledrl_mcore.common.errors import ConfigError
-
 import dataclasses
 import difflib
 import types
@@ -16,6 +14,8 @@ import typing
 from typing import Any, Dict, List, Sequence, Tuple
 
 import yaml
+
+from stabledrl_mcore.common.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:
@@ -46,8 +46,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, prefix=where + ".")
     if origin in (tuple, Tuple):
         args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis
-                                                    and len(value) != len(args)):
+        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis and len(value) != len(args)):
             raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
         inner = args if args and args[-1] is not Ellipsis else (args[0],) * len(value)
         return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
@@ -102,6 +101,7 @@ def from_dict(cls: type, data: Dict[str, Any], prefix: str = "") -> Any:
 
 def to_dict(cfg: Any) -> Dict[str, Any]:
     """Plain nested dict (tuples become lists) suitable for YAML/JSON."""
+
     def plain(value):
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]

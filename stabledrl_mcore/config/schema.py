@@ -9,14 +9,6 @@ name the field and the expected type.
 
 from __future__ import annotations
 
-from stabledrl_mcore.config.io import to_dict
-
-from stabledrl_mcore.config.io import from_dict
-
-from stabledrl_mcore.config.io import apply_overrides
-
-from stabledrl_mcore.common.errors import ConfigError
-
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -24,7 +16,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import yaml
 
+from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.checks import validate_run_config
+from stabledrl_mcore.config.io import apply_overrides, from_dict, to_dict
 
 
 @dataclass
@@ -354,8 +348,7 @@ class RunConfig:
         return validate_run_config(self)
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
-                cls: type = RunConfig) -> Any:
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), cls: type = RunConfig) -> Any:
     """Read YAML (optional), apply dotted overrides, build and validate the config."""
     data: Dict[str, Any] = {}
     if path is not None:

@@ -52,20 +52,59 @@ from stabledrl_mcore.diffusion.sampling_sdar import generate_sdar
 from stabledrl_mcore.diffusion.staircase import block_elbo_loop, block_elbo_staircase
 
 __all__ = [
-    "CACHE_MODES", "DecodeStats",
-    "POST_EOS_POLICIES", "BlockRandomDraw", "MaskRegions", "apply_post_eos", "available_mask_schemes",
-    "block_random_draw", "build_mask_plan", "get_mask_scheme", "register_mask_scheme",
-    "LikelihoodEstimate", "MaskPlan", "block_elbo_loop", "block_elbo_staircase", "build_plan",
-    "complementary_mask", "dllm_config", "draw_log_probs", "elbo", "elbo_eubo", "elbo_from_draws", "eubo",
-    "eubo_from_draws", "gather_log_probs", "generate", "generate_llada", "generate_sdar", "mask_completion",
-    "mask_exact_counts", "mean_field_logp", "mixture", "num_transfer_tokens", "prompt_mask", "sample_mask_ratios",
-    "select_transfer", "stratified_mask_counts",
+    "CACHE_MODES",
+    "DecodeStats",
+    "POST_EOS_POLICIES",
+    "BlockRandomDraw",
+    "MaskRegions",
+    "apply_post_eos",
+    "available_mask_schemes",
+    "block_random_draw",
+    "build_mask_plan",
+    "get_mask_scheme",
+    "register_mask_scheme",
+    "LikelihoodEstimate",
+    "MaskPlan",
+    "block_elbo_loop",
+    "block_elbo_staircase",
+    "build_plan",
+    "complementary_mask",
+    "dllm_config",
+    "draw_log_probs",
+    "elbo",
+    "elbo_eubo",
+    "elbo_from_draws",
+    "eubo",
+    "eubo_from_draws",
+    "gather_log_probs",
+    "generate",
+    "generate_llada",
+    "generate_sdar",
+    "mask_completion",
+    "mask_exact_counts",
+    "mean_field_logp",
+    "mixture",
+    "num_transfer_tokens",
+    "prompt_mask",
+    "sample_mask_ratios",
+    "select_transfer",
+    "stratified_mask_counts",
 ]
 
 
-def generate(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_length: Optional[int],
-             temperature: float = 0.0, threshold: Optional[float] = None,
-             generator: Optional[torch.Generator] = None, cache: str = "none", **kwargs) -> Tensor:
+def generate(
+    model,
+    prompt_ids: Tensor,
+    *,
+    gen_length: int,
+    steps: int,
+    block_length: Optional[int],
+    temperature: float = 0.0,
+    threshold: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    cache: str = "none",
+    **kwargs,
+) -> Tensor:
     """Sample completions with the sampler of ``model.dllm_config.arch``.
 
     - ``'llada'``: :func:`generate_llada`; ``steps`` = total steps over all blocks;
@@ -85,13 +124,33 @@ def generate(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_le
     if arch == "llada":
         if block_length is None:
             block_length = gen_length
-        return generate_llada(model, prompt_ids, gen_length=gen_length, steps=steps, block_length=block_length,
-                              temperature=temperature, threshold=threshold, generator=generator, cache=cache,
-                              **kwargs)
+        return generate_llada(
+            model,
+            prompt_ids,
+            gen_length=gen_length,
+            steps=steps,
+            block_length=block_length,
+            temperature=temperature,
+            threshold=threshold,
+            generator=generator,
+            cache=cache,
+            **kwargs,
+        )
     if arch == "sdar":
         if cache != "none":
-            raise ValueError(f"cache={cache!r} is LLaDA's prefix/dual cache; SDAR decodes with its own KV "
-                             f"cache of finished blocks (use cache='none')")
-        return generate_sdar(model, prompt_ids, gen_length=gen_length, steps=steps, block_length=block_length,
-                             temperature=temperature, threshold=threshold, generator=generator, **kwargs)
+            raise ValueError(
+                f"cache={cache!r} is LLaDA's prefix/dual cache; SDAR decodes with its own KV "
+                f"cache of finished blocks (use cache='none')"
+            )
+        return generate_sdar(
+            model,
+            prompt_ids,
+            gen_length=gen_length,
+            steps=steps,
+            block_length=block_length,
+            temperature=temperature,
+            threshold=threshold,
+            generator=generator,
+            **kwargs,
+        )
     raise ValueError(f"unknown dLLM arch {arch!r} (expected 'llada' or 'sdar')")

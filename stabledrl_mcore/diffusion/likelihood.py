@@ -75,8 +75,9 @@ def _float(logits: Tensor) -> Tensor:
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
-def gather_log_probs(logits: Tensor, targets: Tensor, scored: Optional[Tensor] = None,
-                     logprob_fn: Optional[LogprobFn] = None) -> Tensor:
+def gather_log_probs(
+    logits: Tensor, targets: Tensor, scored: Optional[Tensor] = None, logprob_fn: Optional[LogprobFn] = None
+) -> Tensor:
     """log p(target) per position, ``[B, S]``; zero where ``scored`` is False.
 
     The default path only normalises the scored rows (memory: K x V, not B x S x V).
@@ -92,13 +93,19 @@ def gather_log_probs(logits: Tensor, targets: Tensor, scored: Optional[Tensor] =
     return out.masked_scatter(scored, vals)
 
 
-def model_forward_logp(model, *, attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                       logprob_fn: Optional[LogprobFn] = None) -> ForwardLogp:
+def model_forward_logp(
+    model,
+    *,
+    attention_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+) -> ForwardLogp:
     """The plain (bidirectional or caller-masked) forward used by LLaDA-style estimators."""
 
     def forward(noisy: Tensor, ids: Tensor, scored: Tensor) -> Tensor:
-        logits = model(noisy, position_ids=position_ids, attention_mask=attention_mask,
-                       gather_output=logprob_fn is None)
+        logits = model(
+            noisy, position_ids=position_ids, attention_mask=attention_mask, gather_output=logprob_fn is None
+        )
         return gather_log_probs(logits, ids, scored, logprob_fn)
 
     return forward
@@ -123,8 +130,9 @@ def _lengths(completion_mask: Tensor) -> Tensor:
     return completion_mask.sum(-1).clamp(min=1)
 
 
-def elbo_from_draws(logp: Tensor, plan: MaskPlan, completion_mask: Tensor,
-                    length_normalize: bool = False) -> Tuple[Tensor, Tensor]:
+def elbo_from_draws(
+    logp: Tensor, plan: MaskPlan, completion_mask: Tensor, length_normalize: bool = False
+) -> Tuple[Tensor, Tensor]:
     """(seq [B], token [B, S]) of the MC ELBO from per-draw log-probs."""
     token = (plan.weight.to(logp.dtype) * logp).mean(0)
     if length_normalize:
@@ -132,8 +140,9 @@ def elbo_from_draws(logp: Tensor, plan: MaskPlan, completion_mask: Tensor,
     return token.sum(-1), token
 
 
-def eubo_from_draws(logp: Tensor, plan: MaskPlan, completion_mask: Tensor, beta: float = 1.5,
-                    length_normalize: bool = False) -> Tuple[Tensor, Tensor]:
+def eubo_from_draws(
+    logp: Tensor, plan: MaskPlan, completion_mask: Tensor, beta: float = 1.5, length_normalize: bool = False
+) -> Tuple[Tensor, Tensor]:
     """(seq [B], token [B, S]) of SPG's EUBO; see the module docstring for the formula."""
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
@@ -160,34 +169,94 @@ def _plan(completion_mask: Tensor, plan: Optional[MaskPlan], generator, **kw) ->
     return build_plan(completion_mask, generator=generator, **kw)
 
 
-def _draws(model, ids, completion_mask, *, num_mc, generator, plan, mode, coupled, eps, stratified,
-           prompt_mask_prob, mask_id, attention_mask, position_ids, logprob_fn):
-    plan = _plan(completion_mask, plan, generator, num_mc=num_mc, mode=mode, coupled=coupled, eps=eps,
-                 stratified=stratified, prompt_mask_prob=prompt_mask_prob)
-    forward = model_forward_logp(model, attention_mask=attention_mask, position_ids=position_ids,
-                                 logprob_fn=logprob_fn)
+def _draws(
+    model,
+    ids,
+    completion_mask,
+    *,
+    num_mc,
+    generator,
+    plan,
+    mode,
+    coupled,
+    eps,
+    stratified,
+    prompt_mask_prob,
+    mask_id,
+    attention_mask,
+    position_ids,
+    logprob_fn,
+):
+    plan = _plan(
+        completion_mask,
+        plan,
+        generator,
+        num_mc=num_mc,
+        mode=mode,
+        coupled=coupled,
+        eps=eps,
+        stratified=stratified,
+        prompt_mask_prob=prompt_mask_prob,
+    )
+    forward = model_forward_logp(model, attention_mask=attention_mask, position_ids=position_ids, logprob_fn=logprob_fn)
     return draw_log_probs(forward, ids, plan, resolve_mask_id(model, mask_id)), plan
 
 
-def elbo(model, ids: Tensor, completion_mask: Tensor, *, num_mc: int = 1,
-         generator: Optional[torch.Generator] = None, plan: Optional[MaskPlan] = None, mode: str = "count",
-         coupled: bool = False, eps: float = 1e-3, stratified: bool = True, length_normalize: bool = False,
-         prompt_mask_prob: float = 0.0, mask_id: Optional[int] = None, attention_mask: Optional[Tensor] = None,
-         position_ids: Optional[Tensor] = None, logprob_fn: Optional[LogprobFn] = None) -> LikelihoodEstimate:
+def elbo(
+    model,
+    ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    num_mc: int = 1,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    length_normalize: bool = False,
+    prompt_mask_prob: float = 0.0,
+    mask_id: Optional[int] = None,
+    attention_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+) -> LikelihoodEstimate:
     """Monte-Carlo ELBO of the completion tokens with ``num_mc`` masks (see module docstring)."""
-    logp, plan = _draws(model, ids, completion_mask, num_mc=num_mc, generator=generator, plan=plan, mode=mode,
-                        coupled=coupled, eps=eps, stratified=stratified, prompt_mask_prob=prompt_mask_prob,
-                        mask_id=mask_id, attention_mask=attention_mask, position_ids=position_ids,
-                        logprob_fn=logprob_fn)
+    logp, plan = _draws(
+        model,
+        ids,
+        completion_mask,
+        num_mc=num_mc,
+        generator=generator,
+        plan=plan,
+        mode=mode,
+        coupled=coupled,
+        eps=eps,
+        stratified=stratified,
+        prompt_mask_prob=prompt_mask_prob,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logprob_fn=logprob_fn,
+    )
     seq, token = elbo_from_draws(logp, plan, completion_mask, length_normalize)
     return LikelihoodEstimate(seq, token, plan)
 
 
-def mean_field_logp(model, ids: Tensor, completion_mask: Tensor, *, generator: Optional[torch.Generator] = None,
-                    plan: Optional[MaskPlan] = None, prompt_mask_prob: float = 0.15,
-                    length_normalize: bool = False, mask_id: Optional[int] = None,
-                    attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-                    logprob_fn: Optional[LogprobFn] = None) -> LikelihoodEstimate:
+def mean_field_logp(
+    model,
+    ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    prompt_mask_prob: float = 0.15,
+    length_normalize: bool = False,
+    mask_id: Optional[int] = None,
+    attention_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+) -> LikelihoodEstimate:
     """d1's one-step estimate: completion fully masked, prompt masked with ``prompt_mask_prob``.
 
     ``token`` holds the per-token log-probs (d1's token-level ratios); a
@@ -195,25 +264,65 @@ def mean_field_logp(model, ids: Tensor, completion_mask: Tensor, *, generator: O
     """
     if plan is None and prompt_mask_prob <= 0.0 and generator is None:
         generator = torch.Generator(device=ids.device)  # no draw is made from it
-    logp, plan = _draws(model, ids, completion_mask, num_mc=1, generator=generator, plan=plan, mode="full",
-                        coupled=False, eps=0.0, stratified=False, prompt_mask_prob=prompt_mask_prob,
-                        mask_id=mask_id, attention_mask=attention_mask, position_ids=position_ids,
-                        logprob_fn=logprob_fn)
+    logp, plan = _draws(
+        model,
+        ids,
+        completion_mask,
+        num_mc=1,
+        generator=generator,
+        plan=plan,
+        mode="full",
+        coupled=False,
+        eps=0.0,
+        stratified=False,
+        prompt_mask_prob=prompt_mask_prob,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logprob_fn=logprob_fn,
+    )
     seq, token = elbo_from_draws(logp, plan, completion_mask, length_normalize)
     return LikelihoodEstimate(seq, token, plan)
 
 
-def elbo_eubo(model, ids: Tensor, completion_mask: Tensor, *, beta: float = 1.5, num_mc: int = 2,
-              generator: Optional[torch.Generator] = None, plan: Optional[MaskPlan] = None, mode: str = "count",
-              coupled: bool = False, eps: float = 1e-3, stratified: bool = True, length_normalize: bool = False,
-              prompt_mask_prob: float = 0.0, mask_id: Optional[int] = None,
-              attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
-              logprob_fn: Optional[LogprobFn] = None) -> Tuple[LikelihoodEstimate, LikelihoodEstimate]:
+def elbo_eubo(
+    model,
+    ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    beta: float = 1.5,
+    num_mc: int = 2,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    length_normalize: bool = False,
+    prompt_mask_prob: float = 0.0,
+    mask_id: Optional[int] = None,
+    attention_mask: Optional[Tensor] = None,
+    position_ids: Optional[Tensor] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+) -> Tuple[LikelihoodEstimate, LikelihoodEstimate]:
     """Both SPG bounds from one set of forwards: ``(elbo, eubo)`` (for ``rl.losses.spg_select_bound``)."""
-    logp, plan = _draws(model, ids, completion_mask, num_mc=num_mc, generator=generator, plan=plan, mode=mode,
-                        coupled=coupled, eps=eps, stratified=stratified, prompt_mask_prob=prompt_mask_prob,
-                        mask_id=mask_id, attention_mask=attention_mask, position_ids=position_ids,
-                        logprob_fn=logprob_fn)
+    logp, plan = _draws(
+        model,
+        ids,
+        completion_mask,
+        num_mc=num_mc,
+        generator=generator,
+        plan=plan,
+        mode=mode,
+        coupled=coupled,
+        eps=eps,
+        stratified=stratified,
+        prompt_mask_prob=prompt_mask_prob,
+        mask_id=mask_id,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logprob_fn=logprob_fn,
+    )
     lo = LikelihoodEstimate(*elbo_from_draws(logp, plan, completion_mask, length_normalize), plan)
     hi = LikelihoodEstimate(*eubo_from_draws(logp, plan, completion_mask, beta, length_normalize), plan)
     return lo, hi
@@ -224,11 +333,11 @@ def eubo(model, ids: Tensor, completion_mask: Tensor, *, beta: float = 1.5, **kw
     return elbo_eubo(model, ids, completion_mask, beta=beta, **kw)[1]
 
 
-def mixture(model, ids: Tensor, completion_mask: Tensor, *, omega: float = 0.5, beta: float = 1.5,
-            **kw) -> LikelihoodEstimate:
+def mixture(
+    model, ids: Tensor, completion_mask: Tensor, *, omega: float = 0.5, beta: float = 1.5, **kw
+) -> LikelihoodEstimate:
     """SPG's mixture ``omega * EUBO + (1 - omega) * ELBO`` on shared masks."""
     if not 0.0 <= omega <= 1.0:
         raise ValueError(f"omega must be in [0, 1], got {omega}")
     lo, hi = elbo_eubo(model, ids, completion_mask, beta=beta, **kw)
-    return LikelihoodEstimate(omega * hi.seq + (1 - omega) * lo.seq, omega * hi.token + (1 - omega) * lo.token,
-                              lo.plan)
+    return LikelihoodEstimate(omega * hi.seq + (1 - omega) * lo.seq, omega * hi.token + (1 - omega) * lo.token, lo.plan)

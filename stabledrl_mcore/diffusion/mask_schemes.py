@@ -85,22 +85,30 @@ class MaskRegions:
                 raise ValueError(f"region {name} has shape {tuple(t.shape)}, completion has {shape}")
             if t.dtype != torch.bool:
                 object.__setattr__(self, name, t.bool())
-        if ((self.completion & self.prompt) | (self.completion & self.post_eos)
-                | (self.prompt & self.post_eos)).any():
+        if ((self.completion & self.prompt) | (self.completion & self.post_eos) | (self.prompt & self.post_eos)).any():
             raise ValueError("completion, prompt and post_eos regions must be disjoint")
 
     @classmethod
-    def of(cls, completion: Tensor, prompt: Optional[Tensor] = None,
-           post_eos: Optional[Tensor] = None) -> "MaskRegions":
+    def of(
+        cls, completion: Tensor, prompt: Optional[Tensor] = None, post_eos: Optional[Tensor] = None
+    ) -> "MaskRegions":
         """Regions from a completion mask; missing regions are empty."""
         completion = completion.bool()
         empty = torch.zeros_like(completion)
-        return cls(completion, empty if prompt is None else prompt.bool(),
-                   empty if post_eos is None else post_eos.bool())
+        return cls(
+            completion, empty if prompt is None else prompt.bool(), empty if post_eos is None else post_eos.bool()
+        )
 
     @classmethod
-    def from_batch(cls, sequences: Tensor, prompt_len: int, *, completion_mask: Optional[Tensor] = None,
-                   prompt_valid: Optional[Tensor] = None, eos_id: Optional[int] = None) -> "MaskRegions":
+    def from_batch(
+        cls,
+        sequences: Tensor,
+        prompt_len: int,
+        *,
+        completion_mask: Optional[Tensor] = None,
+        prompt_valid: Optional[Tensor] = None,
+        eos_id: Optional[int] = None,
+    ) -> "MaskRegions":
         """Regions of ``sequences [B, S]`` = (left-padded) prompt of width ``prompt_len``, then generation.
 
         ``completion_mask`` ([B, S], or [B, S - prompt_len] over the generation) marks the
@@ -131,8 +139,7 @@ class MaskRegions:
             elif tuple(cm.shape) == (B, S):
                 completion = cm
             else:
-                raise ValueError(f"completion_mask of shape {tuple(cm.shape)} fits neither {(B, S)} "
-                                 f"nor {(B, S - P)}")
+                raise ValueError(f"completion_mask of shape {tuple(cm.shape)} fits neither {(B, S)} nor {(B, S - P)}")
             if (completion & ~generated).any():
                 raise ValueError("completion_mask marks prompt positions")
         prompt = ~generated
@@ -141,8 +148,9 @@ class MaskRegions:
             if pv.shape[-1] == S:
                 pv = pv[:, :P]
             if tuple(pv.shape) != (B, P):
-                raise ValueError(f"prompt_valid of shape {tuple(prompt_valid.shape)} fits neither {(B, P)} "
-                                 f"nor {(B, S)}")
+                raise ValueError(
+                    f"prompt_valid of shape {tuple(prompt_valid.shape)} fits neither {(B, P)} nor {(B, S)}"
+                )
             prompt = prompt.clone()
             prompt[:, :P] = pv
         return cls(completion, prompt, generated & ~completion)
@@ -176,7 +184,8 @@ def apply_post_eos(plan: MaskPlan, regions: MaskRegions, policy: str) -> MaskPla
 
 MaskSchemeFn = Callable[..., MaskPlan]  # fn(regions, *, num_mc, generator, **options) -> MaskPlan
 _SCHEMES: Registry[MaskSchemeFn] = Registry(
-    "mask scheme", unknown=lambda name, valid: ValueError(f"unknown mask scheme {name!r}; choose from {valid}"))
+    "mask scheme", unknown=lambda name, valid: ValueError(f"unknown mask scheme {name!r}; choose from {valid}")
+)
 
 
 def register_mask_scheme(name: str, fn: Optional[MaskSchemeFn] = None, *, overwrite: bool = False):
@@ -194,8 +203,9 @@ def register_mask_scheme(name: str, fn: Optional[MaskSchemeFn] = None, *, overwr
         if name in _SCHEMES and not overwrite:  # checked before wrapping: the wrapper is always new
             raise ValueError(f"mask scheme {name!r} is already registered (pass overwrite=True)")
 
-        def scheme(regions: MaskRegions, *, num_mc: int, generator: torch.Generator,
-                   post_eos: str = "visible", **options) -> MaskPlan:
+        def scheme(
+            regions: MaskRegions, *, num_mc: int, generator: torch.Generator, post_eos: str = "visible", **options
+        ) -> MaskPlan:
             if not isinstance(regions, MaskRegions):
                 raise TypeError(f"mask scheme {name!r} needs MaskRegions, got {type(regions).__name__}")
             if int(num_mc) < 1:
@@ -222,32 +232,65 @@ def get_mask_scheme(name: str) -> MaskSchemeFn:
     return _SCHEMES.get(name)
 
 
-def build_mask_plan(regions: MaskRegions, scheme: str = "uniform", *, num_mc: int, generator: torch.Generator,
-                    post_eos: str = "visible", **options) -> MaskPlan:
+def build_mask_plan(
+    regions: MaskRegions,
+    scheme: str = "uniform",
+    *,
+    num_mc: int,
+    generator: torch.Generator,
+    post_eos: str = "visible",
+    **options,
+) -> MaskPlan:
     """Draw ``num_mc`` corruptions of ``regions`` with the named scheme."""
     return get_mask_scheme(scheme)(regions, num_mc=num_mc, generator=generator, post_eos=post_eos, **options)
 
 
 # ----------------------------------------------------------------------------- schemes
 
+
 @register_mask_scheme("uniform")
-def uniform_scheme(regions: MaskRegions, *, num_mc: int, generator: torch.Generator, mode: str = "count",
-                   coupled: bool = False, eps: float = 1e-3, stratified: bool = True,
-                   block_size: Optional[int] = None, prefix_mask_prob: float = 0.0) -> MaskPlan:
+def uniform_scheme(
+    regions: MaskRegions,
+    *,
+    num_mc: int,
+    generator: torch.Generator,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    block_size: Optional[int] = None,
+    prefix_mask_prob: float = 0.0,
+) -> MaskPlan:
     """LLaDA's count (L/l) or ratio (1/p) masks of the completion (:func:`~.masking.build_plan`)."""
     if mode not in ("count", "ratio"):
         raise ValueError(f"uniform scheme mode must be 'count' or 'ratio', got {mode!r} (use scheme 'full')")
-    return build_plan(regions.completion, num_mc=num_mc, generator=generator, mode=mode, coupled=coupled,
-                      eps=eps, stratified=stratified, block_size=block_size,
-                      prompt_mask_prob=_prob(prefix_mask_prob), prompt_region=regions.prompt)
+    return build_plan(
+        regions.completion,
+        num_mc=num_mc,
+        generator=generator,
+        mode=mode,
+        coupled=coupled,
+        eps=eps,
+        stratified=stratified,
+        block_size=block_size,
+        prompt_mask_prob=_prob(prefix_mask_prob),
+        prompt_region=regions.prompt,
+    )
 
 
 @register_mask_scheme("full")
-def full_scheme(regions: MaskRegions, *, num_mc: int, generator: torch.Generator,
-                prefix_mask_prob: float = 0.15) -> MaskPlan:
+def full_scheme(
+    regions: MaskRegions, *, num_mc: int, generator: torch.Generator, prefix_mask_prob: float = 0.15
+) -> MaskPlan:
     """d1's mean field: whole completion masked (weight 1), prompt masked with ``prefix_mask_prob``."""
-    return build_plan(regions.completion, num_mc=num_mc, generator=generator, mode="full",
-                      prompt_mask_prob=_prob(prefix_mask_prob), prompt_region=regions.prompt)
+    return build_plan(
+        regions.completion,
+        num_mc=num_mc,
+        generator=generator,
+        mode="full",
+        prompt_mask_prob=_prob(prefix_mask_prob),
+        prompt_region=regions.prompt,
+    )
 
 
 class BlockRandomDraw(NamedTuple):
@@ -290,9 +333,17 @@ def _block_indices(nb: Tensor, num_mc: int, generator: torch.Generator, stratifi
     return perms[j // nb, rows, j % nb]
 
 
-def block_random_draw(regions: MaskRegions, *, num_mc: int, generator: torch.Generator, block_length: int = 32,
-                      prefix_mask_prob: float = 0.15, num_blocks: Optional[int] = None,
-                      stratified: bool = True, post_eos: str = "visible") -> BlockRandomDraw:
+def block_random_draw(
+    regions: MaskRegions,
+    *,
+    num_mc: int,
+    generator: torch.Generator,
+    block_length: int = 32,
+    prefix_mask_prob: float = 0.15,
+    num_blocks: Optional[int] = None,
+    stratified: bool = True,
+    post_eos: str = "visible",
+) -> BlockRandomDraw:
     """SPG's ``block_random`` masks with the block and count of every draw (see the module docstring).
 
     ``num_blocks`` is nb of ``k = U{0..nb-1} mod nc``: default per row
@@ -352,10 +403,23 @@ def block_random_draw(regions: MaskRegions, *, num_mc: int, generator: torch.Gen
 
 
 @register_mask_scheme("block_random")
-def block_random_scheme(regions: MaskRegions, *, num_mc: int, generator: torch.Generator, block_length: int = 32,
-                        prefix_mask_prob: float = 0.15, num_blocks: Optional[int] = None,
-                        stratified: bool = True) -> MaskPlan:
+def block_random_scheme(
+    regions: MaskRegions,
+    *,
+    num_mc: int,
+    generator: torch.Generator,
+    block_length: int = 32,
+    prefix_mask_prob: float = 0.15,
+    num_blocks: Optional[int] = None,
+    stratified: bool = True,
+) -> MaskPlan:
     """SPG's ``block_random`` forward process (StableDRL release); see :func:`block_random_draw`."""
-    return block_random_draw(regions, num_mc=num_mc, generator=generator, block_length=block_length,
-                             prefix_mask_prob=prefix_mask_prob, num_blocks=num_blocks,
-                             stratified=stratified).plan
+    return block_random_draw(
+        regions,
+        num_mc=num_mc,
+        generator=generator,
+        block_length=block_length,
+        prefix_mask_prob=prefix_mask_prob,
+        num_blocks=num_blocks,
+        stratified=stratified,
+    ).plan

@@ -56,23 +56,30 @@ def uniform(shape: Sequence[int], generator: torch.Generator, device=None, dtype
     return out if device is None else out.to(device)
 
 
-def stratified_uniform(shape: Union[int, Sequence[int]], *, generator: torch.Generator,
-                       stratified: bool = True, device=None) -> Tensor:
+def stratified_uniform(
+    shape: Union[int, Sequence[int]], *, generator: torch.Generator, stratified: bool = True, device=None
+) -> Tensor:
     """U[0, 1) draws; if ``stratified``, t_j = (u + j/N) mod 1 over the flattened shape."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = 1
     for s in shape:
         n *= s
     if not stratified:
-        return uniform(shape, generator, device, torch.float64).clamp(max=1.0 - 2.0 ** -24).float()
+        return uniform(shape, generator, device, torch.float64).clamp(max=1.0 - 2.0**-24).float()
     u = uniform((1,), generator, device, torch.float64)
     grid = torch.arange(n, dtype=torch.float64, device=u.device) / max(n, 1)
-    t = torch.remainder(u + grid, 1.0).clamp(max=1.0 - 2.0 ** -24)  # stays < 1 in float32
+    t = torch.remainder(u + grid, 1.0).clamp(max=1.0 - 2.0**-24)  # stays < 1 in float32
     return t.float().reshape(shape)
 
 
-def sample_mask_ratios(batch: Union[int, Sequence[int]], *, generator: torch.Generator,
-                       stratified: bool = True, eps: float = 1e-3, device=None) -> Tensor:
+def sample_mask_ratios(
+    batch: Union[int, Sequence[int]],
+    *,
+    generator: torch.Generator,
+    stratified: bool = True,
+    eps: float = 1e-3,
+    device=None,
+) -> Tensor:
     """Mask probabilities p = (1 - eps) t + eps with t ~ U(0, 1) (stratified over all draws)."""
     if not 0.0 <= eps < 1.0:
         raise ValueError(f"eps must be in [0, 1), got {eps}")
@@ -80,16 +87,18 @@ def sample_mask_ratios(batch: Union[int, Sequence[int]], *, generator: torch.Gen
     return (1.0 - eps) * t + eps
 
 
-def stratified_mask_counts(lengths: Tensor, num_mc: int, *, generator: torch.Generator,
-                           stratified: bool = True, include_zero: bool = False) -> Tensor:
+def stratified_mask_counts(
+    lengths: Tensor, num_mc: int, *, generator: torch.Generator, stratified: bool = True, include_zero: bool = False
+) -> Tensor:
     """Exact mask counts ``[num_mc, *lengths.shape]``, each marginally U{1..L} (or U{0..L}).
 
     Stratified over the num_mc draws of each row as in LLaDA's likelihood evaluation.
     Rows with L = 0 get count 0.
     """
     lengths = lengths.long()
-    u = stratified_uniform((num_mc, *lengths.shape), generator=generator, stratified=stratified,
-                           device=lengths.device).double()
+    u = stratified_uniform(
+        (num_mc, *lengths.shape), generator=generator, stratified=stratified, device=lengths.device
+    ).double()
     L = lengths.unsqueeze(0).double()
     if include_zero:
         counts = torch.floor(u * (L + 1)).clamp(max=L)
@@ -106,8 +115,9 @@ def mask_exact_counts(maskable: Tensor, counts: Tensor, *, generator: torch.Gene
     return (rank < counts.unsqueeze(-1)) & maskable.bool()
 
 
-def mask_completion(ids: Tensor, completion_mask: Tensor, ratios: Tensor, mask_id: int, *,
-                    generator: torch.Generator) -> Tuple[Tensor, Tensor]:
+def mask_completion(
+    ids: Tensor, completion_mask: Tensor, ratios: Tensor, mask_id: int, *, generator: torch.Generator
+) -> Tuple[Tensor, Tensor]:
     """Mask each completion token independently with probability ``ratios`` ([B] or [B, S]).
 
     Returns ``(noisy_ids, masked)``; prompt tokens are never masked here.
@@ -167,8 +177,7 @@ class MaskPlan:
             raise ValueError(f"mask plan is for shape {tuple(self.masked.shape[1:])}, ids are {tuple(ids.shape)}")
 
     def to(self, device) -> "MaskPlan":
-        return replace(self, masked=self.masked.to(device), weight=self.weight.to(device),
-                       ratio=self.ratio.to(device))
+        return replace(self, masked=self.masked.to(device), weight=self.weight.to(device), ratio=self.ratio.to(device))
 
 
 def _segments(x: Tensor, block_size: Optional[int]) -> Tuple[Tensor, int]:
@@ -182,10 +191,19 @@ def _segments(x: Tensor, block_size: Optional[int]) -> Tuple[Tensor, int]:
     return x.reshape(*x.shape[:-1], G, bs), S
 
 
-def build_plan(completion_mask: Tensor, *, num_mc: int, generator: torch.Generator, mode: str = "count",
-               coupled: bool = False, eps: float = 1e-3, stratified: bool = True,
-               block_size: Optional[int] = None, prompt_mask_prob: float = 0.0,
-               prompt_region: Optional[Tensor] = None) -> MaskPlan:
+def build_plan(
+    completion_mask: Tensor,
+    *,
+    num_mc: int,
+    generator: torch.Generator,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    block_size: Optional[int] = None,
+    prompt_mask_prob: float = 0.0,
+    prompt_region: Optional[Tensor] = None,
+) -> MaskPlan:
     """Draw ``num_mc`` corruptions of the completion positions (``[B, S]`` bool).
 
     mode ``"count"``/``"ratio"`` as in the module docstring; ``"full"`` masks the
@@ -247,5 +265,6 @@ def build_plan(completion_mask: Tensor, *, num_mc: int, generator: torch.Generat
         region = ~comp if prompt_region is None else prompt_region.bool()
         extra = prompt_mask(region.unsqueeze(0).expand(num_mc, B, S), prompt_mask_prob, generator=generator)
         masked = masked | extra
-    return MaskPlan(masked=masked, weight=weight.float(), ratio=ratio, mode=mode, coupled=coupled,
-                    block_size=block_size)
+    return MaskPlan(
+        masked=masked, weight=weight.float(), ratio=ratio, mode=mode, coupled=coupled, block_size=block_size
+    )

@@ -23,16 +23,25 @@ from stabledrl_mcore.diffusion.masking import MaskPlan, build_plan
 from stabledrl_mcore.diffusion.staircase import staircase_forward_logp
 
 
-def sft_mask_plan(answer_mask: torch.Tensor, *, generator: torch.Generator, eps: float = 1e-3,
-                  block_size: Optional[int] = None) -> MaskPlan:
+def sft_mask_plan(
+    answer_mask: torch.Tensor, *, generator: torch.Generator, eps: float = 1e-3, block_size: Optional[int] = None
+) -> MaskPlan:
     """One draw of SFT masks: ratio mode, t stratified across the batch (per block with ``block_size``)."""
     return build_plan(answer_mask, num_mc=1, generator=generator, mode="ratio", eps=eps, block_size=block_size)
 
 
-def sft_sequence_losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, *, mask_id: int,
-                        generator: Optional[torch.Generator] = None, plan: Optional[MaskPlan] = None,
-                        eps: float = 1e-3, block_size: Optional[int] = None,
-                        attention_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, MaskPlan]:
+def sft_sequence_losses(
+    model,
+    ids: torch.Tensor,
+    answer_mask: torch.Tensor,
+    *,
+    mask_id: int,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    eps: float = 1e-3,
+    block_size: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, MaskPlan]:
     """Per-sequence SFT losses ``[B]`` of a ``[B, S]`` batch and the masks used.
 
     ``block_size`` selects the staircase layout (SDAR); None the bidirectional
@@ -52,4 +61,3 @@ def sft_sequence_losses(model, ids: torch.Tensor, answer_mask: torch.Tensor, *, 
     logp = draw_log_probs(forward, ids, plan, mask_id)[0]
     weighted = (plan.weight[0].to(logp.dtype) * logp).sum(-1)
     return -weighted / answer_mask.sum(-1).clamp(min=1).to(logp.dtype), plan
-

@@ -12,9 +12,9 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from stabledrl_mcore.diffusion.masking import uniform
-from tqdm.auto import tqdm
 
 
 def num_transfer_tokens(masked_count: Tensor, steps: int) -> Tensor:
@@ -34,8 +34,9 @@ def transfer_schedule(count: int, steps: int) -> List[int]:
     return [base + (i < rem) for i in range(steps)]
 
 
-def select_transfer(confidence: Tensor, k: Tensor, threshold: Optional[float] = None,
-                    kmax: Optional[int] = None) -> Tensor:
+def select_transfer(
+    confidence: Tensor, k: Tensor, threshold: Optional[float] = None, kmax: Optional[int] = None
+) -> Tensor:
     """Positions to commit ``[B, n]`` from ``confidence`` (-inf = not eligible).
 
     Without ``threshold``: the top-``k[b]`` (LLaDA low-confidence remasking). With a
@@ -86,8 +87,13 @@ def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Te
     return logits
 
 
-def sample_tokens(logits: Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  generator: Optional[torch.Generator] = None):
+def sample_tokens(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+):
     """SDAR's ``sample_with_temperature_topk_topp``: (token, its probability) per position.
 
     Sampling uses the Gumbel-max trick on float64 noise from ``generator``
@@ -132,8 +138,10 @@ def progress_bar(total: int, progress: Optional[bool], desc: str):
     """tqdm bar; ``progress=None`` shows it for long runs on an interactive rank 0."""
 
     if progress is None:
-        rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-            torch.distributed.get_rank() == 0
+        rank0 = (
+            not (torch.distributed.is_available() and torch.distributed.is_initialized())
+            or torch.distributed.get_rank() == 0
+        )
         progress = rank0 and total >= 64 and sys.stderr.isatty()
     return tqdm(total=total, desc=desc, disable=not progress, leave=False)
 
@@ -145,8 +153,7 @@ def check_prompt(prompt_ids: Tensor, prompt_valid: Optional[Tensor]) -> None:
         raise ValueError("prompt_valid must have the shape of prompt_ids")
 
 
-def commit_transfer(x: Tensor, s: int, e: int, x0: Tensor, transfer: Tensor, step: int, bar,
-                    on_step=None) -> int:
+def commit_transfer(x: Tensor, s: int, e: int, x0: Tensor, transfer: Tensor, step: int, bar, on_step=None) -> int:
     """Commit ``x0`` where ``transfer`` inside block ``[s, e)`` of ``x`` (in place), advance the
     progress bar, report ``on_step(step, committed [B, S], x)``; returns the new step count."""
     x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
@@ -165,8 +172,9 @@ def repeat_counts(repeats, rows: int):
         return None
     counts = [int(repeats)] * rows if isinstance(repeats, int) else [int(c) for c in repeats]
     if len(counts) != rows or any(c < 1 for c in counts):
-        raise ValueError(f"repeats must be a positive int or one positive count per prompt row ({rows}), "
-                         f"got {repeats!r}")
+        raise ValueError(
+            f"repeats must be a positive int or one positive count per prompt row ({rows}), got {repeats!r}"
+        )
     return counts
 
 
@@ -181,8 +189,10 @@ def chunk_bounds(row_chunks, generator, rows: int) -> List[Tuple[int, int, Optio
         bounds.append((start, start + int(n), gen))
         start += int(n)
     if start != rows or any(a >= b for a, b, _ in bounds):
-        raise ValueError(f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
-                         f"got sizes {[int(n) for n, _ in row_chunks]}")
+        raise ValueError(
+            f"row_chunks must split the {rows} decoded rows into non-empty chunks, "
+            f"got sizes {[int(n) for n, _ in row_chunks]}"
+        )
     return bounds
 
 

@@ -29,9 +29,9 @@ from torch import Tensor
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.masking import uniform
 from stabledrl_mcore.diffusion.sampling_common import (
-    commit_transfer,
     check_prompt,
     chunk_bounds,
+    commit_transfer,
     fill_after_eos,
     first_eos_settled,
     gumbel_argmax,
@@ -52,16 +52,28 @@ CACHE_MODES = ("none", "prefix", "dual")
 """``none``: exact decoding (a full forward per step); ``prefix`` / ``dual``: see :class:`BlockLogits`."""
 
 
-def _logits(model, x: Tensor, attn: Optional[Tensor], cfg_scale: float, prompt_len: int, mask_id: int,
-            span: slice, kv_cache=None) -> Tensor:
+def _logits(
+    model,
+    x: Tensor,
+    attn: Optional[Tensor],
+    cfg_scale: float,
+    prompt_len: int,
+    mask_id: int,
+    span: slice,
+    kv_cache=None,
+) -> Tensor:
     """Logits of positions ``span`` of ``x`` (the head runs on those only), guided when ``cfg_scale``."""
     extra = {"logit_positions": span} if kv_cache is None else {"logit_positions": span, "kv_cache": kv_cache}
     if cfg_scale <= 0.0:
         return model(x, position_ids=None, attention_mask=attn, **extra)
     un_x = x.clone()
     un_x[:, :prompt_len] = mask_id
-    both = model(torch.cat([x, un_x]), position_ids=None,
-                 attention_mask=None if attn is None else torch.cat([attn, attn]), **extra)
+    both = model(
+        torch.cat([x, un_x]),
+        position_ids=None,
+        attention_mask=None if attn is None else torch.cat([attn, attn]),
+        **extra,
+    )
     cond, uncond = both.chunk(2, dim=0)
     return uncond + (cfg_scale + 1.0) * (cond - uncond)
 
@@ -136,8 +148,17 @@ class BlockLogits:
     to rounding, checking the cached path itself.
     """
 
-    def __init__(self, model, mode: str, attn: Optional[Tensor], cfg_scale: float,
-                 prompt_len: int, mask_id: int, stats: Optional[DecodeStats], refresh_every_step: bool = False):
+    def __init__(
+        self,
+        model,
+        mode: str,
+        attn: Optional[Tensor],
+        cfg_scale: float,
+        prompt_len: int,
+        mask_id: int,
+        stats: Optional[DecodeStats],
+        refresh_every_step: bool = False,
+    ):
         self.model, self.mode, self.attn = model, mode, attn
         self.cfg_scale, self.prompt_len, self.mask_id = cfg_scale, prompt_len, mask_id
         self.stats, self.refresh = stats, refresh_every_step
@@ -168,8 +189,16 @@ class BlockLogits:
             self.cache = KVCache(capacity=L)
         self.cache.reset()
         with self.cache.storing():
-            logits = _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id,
-                             slice(s, e), kv_cache=self.cache)
+            logits = _logits(
+                self.model,
+                x,
+                self.attn,
+                self.cfg_scale,
+                self.prompt_len,
+                self.mask_id,
+                slice(s, e),
+                kv_cache=self.cache,
+            )
         self.span = (s, L if self.mode == "prefix" else e)
         self.cached_step = False
         if self.stats is not None:
@@ -183,18 +212,18 @@ class BlockLogits:
         rows = x
         if self.cfg_scale > 0.0:  # the unconditional half: the prompt masked (its keys are cached)
             uncond = x.clone()
-            uncond[:, :self.prompt_len] = self.mask_id
+            uncond[:, : self.prompt_len] = self.mask_id
             rows = torch.cat([x, uncond])
         extra = {"position_ids": torch.arange(start, end, device=x.device)[None]}
         separator = getattr(dllm_config(self.model), "segment_separator_id", None)
         if separator is not None:  # positions and segments restart after separators: the whole rows'
             positions, segments = segment_positions(rows, separator)
             extra = {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
-        mask = None if self.attn is None else (torch.cat([self.attn, self.attn]) if self.cfg_scale > 0.0
-                                               else self.attn)
+        mask = None if self.attn is None else (torch.cat([self.attn, self.attn]) if self.cfg_scale > 0.0 else self.attn)
         with self.cache.writing_at(start):  # the fresh keys replace the block's stored ones
-            logits = self.model(rows[:, start:end], attention_mask=mask, kv_cache=self.cache,
-                                logit_positions=slice(0, e - s), **extra)
+            logits = self.model(
+                rows[:, start:end], attention_mask=mask, kv_cache=self.cache, logit_positions=slice(0, e - s), **extra
+            )
         if self.cfg_scale > 0.0:
             cond, uncond = logits.chunk(2, dim=0)
             logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
@@ -217,15 +246,30 @@ def _log_prob_of(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: int = 128, block_length: int = 128,
-                   temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
-                   threshold: Optional[float] = None, generator: Optional[torch.Generator] = None,
-                   mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
-                   prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
-                   on_step: Optional[StepHook] = None, cache: str = "none",
-                   stats: Optional[DecodeStats] = None, refresh_every_step: bool = False,
-                   repeats: Union[int, Sequence[int], None] = None,
-                   row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None) -> Tensor:
+def generate_llada(
+    model,
+    prompt_ids: Tensor,
+    *,
+    gen_length: int = 128,
+    steps: int = 128,
+    block_length: int = 128,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    threshold: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    mask_id: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    stop_at_eos: bool = False,
+    prompt_valid: Optional[Tensor] = None,
+    progress: Optional[bool] = None,
+    on_step: Optional[StepHook] = None,
+    cache: str = "none",
+    stats: Optional[DecodeStats] = None,
+    refresh_every_step: bool = False,
+    repeats: Union[int, Sequence[int], None] = None,
+    row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None,
+) -> Tensor:
     """Decode ``gen_length`` tokens after ``prompt_ids`` ``[B, P]``; returns ``[B, P + gen_length]``.
 
     ``steps`` is the total number of denoising steps (must divide by the number of
@@ -286,8 +330,9 @@ def generate_llada(model, prompt_ids: Tensor, *, gen_length: int = 128, steps: i
         s, e = P + blk * block_length, P + (blk + 1) * block_length
         row_masked = None  # the last device read of which rows hold masks (None: every row)
         for i in range(steps_per_block):
-            active = [c for c, d in zip(chunks, settled)
-                      if not d and (row_masked is None or any(row_masked[c[0]:c[1]]))]
+            active = [
+                c for c, d in zip(chunks, settled) if not d and (row_masked is None or any(row_masked[c[0] : c[1]]))
+            ]
             if not active:
                 bar.update(steps_per_block - i)
                 break  # the threshold finished the block early

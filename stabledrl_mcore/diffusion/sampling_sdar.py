@@ -42,9 +42,9 @@ from torch import Tensor
 
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.sampling_common import (
+    check_prompt,
     chunk_bounds,
     commit_transfer,
-    check_prompt,
     fill_after_eos,
     progress_bar,
     repeat_counts,
@@ -60,14 +60,29 @@ StepHook = Callable[[int, Tensor, Tensor], None]
 
 
 @torch.no_grad()
-def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, block_length: Optional[int] = None,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, threshold: Optional[float] = None,
-                  use_cache: bool = True, generator: Optional[torch.Generator] = None,
-                  mask_id: Optional[int] = None, eos_id: Optional[int] = None, stop_at_eos: bool = False,
-                  prompt_valid: Optional[Tensor] = None, progress: Optional[bool] = None,
-                  on_step: Optional[StepHook] = None, kv_cache_factory: Optional[Callable[[], object]] = None,
-                  repeats: Union[int, Sequence[int], None] = None,
-                  row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None) -> Tensor:
+def generate_sdar(
+    model,
+    prompt_ids: Tensor,
+    *,
+    gen_length: int,
+    steps: int,
+    block_length: Optional[int] = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    threshold: Optional[float] = None,
+    use_cache: bool = True,
+    generator: Optional[torch.Generator] = None,
+    mask_id: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    stop_at_eos: bool = False,
+    prompt_valid: Optional[Tensor] = None,
+    progress: Optional[bool] = None,
+    on_step: Optional[StepHook] = None,
+    kv_cache_factory: Optional[Callable[[], object]] = None,
+    repeats: Union[int, Sequence[int], None] = None,
+    row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None,
+) -> Tensor:
     """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
 
     ``steps`` is the number of denoising steps *per block* (upstream
@@ -107,8 +122,13 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
     mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
     if use_cache and prefill > 0:
         with cache.storing():
-            model(x[:, :prefill * bs], position_ids=pos[:, :prefill * bs], attention_mask=mask(0, prefill * bs),
-                  kv_cache=cache, logit_positions=slice(0, 0))  # fills the cache: no head
+            model(
+                x[:, : prefill * bs],
+                position_ids=pos[:, : prefill * bs],
+                attention_mask=mask(0, prefill * bs),
+                kv_cache=cache,
+                logit_positions=slice(0, 0),
+            )  # fills the cache: no head
     if share:  # the prompt's cache rows serve each of its completions
         cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
         x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
@@ -132,24 +152,28 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         for i in range(steps):
             if remaining <= 0:
                 break
-            active = [c for c, d in zip(chunks, done)
-                      if not d and (row_masked is None or any(row_masked[c[0]:c[1]]))]
+            active = [c for c, d in zip(chunks, done) if not d and (row_masked is None or any(row_masked[c[0] : c[1]]))]
             if not active:
                 break
             cur = x[:, s:e]
             masked = cur == mask_id
             if use_cache and unstored is not None:  # store the finished block, denoise this one
                 with cache.storing():
-                    logits = model(x[:, unstored:e], position_ids=pos[:, unstored:e],
-                                   attention_mask=mask(unstored, e - unstored), kv_cache=cache,
-                                   logit_positions=slice(s - unstored, e - unstored))
+                    logits = model(
+                        x[:, unstored:e],
+                        position_ids=pos[:, unstored:e],
+                        attention_mask=mask(unstored, e - unstored),
+                        kv_cache=cache,
+                        logit_positions=slice(s - unstored, e - unstored),
+                    )
                 cache.truncate(s)  # this block's keys are scratch until it is final
                 unstored = None
             elif use_cache:
                 logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
             else:
-                logits = model(x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e),
-                               logit_positions=slice(s, e))
+                logits = model(
+                    x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e), logit_positions=slice(s, e)
+                )
             if len(chunks) == 1:
                 x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
                 conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
@@ -183,8 +207,13 @@ def generate_sdar(model, prompt_ids: Tensor, *, gen_length: int, steps: int, blo
         finished = all(done)
         if use_cache and unstored is not None:  # no step ran: store the previous block alone
             with cache.storing():
-                model(x[:, unstored:s], position_ids=pos[:, unstored:s], attention_mask=mask(unstored, bs),
-                      kv_cache=cache, logit_positions=slice(0, 0))
+                model(
+                    x[:, unstored:s],
+                    position_ids=pos[:, unstored:s],
+                    attention_mask=mask(unstored, bs),
+                    kv_cache=cache,
+                    logit_positions=slice(0, 0),
+                )
             unstored = None
         if use_cache and blk < num_blocks - 1 and not finished:
             unstored = s  # stored by the next block's first forward
@@ -212,6 +241,6 @@ def _mask_fn(prompt_valid: Optional[Tensor], pads, B: int, total: int, P: int, b
         if layout is not None:  # queries are the last `length` keys: what the layout assumes
             return layout
         m = block_causal_mask(length, bs, offset=offset, key_len=offset + length, device=device)
-        return m | padding_mask(valid[:, :offset + length])
+        return m | padding_mask(valid[:, : offset + length])
 
     return mask

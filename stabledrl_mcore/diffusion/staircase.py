@@ -43,8 +43,17 @@ def _block_size(model, block_size: Optional[int]) -> int:
 
 def _prepare(model, ids, completion_mask, block_size, num_mc, generator, plan, mode, coupled, eps, stratified):
     bs = _block_size(model, block_size)
-    plan = _plan(completion_mask, plan, generator, num_mc=num_mc, mode=mode, coupled=coupled, eps=eps,
-                 stratified=stratified, block_size=bs)
+    plan = _plan(
+        completion_mask,
+        plan,
+        generator,
+        num_mc=num_mc,
+        mode=mode,
+        coupled=coupled,
+        eps=eps,
+        stratified=stratified,
+        block_size=bs,
+    )
     if plan.block_size != bs:
         raise ValueError(f"mask plan was drawn with block_size={plan.block_size}, not {bs}")
     return bs, plan
@@ -63,8 +72,9 @@ def staircase_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobF
         x = torch.cat([noisy, ids], dim=1)[:, :keep]
         pos = staircase_position_ids(n, device=ids.device)[:, :keep]
         layout = AttentionLayout.staircase(block_size, noisy_len=n)
-        logits = model(x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None,
-                       logit_positions=slice(0, n))  # the head on the scored noisy half only
+        logits = model(
+            x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None, logit_positions=slice(0, n)
+        )  # the head on the scored noisy half only
         return gather_log_probs(logits, ids, scored, logprob_fn)
 
     return forward
@@ -88,8 +98,13 @@ def loop_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobFn] = 
             stop = e if truncate else n
             x = torch.cat([ids[:, :s], noisy[:, s:e], ids[:, e:stop]], dim=1)
             mask = block_causal_mask(stop, block_size, device=ids.device)
-            logits = model(x, position_ids=torch.arange(stop, device=ids.device)[None], attention_mask=mask,
-                           gather_output=logprob_fn is None, logit_positions=slice(s, e))
+            logits = model(
+                x,
+                position_ids=torch.arange(stop, device=ids.device)[None],
+                attention_mask=mask,
+                gather_output=logprob_fn is None,
+                logit_positions=slice(s, e),
+            )
             pieces.append(gather_log_probs(logits, ids[:, s:e], scored[:, s:e], logprob_fn))
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces])
         return torch.cat([p.to(dtype) for p in pieces], dim=1)
@@ -97,31 +112,58 @@ def loop_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobFn] = 
     return forward
 
 
-def block_elbo_staircase(model, ids: Tensor, completion_mask: Tensor, block_size: Optional[int] = None, *,
-                         num_mc: int = 1, generator: Optional[torch.Generator] = None,
-                         plan: Optional[MaskPlan] = None, mode: str = "count", coupled: bool = False,
-                         eps: float = 1e-3, stratified: bool = True, length_normalize: bool = False,
-                         mask_id: Optional[int] = None, logprob_fn: Optional[LogprobFn] = None) -> LikelihoodEstimate:
+def block_elbo_staircase(
+    model,
+    ids: Tensor,
+    completion_mask: Tensor,
+    block_size: Optional[int] = None,
+    *,
+    num_mc: int = 1,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    length_normalize: bool = False,
+    mask_id: Optional[int] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+) -> LikelihoodEstimate:
     """Block ELBO of the completion tokens, one staircase forward per MC draw.
 
     ``ids`` ``[B, n]`` is prompt + completion laid out from position 0 (blocks of
     ``block_size``, default ``model.dllm_config.block_size``, counted from 0).
     """
-    bs, plan = _prepare(model, ids, completion_mask, block_size, num_mc, generator, plan, mode, coupled, eps,
-                        stratified)
+    bs, plan = _prepare(
+        model, ids, completion_mask, block_size, num_mc, generator, plan, mode, coupled, eps, stratified
+    )
     logp = draw_log_probs(staircase_forward_logp(model, bs, logprob_fn), ids, plan, resolve_mask_id(model, mask_id))
     seq, token = elbo_from_draws(logp, plan, completion_mask, length_normalize)
     return LikelihoodEstimate(seq, token, plan)
 
 
-def block_elbo_loop(model, ids: Tensor, completion_mask: Tensor, block_size: Optional[int] = None, *,
-                    num_mc: int = 1, generator: Optional[torch.Generator] = None, plan: Optional[MaskPlan] = None,
-                    mode: str = "count", coupled: bool = False, eps: float = 1e-3, stratified: bool = True,
-                    length_normalize: bool = False, mask_id: Optional[int] = None,
-                    logprob_fn: Optional[LogprobFn] = None, truncate: bool = True) -> LikelihoodEstimate:
+def block_elbo_loop(
+    model,
+    ids: Tensor,
+    completion_mask: Tensor,
+    block_size: Optional[int] = None,
+    *,
+    num_mc: int = 1,
+    generator: Optional[torch.Generator] = None,
+    plan: Optional[MaskPlan] = None,
+    mode: str = "count",
+    coupled: bool = False,
+    eps: float = 1e-3,
+    stratified: bool = True,
+    length_normalize: bool = False,
+    mask_id: Optional[int] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+    truncate: bool = True,
+) -> LikelihoodEstimate:
     """The per-block reference of :func:`block_elbo_staircase` (same arguments, same masks)."""
-    bs, plan = _prepare(model, ids, completion_mask, block_size, num_mc, generator, plan, mode, coupled, eps,
-                        stratified)
+    bs, plan = _prepare(
+        model, ids, completion_mask, block_size, num_mc, generator, plan, mode, coupled, eps, stratified
+    )
     forward = loop_forward_logp(model, bs, logprob_fn, truncate)
     logp = draw_log_probs(forward, ids, plan, resolve_mask_id(model, mask_id))
     seq, token = elbo_from_draws(logp, plan, completion_mask, length_normalize)

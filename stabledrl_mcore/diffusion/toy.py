@@ -75,16 +75,22 @@ class ToyDiffusionLM(nn.Module):
         self.embed = param(c.vocab_size, h, std=1.0)
         self.qkv = nn.ParameterList([param(3 * h, h) for _ in range(n)])
         # a large attention output gain makes predictions depend strongly on the context
-        self.proj = nn.ParameterList([param(h, h, std=3.0 / h ** 0.5) for _ in range(n)])
+        self.proj = nn.ParameterList([param(h, h, std=3.0 / h**0.5) for _ in range(n)])
         self.up = nn.ParameterList([param(2 * h, h) for _ in range(n)])
         self.down = nn.ParameterList([param(h, 2 * h) for _ in range(n)])
         self.norms = nn.Parameter(torch.ones(2 * n + 1, h, dtype=dtype))
         self.head = param(c.vocab_size, h)
 
-
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None, *, kv_cache: Optional[KVCache] = None,
-                gather_output: bool = True, logit_positions: Optional[slice] = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        *,
+        kv_cache: Optional[KVCache] = None,
+        gather_output: bool = True,
+        logit_positions: Optional[slice] = None,
+    ) -> Tensor:
         c = self.dllm_config
         B, S = input_ids.shape
         H = c.num_heads

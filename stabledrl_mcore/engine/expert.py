@@ -24,11 +24,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from stabledrl_mcore.engine.pipeline import ModelWrapper, pipelined
-from stabledrl_mcore.parallel.bootstrap import comm_device
-from stabledrl_mcore.models.moe import RoutingRecorder
 from stabledrl_mcore.diffusion.likelihood import dllm_config
-from stabledrl_mcore.models.moe import router_loss_scale, routing_recorders_paused
+from stabledrl_mcore.engine.pipeline import ModelWrapper, pipelined
+from stabledrl_mcore.models.moe import RoutingRecorder, router_loss_scale, routing_recorders_paused
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 _DUMMIES = {"rounds": 0}
 
@@ -87,12 +86,12 @@ class LockstepModel(ModelWrapper):
     def _dummy_round(self) -> None:
         from megatron.core import parallel_state as ps
 
-
         cfg = dllm_config(self.module)  # through Megatron DDP in the update
         device = next(self.module.parameters()).device
         # as many tokens as TP ranks: at TP > 1 each rank routes its own share (see models.moe)
-        ids = torch.full((1, ps.get_tensor_model_parallel_world_size()), cfg.pad_token_id,
-                         dtype=torch.long, device=device)
+        ids = torch.full(
+            (1, ps.get_tensor_model_parallel_world_size()), cfg.pad_token_id, dtype=torch.long, device=device
+        )
         # no router-loss gradient from the dummy token either
         with routing_recorders_paused(), router_loss_scale(0.0), torch.set_grad_enabled(self.backward):
             logits = self.module(ids)
@@ -143,8 +142,8 @@ def routing_statistics(model: torch.nn.Module, into: dict, *, enabled: bool = Tr
         return
     from megatron.core import parallel_state as ps
 
-
     with RoutingRecorder(model) as recorder:
         yield
-    into.update(recorder.summary(ps.get_tensor_and_data_parallel_group()
-                                 if torch.distributed.is_initialized() else None))
+    into.update(
+        recorder.summary(ps.get_tensor_and_data_parallel_group() if torch.distributed.is_initialized() else None)
+    )

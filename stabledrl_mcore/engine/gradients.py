@@ -1,13 +1,14 @@
 """Gradient synchronisation and the finite checks every rank agrees on before an optimizer step."""
 
 from __future__ import annotations
-from typing import Optional
-from stabledrl_mcore.common.errors import RunFailed
-from typing import Sequence
-from typing import Tuple
-from stabledrl_mcore.parallel.bootstrap import any_rank
+
 import math
+from typing import Optional, Sequence, Tuple
+
 import torch
+
+from stabledrl_mcore.common.errors import RunFailed
+from stabledrl_mcore.parallel.bootstrap import any_rank
 
 
 class SkippedUpdatesError(RunFailed):

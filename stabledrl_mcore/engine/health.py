@@ -27,8 +27,15 @@ NO_SIGNAL_STEPS = 5
 class RunHealth:
     """``after_step(step, update_skips, metrics, final=...)`` after each step's log line."""
 
-    def __init__(self, max_skipped_updates: Optional[int], logger: Any, *, from_step_zero: bool = True,
-                 limit_field: str = "algo.max_skipped_updates", what: str = "optimizer"):
+    def __init__(
+        self,
+        max_skipped_updates: Optional[int],
+        logger: Any,
+        *,
+        from_step_zero: bool = True,
+        limit_field: str = "algo.max_skipped_updates",
+        what: str = "optimizer",
+    ):
         self.limit = max_skipped_updates
         self.limit_field = limit_field  # the config field that sets the limit, named in every message
         self.what = what  # "optimizer" (RL) or "SFT"
@@ -42,8 +49,9 @@ class RunHealth:
         self.quiet_steps = 0
         self.warned_no_signal = False
 
-    def after_step(self, step: int, update_skips: Sequence[Optional[str]], metrics: Dict[str, Any], *,
-                   final: bool) -> None:
+    def after_step(
+        self, step: int, update_skips: Sequence[Optional[str]], metrics: Dict[str, Any], *, final: bool
+    ) -> None:
         self._skips(step, update_skips, final)
         self._signal(step, metrics)
 
@@ -60,24 +68,29 @@ class RunHealth:
         skipped = sum(r is not None for r in update_skips)
         if skipped:
             limit = "no limit" if self.limit is None else f"the run stops after {self.limit}"
-            self.logger.info(f"warning: step {step}: skipped={skipped} of {len(update_skips)} {self.what} updates "
-                             f"({self.last_reason}); {self.in_a_row} in a row ({limit}, {self.limit_field})")
+            self.logger.info(
+                f"warning: step {step}: skipped={skipped} of {len(update_skips)} {self.what} updates "
+                f"({self.last_reason}); {self.in_a_row} in a row ({limit}, {self.limit_field})"
+            )
         if self.limit is not None and self.in_a_row > self.limit:
             raise SkippedUpdatesError(
                 f"{self.in_a_row} {self.what} updates in a row were skipped at step {step} "
                 f"({self.limit_field}={self.limit}); last reason: {self.last_reason}. The weights, the "
                 f"learning rate or the data produce non-finite values: check the starting checkpoint, lower "
-                f"optim.lr or resume from an earlier checkpoint ({self.limit_field}=null removes the limit)")
+                f"optim.lr or resume from an earlier checkpoint ({self.limit_field}=null removes the limit)"
+            )
         if final and self.from_step_zero and self.steps_without_update and not self.applied and not self.skipped:
             raise SkippedUpdatesError(
                 f"no optimizer update in this run: in each of its {self.steps_without_update} steps every group's "
                 f"completions scored the same, so rollout.filter_uniform_groups dropped them all; start from a "
                 f"checkpoint whose completions already score differently, sample more diversely "
-                f"(rollout.temperature) or check the reward")
+                f"(rollout.temperature) or check the reward"
+            )
         if final and self.skipped and not self.applied:
             raise SkippedUpdatesError(
                 f"every one of this run's {self.skipped} {self.what} updates was skipped, so nothing was trained "
-                f"(last reason: {self.last_reason}); check the starting checkpoint's weights and optim.lr")
+                f"(last reason: {self.last_reason}); check the starting checkpoint's weights and optim.lr"
+            )
 
     def _signal(self, step: int, metrics: Dict[str, Any]) -> None:
         varied = metrics.get("groups_varied")
@@ -91,4 +104,5 @@ class RunHealth:
                 f"{NO_SIGNAL_STEPS} steps (all completions of each prompt scored the same, so every advantage "
                 f"is 0 and the policy loss has no gradient); start from a checkpoint whose completions already score "
                 f"differently (model.checkpoint, e.g. the demo's runs/demo/sft_checkpoint), sample more "
-                f"diversely (rollout.temperature) or check the reward")
+                f"diversely (rollout.temperature) or check the reward"
+            )

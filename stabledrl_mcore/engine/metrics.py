@@ -16,20 +16,22 @@ resumed run purges the events of the steps it repeats.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import secrets
+import shutil
 import string
 import sys
 import time
 from typing import Any, Dict, Iterable, Optional, Sequence, TextIO
-from stabledrl_mcore.config.schema import RunConfig
+
 import torch
-import importlib.util
-import shutil
 from tqdm import tqdm
+
 from stabledrl_mcore.common.errors import UserError
+from stabledrl_mcore.config.schema import RunConfig
 
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
@@ -66,12 +68,23 @@ class NullLogger:
 class MetricsLogger(NullLogger):
     """Rank-0 logger. ``console_keys`` chooses what the compact console line shows."""
 
-    def __init__(self, run_dir: str, *, config: Optional[Dict[str, Any]] = None,
-                 wandb_mode: str = "offline", wandb_project: str = "stabledrl",
-                 run_name: Optional[str] = None, wandb_entity: Optional[str] = None,
-                 wandb_group: Optional[str] = None, wandb_tags: Sequence[str] = (),
-                 tensorboard: bool = False, start_step: int = 0, console_keys: Iterable[str] = (),
-                 stream: Optional[TextIO] = None, jsonl_name: str = "metrics.jsonl"):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        config: Optional[Dict[str, Any]] = None,
+        wandb_mode: str = "offline",
+        wandb_project: str = "stabledrl",
+        run_name: Optional[str] = None,
+        wandb_entity: Optional[str] = None,
+        wandb_group: Optional[str] = None,
+        wandb_tags: Sequence[str] = (),
+        tensorboard: bool = False,
+        start_step: int = 0,
+        console_keys: Iterable[str] = (),
+        stream: Optional[TextIO] = None,
+        jsonl_name: str = "metrics.jsonl",
+    ):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, jsonl_name)
@@ -81,9 +94,16 @@ class MetricsLogger(NullLogger):
         self._start = time.time()
         self._wandb = self._tensorboard = None
         if wandb_mode != "disabled":
-            self._wandb = self._start_wandb(run_dir, config, mode=wandb_mode, project=wandb_project,
-                                            name=run_name, entity=wandb_entity, group=wandb_group,
-                                            tags=list(wandb_tags))
+            self._wandb = self._start_wandb(
+                run_dir,
+                config,
+                mode=wandb_mode,
+                project=wandb_project,
+                name=run_name,
+                entity=wandb_entity,
+                group=wandb_group,
+                tags=list(wandb_tags),
+            )
         if tensorboard:
             self._tensorboard = _start_tensorboard(run_dir, start_step)
 
@@ -94,8 +114,14 @@ class MetricsLogger(NullLogger):
             import wandb
         except ImportError:  # pragma: no cover - wandb is a hard dependency
             return None
-        run = wandb.init(dir=run_dir, config=config or {}, id=wandb_run_id(run_dir), resume="allow",
-                         reinit="finish_previous", **options)
+        run = wandb.init(
+            dir=run_dir,
+            config=config or {},
+            id=wandb_run_id(run_dir),
+            resume="allow",
+            reinit="finish_previous",
+            **options,
+        )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         return run
@@ -138,10 +164,15 @@ def _fmt(key: str, value: Any) -> str:
 
 def logger_options(logging) -> Dict[str, Any]:
     """:func:`create_logger` keywords from a ``logging`` config section."""
-    return dict(wandb_mode=logging.wandb_mode, wandb_project=logging.wandb_project,
-                wandb_entity=logging.wandb_entity, run_name=logging.wandb_name,
-                wandb_group=logging.wandb_group, wandb_tags=tuple(logging.wandb_tags),
-                tensorboard=logging.tensorboard)
+    return dict(
+        wandb_mode=logging.wandb_mode,
+        wandb_project=logging.wandb_project,
+        wandb_entity=logging.wandb_entity,
+        run_name=logging.wandb_name,
+        wandb_group=logging.wandb_group,
+        wandb_tags=tuple(logging.wandb_tags),
+        tensorboard=logging.tensorboard,
+    )
 
 
 def wandb_run_id(run_dir: str) -> str:
@@ -164,7 +195,6 @@ def wandb_run_id(run_dir: str) -> str:
     with open(path) as handle:
         run_id = handle.read().strip()
     if not run_id or any(ch not in string.ascii_letters + string.digits + "-_" for ch in run_id):
-
         raise UserError(f"{path}: not a wandb run id ({run_id!r}); delete the file for a new wandb run")
     return run_id
 
@@ -175,8 +205,10 @@ def _start_tensorboard(run_dir: str, start_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise UserError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                        "(or set logging.tensorboard=false)") from None
+        raise UserError(
+            "logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+            "(or set logging.tensorboard=false)"
+        ) from None
     log_dir = os.path.join(run_dir, TENSORBOARD_DIR)
     purge = (start_step + 1 if start_step else 0) if os.path.isdir(log_dir) else None
     return SummaryWriter(log_dir=log_dir, purge_step=purge)
@@ -190,7 +222,6 @@ def tensorboard_available() -> bool:
 def create_logger(run_dir: str, *, rank: Optional[int] = None, **kwargs) -> NullLogger:
     """A :class:`MetricsLogger` on rank 0, a :class:`NullLogger` elsewhere."""
     if rank is None:
-
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return MetricsLogger(run_dir, **kwargs) if rank == 0 else NullLogger()
 
@@ -236,5 +267,11 @@ def read_metrics(path: str) -> list:
 def progress_bar(cfg: RunConfig, start: int, end: int):
 
     rank0 = torch.distributed.get_rank() == 0
-    return tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
-                disable=not (cfg.logging.progress and rank0))
+    return tqdm(
+        total=end,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (cfg.logging.progress and rank0),
+    )

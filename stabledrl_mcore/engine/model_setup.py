@@ -1,26 +1,24 @@
 """The model a run trains: its config (preset or checkpoint, plus model.overrides), its initial weights, the frozen reference policy."""
 
 from __future__ import annotations
-from stabledrl_mcore.config.schema import RunConfig
+
 import dataclasses
 import os
+from typing import Any, Dict, Optional
+
 import torch
-from stabledrl_mcore.models import get_preset
-from stabledrl_mcore.models import build_model
-from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights
+
+from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights, read_config
 from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
-from stabledrl_mcore.checkpoint.loader import read_config
 from stabledrl_mcore.common.errors import ConfigError
-from typing import Any
-from typing import Dict
-from typing import Optional
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.models import build_model, get_preset
 
 
 def model_config(cfg: RunConfig, tokenizer):
     """The preset (random init) or the checkpoint's own config, with ``model.overrides`` applied."""
 
     if cfg.model.checkpoint:
-
         mcfg = read_config(cfg.model.checkpoint)
     else:
         mcfg = get_preset(cfg.model.preset)
@@ -31,7 +29,6 @@ def model_config(cfg: RunConfig, tokenizer):
         overrides.setdefault("vocab_size", tokenizer.vocab_size)
     unknown = [k for k in overrides if k not in {f.name for f in dataclasses.fields(mcfg)}]
     if unknown:
-
         raise ConfigError(f"model.overrides: unknown DLLMConfig field(s) {', '.join(unknown)}")
     return dataclasses.replace(mcfg, **overrides).validate()
 

@@ -1,6 +1,7 @@
 """Megatron DDP, the Megatron optimizer and its LR schedule, as RL and SFT build them."""
 
 from __future__ import annotations
+
 import torch
 
 
@@ -13,18 +14,36 @@ def build_optimizer(cfg, model, dtype: torch.dtype, total_updates: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     distributed = cfg.optim.distributed
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+        model,
+    )
     opt_cfg = OptimizerConfig(
-        optimizer=cfg.optim.name, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
-        weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
-        adam_beta2=cfg.optim.betas[1], sgd_momentum=0.0, clip_grad=cfg.optim.clip_grad,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed)
+        optimizer=cfg.optim.name,
+        lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr,
+        weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.betas[0],
+        adam_beta2=cfg.optim.betas[1],
+        sgd_momentum=0.0,
+        clip_grad=cfg.optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=distributed,
+    )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr, max_lr=cfg.optim.lr,
-        min_lr=cfg.optim.min_lr, lr_warmup_steps=cfg.optim.warmup_steps,
-        lr_decay_steps=max(total_updates, cfg.optim.warmup_steps + 1), lr_decay_style=cfg.optim.decay_style,
-        start_wd=cfg.optim.weight_decay, end_wd=cfg.optim.weight_decay, wd_incr_steps=total_updates,
-        wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr,
+        max_lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr,
+        lr_warmup_steps=cfg.optim.warmup_steps,
+        lr_decay_steps=max(total_updates, cfg.optim.warmup_steps + 1),
+        lr_decay_style=cfg.optim.decay_style,
+        start_wd=cfg.optim.weight_decay,
+        end_wd=cfg.optim.weight_decay,
+        wd_incr_steps=total_updates,
+        wd_incr_style="constant",
+    )
     return ddp, optimizer, scheduler

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+
 from stabledrl_mcore.models.masks import AttentionLayout
 
 MicroBatch = Dict[str, Any]
@@ -85,8 +86,14 @@ def _summed_microbatch_losses(config):
         config.calculate_per_token_loss = saved
 
 
-def _run_schedule(model, micro_batches: Sequence[MicroBatch], indices: range, *, forward_only: bool,
-                  last_stage_fn: Callable[[torch.Tensor, int], Any]) -> List[Any]:
+def _run_schedule(
+    model,
+    micro_batches: Sequence[MicroBatch],
+    indices: range,
+    *,
+    forward_only: bool,
+    last_stage_fn: Callable[[torch.Tensor, int], Any],
+) -> List[Any]:
     """One Megatron schedule call over ``micro_batches[indices]`` (all of one shape)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
@@ -111,13 +118,21 @@ def _run_schedule(model, micro_batches: Sequence[MicroBatch], indices: range, *,
     schedule = get_forward_backward_func()
     context = contextlib.nullcontext() if forward_only else _summed_microbatch_losses(config)
     with context:
-        return schedule(forward_step_func=forward_step, data_iterator=order, model=[stage],
-                        num_microbatches=len(indices), seq_length=seq, micro_batch_size=batch,
-                        forward_only=forward_only, collect_non_loss_data=forward_only)
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=order,
+            model=[stage],
+            num_microbatches=len(indices),
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
 
 
-def broadcast_from_last_stage(values: Optional[List[torch.Tensor]], count: int,
-                              device: torch.device) -> List[torch.Tensor]:
+def broadcast_from_last_stage(
+    values: Optional[List[torch.Tensor]], count: int, device: torch.device
+) -> List[torch.Tensor]:
     """``values`` of the last pipeline stage on every stage of its group (shapes sent first)."""
     from megatron.core import parallel_state as ps
 
@@ -129,11 +144,11 @@ def broadcast_from_last_stage(values: Optional[List[torch.Tensor]], count: int,
             if value.dim() > _MAX_DIMS or value.dtype not in _DTYPES:
                 raise ValueError(f"cannot broadcast a {value.dtype} tensor of shape {tuple(value.shape)}")
             header[i, 0], header[i, 1] = _DTYPES.index(value.dtype), value.dim()
-            header[i, 2:2 + value.dim()] = torch.tensor(value.shape)
+            header[i, 2 : 2 + value.dim()] = torch.tensor(value.shape)
     torch.distributed.broadcast(header, src, group=group)
     out = []
     for i, row in enumerate(header.tolist()):
-        shape = row[2:2 + row[1]]
+        shape = row[2 : 2 + row[1]]
         tensor = values[i].contiguous() if last else torch.empty(shape, dtype=_DTYPES[row[0]], device=device)
         torch.distributed.broadcast(tensor, src, group=group)
         out.append(tensor)
@@ -162,8 +177,9 @@ class StageClock:
 CLOCK = StageClock()
 
 
-def pipeline_forward(model, micro_batches: Sequence[MicroBatch],
-                     last_stage_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> List[torch.Tensor]:
+def pipeline_forward(
+    model, micro_batches: Sequence[MicroBatch], last_stage_fn: Callable[[torch.Tensor, int], torch.Tensor]
+) -> List[torch.Tensor]:
     """Forward-only passes of ``micro_batches``; ``last_stage_fn(logits, index)`` of each, on every stage.
 
     Without pipeline parallelism this is ``[last_stage_fn(model(**mb), i) ...]``.
@@ -179,8 +195,7 @@ def pipeline_forward(model, micro_batches: Sequence[MicroBatch],
     try:
         with torch.no_grad():
             for indices in _shape_runs(micro_batches):
-                results += _run_schedule(stage, micro_batches, indices, forward_only=True,
-                                         last_stage_fn=last_stage_fn)
+                results += _run_schedule(stage, micro_batches, indices, forward_only=True, last_stage_fn=last_stage_fn)
     finally:
         CLOCK.active = False
     device = micro_batches[0]["input_ids"].device
@@ -189,8 +204,9 @@ def pipeline_forward(model, micro_batches: Sequence[MicroBatch],
     return out
 
 
-def pipeline_forward_backward(model, micro_batches: Sequence[MicroBatch],
-                              loss_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+def pipeline_forward_backward(
+    model, micro_batches: Sequence[MicroBatch], loss_fn: Callable[[torch.Tensor, int], torch.Tensor]
+) -> None:
     """Back-propagate ``sum_i loss_fn(logits_i, i)`` (a scalar per micro-batch, on the last stage)
     through every stage; gradients accumulate into the parameters' grad buffers as a plain
     ``loss.backward()`` per micro-batch would.
@@ -236,8 +252,9 @@ class PipelinedModel(ModelWrapper):
         super().__init__(module)
         self.micro_batches = micro_batches
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                attention_mask=None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, attention_mask=None, **kwargs
+    ) -> torch.Tensor:
         batch = dict(kwargs, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
         parts = [batch] if kwargs.get("kv_cache") is not None else split_rows(batch, self._count(input_ids))
         outs = pipeline_forward(self.module, parts, lambda logits, _: logits)

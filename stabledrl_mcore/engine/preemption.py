@@ -1,17 +1,18 @@
 """SIGUSR1/SIGTERM pre-emption: caught on every rank, agreed at the step's end, exit status 75 and the PREEMPTED marker."""
 
 from __future__ import annotations
-from typing import Any
-from typing import Callable
-from stabledrl_mcore.parallel.bootstrap import any_rank
+
 import json
-import time
-import torch
+import os
 import signal
 import threading
-from stabledrl_mcore.parallel.launch import take_held_signals
-import os
+import time
+from typing import Any, Callable
 
+import torch
+
+from stabledrl_mcore.parallel.bootstrap import any_rank
+from stabledrl_mcore.parallel.launch import take_held_signals
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
 

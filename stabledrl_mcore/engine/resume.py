@@ -22,23 +22,34 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.engine.run_dir import check_run_dir, checkpoint_root, resume_requested
-from stabledrl_mcore.checkpoint.integrity import CheckpointError
-from stabledrl_mcore.checkpoint.state import TrainState, find_latest, read_train_state
-from stabledrl_mcore.engine.run_dir import abandon_later_steps
-from stabledrl_mcore.engine.run_dir import continue_metrics
-from stabledrl_mcore.checkpoint.state import load_checkpoint
-from stabledrl_mcore.engine.run_dir import prepare_run_dir
 import torch
 import yaml
+
+from stabledrl_mcore.checkpoint.integrity import CheckpointError
 from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD, read_format
+from stabledrl_mcore.checkpoint.state import TrainState, find_latest, load_checkpoint, read_train_state
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.engine.run_dir import (
+    abandon_later_steps,
+    check_run_dir,
+    checkpoint_root,
+    continue_metrics,
+    prepare_run_dir,
+    resume_requested,
+)
 from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
-FROZEN = ("model.preset", "model.checkpoint", "model.tokenizer", "model.dtype", "model.overrides",
-          "optim.name", "optim.distributed")
+FROZEN = (
+    "model.preset",
+    "model.checkpoint",
+    "model.tokenizer",
+    "model.dtype",
+    "model.overrides",
+    "optim.name",
+    "optim.distributed",
+)
 NOT_COMPARED = ("checkpoint.resume", "checkpoint.overwrite")
 UNSET = "<unset>"
 
@@ -78,8 +89,11 @@ def _flatten(data: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]
 def config_changes(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
     """``(dotted key, old, new)`` for every difference (``UNSET`` where a side lacks the key)."""
     old, new = dict(_flatten(saved)), dict(_flatten(current))
-    return [(key, old.get(key, UNSET), new.get(key, UNSET)) for key in sorted(set(old) | set(new))
-            if key not in NOT_COMPARED and old.get(key, UNSET) != new.get(key, UNSET)]
+    return [
+        (key, old.get(key, UNSET), new.get(key, UNSET))
+        for key in sorted(set(old) | set(new))
+        if key not in NOT_COMPARED and old.get(key, UNSET) != new.get(key, UNSET)
+    ]
 
 
 def _as_saved(cfg: RunConfig) -> Dict[str, Any]:
@@ -125,22 +139,28 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
         return None
     state = read_train_state(path)
     if state.step > cfg.steps:
-        raise ResumeConfigError(f"checkpoint {path} is at step {state.step}, past steps={cfg.steps}; "
-                                f"raise steps (e.g. steps={state.step + max(cfg.steps, 1)}) to continue it")
+        raise ResumeConfigError(
+            f"checkpoint {path} is at step {state.step}, past steps={cfg.steps}; "
+            f"raise steps (e.g. steps={state.step + max(cfg.steps, 1)}) to continue it"
+        )
     current = _as_saved(cfg)
     saved = read_saved_config(path)
     changes = config_changes(saved, current) if saved is not None else []
     frozen = [(k, o, n) for k, o, n in changes if any(k == f or k.startswith(f + ".") for f in FROZEN)]
     if frozen:
         shown = "; ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in frozen)
-        raise ResumeConfigError(f"cannot resume {path} with a changed {shown} (the model, its vocabulary "
-                                f"or the optimizer would not match); set it back, or start a new run "
-                                f"from the weights with model.checkpoint={path}")
+        raise ResumeConfigError(
+            f"cannot resume {path} with a changed {shown} (the model, its vocabulary "
+            f"or the optimizer would not match); set it back, or start a new run "
+            f"from the weights with model.checkpoint={path}"
+        )
     check_optimizer_layout(cfg, path)
     if saved is not None and _synced_reference(current) and not _synced_reference(saved):
-        raise ResumeConfigError(f"cannot resume {path} with algo.kl_coef>0 and algo.reference_sync_every>0: "
-                                f"the checkpoint holds no synced reference policy; set "
-                                f"algo.reference_sync_every=0 or start a new run")
+        raise ResumeConfigError(
+            f"cannot resume {path} with algo.kl_coef>0 and algo.reference_sync_every>0: "
+            f"the checkpoint holds no synced reference policy; set "
+            f"algo.reference_sync_every=0 or start a new run"
+        )
     return ResumePlan(path, state, cfg.steps, changes)
 
 
@@ -154,15 +174,19 @@ def check_optimizer_layout(cfg: RunConfig, path: str) -> None:
     fresh = f"or start the optimizer afresh from these weights with model.checkpoint={path} and no resume"
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
     if fmt.get("tensor_parallel") != tp:
-        raise ResumeConfigError(f"cannot resume {path} at parallel.tensor_parallel={tp}: its distributed-optimizer "
-                                f"state was saved at tensor_parallel={fmt.get('tensor_parallel')} and reshards across "
-                                f"data- and pipeline-parallel sizes only; set parallel.tensor_parallel="
-                                f"{fmt.get('tensor_parallel')}, {fresh}")
+        raise ResumeConfigError(
+            f"cannot resume {path} at parallel.tensor_parallel={tp}: its distributed-optimizer "
+            f"state was saved at tensor_parallel={fmt.get('tensor_parallel')} and reshards across "
+            f"data- and pipeline-parallel sizes only; set parallel.tensor_parallel="
+            f"{fmt.get('tensor_parallel')}, {fresh}"
+        )
     if fmt.get("pipeline_parallel") != pp and MAP_FIELD not in fmt:
-        raise ResumeConfigError(f"cannot resume {path} at parallel.pipeline_parallel={pp}: its distributed-optimizer "
-                                f"state predates the bucket map that a pipeline-parallel change needs (saved at "
-                                f"pipeline_parallel={fmt.get('pipeline_parallel')}); set parallel.pipeline_parallel="
-                                f"{fmt.get('pipeline_parallel')}, {fresh}")
+        raise ResumeConfigError(
+            f"cannot resume {path} at parallel.pipeline_parallel={pp}: its distributed-optimizer "
+            f"state predates the bucket map that a pipeline-parallel change needs (saved at "
+            f"pipeline_parallel={fmt.get('pipeline_parallel')}); set parallel.pipeline_parallel="
+            f"{fmt.get('pipeline_parallel')}, {fresh}"
+        )
 
 
 def check_model_config(path: str, model_config: Dict[str, Any]) -> None:
@@ -179,8 +203,10 @@ def check_model_config(path: str, model_config: Dict[str, Any]) -> None:
     differ = [k for k in sorted(set(saved) | set(current)) if saved.get(k, UNSET) != current.get(k, UNSET)]
     if differ:
         shown = ", ".join(f"{k} {_show(saved.get(k, UNSET))} -> {_show(current.get(k, UNSET))}" for k in differ[:6])
-        raise ResumeConfigError(f"cannot resume {path}: the model differs from the checkpoint's ({shown}); "
-                                f"resume with the model settings it was saved with")
+        raise ResumeConfigError(
+            f"cannot resume {path}: the model differs from the checkpoint's ({shown}); "
+            f"resume with the model settings it was saved with"
+        )
 
 
 def check_resume(cfg: RunConfig) -> Optional[ResumePlan]:
@@ -196,8 +222,14 @@ def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
     moved = prepare_run_dir(cfg, resume, rank=rank)
-    notes = [f"--overwrite: the earlier run in {cfg.logging.run_dir} was moved aside (run files to {moved}, "
-             f"checkpoints to {checkpoint_root(cfg)}/overwritten-*)"] if moved else []
+    notes = (
+        [
+            f"--overwrite: the earlier run in {cfg.logging.run_dir} was moved aside (run files to {moved}, "
+            f"checkpoints to {checkpoint_root(cfg)}/overwritten-*)"
+        ]
+        if moved
+        else []
+    )
     return plan_resume(cfg, resume), notes
 
 
@@ -220,8 +252,9 @@ def restore_training_state(s, root: str, plan: Optional[ResumePlan], *, extra_mo
     if plan.changes:
         notes.append(f"config changed since that checkpoint (now in effect): {plan.describe_changes()}")
     if plan.complete:
-        notes.append(f"run already complete: {plan.path} is at steps={plan.steps}; nothing to train "
-                     f"(raise steps to continue)")
+        notes.append(
+            f"run already complete: {plan.path} is at steps={plan.steps}; nothing to train (raise steps to continue)"
+        )
     if rank0:
         aside = abandon_later_steps(root, state.step)
         if aside:

@@ -26,9 +26,9 @@ import os
 import time
 from typing import List, Optional
 
-from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.checkpoint.state import STEP_DIR, step_dir_name
+from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine.metrics import keep_steps_through
 
 ATTIC = "attic"
@@ -59,8 +59,7 @@ def _checkpoint_entries(root: str) -> List[str]:
     """Names of checkpoints (complete or in progress) at the top of ``root``."""
     if not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(root)
-                  if STEP_DIR.match(n) or n.startswith(".tmp-step_"))
+    return sorted(n for n in os.listdir(root) if STEP_DIR.match(n) or n.startswith(".tmp-step_"))
 
 
 def run_in_use(cfg: RunConfig) -> List[str]:
@@ -87,8 +86,10 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str] = None) -> None:
     resume = resume or cfg.checkpoint.resume
     root = checkpoint_root(cfg)
     if cfg.checkpoint.overwrite and resume_requested(resume):
-        raise ConfigError(f"checkpoint.overwrite (--overwrite) starts a fresh run; it cannot be combined "
-                          f"with checkpoint.resume={resume}")
+        raise ConfigError(
+            f"checkpoint.overwrite (--overwrite) starts a fresh run; it cannot be combined "
+            f"with checkpoint.resume={resume}"
+        )
     if resume_requested(resume):  # auto without a checkpoint starts afresh: metrics moved aside
         if resume != "auto":
             source = os.path.dirname(os.path.realpath(resume))
@@ -96,14 +97,16 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str] = None) -> None:
                 raise RunDirInUseError(
                     f"cannot resume from {resume} into {root}: it holds checkpoints of another run "
                     f"({', '.join(_checkpoint_entries(root)[-2:])}); choose a fresh logging.run_dir "
-                    f"(or checkpoint.dir), or resume from a checkpoint of {root}")
+                    f"(or checkpoint.dir), or resume from a checkpoint of {root}"
+                )
         return
     used = run_in_use(cfg)
     if used and not cfg.checkpoint.overwrite:
         raise RunDirInUseError(
             f"run directory {cfg.logging.run_dir} holds an earlier run ({'; '.join(used)}); continue it "
             f"with --resume auto (or --resume PATH), or start afresh with --overwrite (moves it "
-            f"aside, deletes nothing)")
+            f"aside, deletes nothing)"
+        )
 
 
 def prepare_run_dir(cfg: RunConfig, resume: Optional[str] = None, *, rank: int = 0) -> Optional[str]:
@@ -142,8 +145,11 @@ def move_run_aside(cfg: RunConfig) -> str:
 
 def abandon_later_steps(root: str, step: int) -> Optional[str]:
     """Move checkpoints of steps after ``step`` (another branch) aside; returns where, or None."""
-    later = [os.path.join(root, n) for n in _checkpoint_entries(root)
-             if STEP_DIR.match(n) and int(STEP_DIR.match(n).group(1)) > step]  # complete or not
+    later = [
+        os.path.join(root, n)
+        for n in _checkpoint_entries(root)
+        if STEP_DIR.match(n) and int(STEP_DIR.match(n).group(1)) > step
+    ]  # complete or not
     if not later:
         return None
     aside = _unique(os.path.join(root, f"abandoned-{_stamp()}-after-{step_dir_name(step)}"))

@@ -21,12 +21,12 @@ import time
 from typing import Callable, Optional
 
 import torch
-from stabledrl_mcore.parallel.bootstrap import comm_device
 import yaml
-from stabledrl_mcore.checkpoint.state import TrainState
-from stabledrl_mcore.checkpoint.state import save_checkpoint
-from stabledrl_mcore.engine.model_setup import synced_reference
+
+from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.engine.model_setup import synced_reference
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 TIMING_FILE = "checkpoint_timing.json"
 
@@ -52,10 +52,12 @@ def margin_warning(timing: dict, lead_s: Optional[float]) -> Optional[str]:
     needed = step_s + 2.0 * save_s
     if lead_s >= needed:
         return None
-    return (f"warning: the pre-emption lead time is {lead_s:.0f} s (checkpoint.preemption_lead_s, from SLURM "
-            f"--signal=...@N), but finishing a step ({step_s:.0f} s) and saving ({save_s:.0f} s measured, x2 "
-            f"margin) needs {needed:.0f} s: a pre-emption may be killed before its checkpoint is complete; "
-            f"raise --signal to at least USR1@{int(needed) + 1} or save more often (checkpoint.save_every_minutes)")
+    return (
+        f"warning: the pre-emption lead time is {lead_s:.0f} s (checkpoint.preemption_lead_s, from SLURM "
+        f"--signal=...@N), but finishing a step ({step_s:.0f} s) and saving ({save_s:.0f} s measured, x2 "
+        f"margin) needs {needed:.0f} s: a pre-emption may be killed before its checkpoint is complete; "
+        f"raise --signal to at least USR1@{int(needed) + 1} or save more often (checkpoint.save_every_minutes)"
+    )
 
 
 def read_timing(run_dir: str) -> dict:
@@ -91,9 +93,13 @@ class SaveSchedule:
         self.last_save = clock()
         if self.rank == 0:
             earlier = read_timing(self.run_dir)
-            timing = {"step": step, "save_s": round(seconds, 3), "step_s": round(float(step_s or 0.0), 3),
-                      "max_save_s": round(max(seconds, float(earlier.get("max_save_s", 0.0))), 3),
-                      "time": time.time()}
+            timing = {
+                "step": step,
+                "save_s": round(seconds, 3),
+                "step_s": round(float(step_s or 0.0), 3),
+                "max_save_s": round(max(seconds, float(earlier.get("max_save_s", 0.0))), 3),
+                "time": time.time(),
+            }
             _write_json(os.path.join(self.run_dir, TIMING_FILE), timing)
             self._warn(timing)
         return result
@@ -115,14 +121,24 @@ def _write_json(path: str, data: dict) -> None:
 
 def save_training_checkpoint(s, root: str, step: int) -> str:
 
-    state = TrainState(step=step, data_position=s.prompts.position(step),
-                       scheduler=s.scheduler.state_dict(), world_size=torch.distributed.get_world_size(),
-                       tensor_parallel=s.cfg.parallel.tensor_parallel,
-                       pipeline_parallel=s.cfg.parallel.pipeline_parallel)
+    state = TrainState(
+        step=step,
+        data_position=s.prompts.position(step),
+        scheduler=s.scheduler.state_dict(),
+        world_size=torch.distributed.get_world_size(),
+        tensor_parallel=s.cfg.parallel.tensor_parallel,
+        pipeline_parallel=s.cfg.parallel.pipeline_parallel,
+    )
     model_config = json.dumps(s.model.dllm_config.to_dict(), indent=2, sort_keys=True)
     assets = {"hf": s.tokenizer.path} if s.tokenizer.path else None
-    return save_checkpoint(root, state, s.model.sharded_state_dict, optimizer=s.optimizer,
-                           config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
-                           keep_last=s.cfg.checkpoint.keep_last,
-                           extra_files={"model_config.json": model_config}, assets=assets,
-                           extra_modules=synced_reference(s))
+    return save_checkpoint(
+        root,
+        state,
+        s.model.sharded_state_dict,
+        optimizer=s.optimizer,
+        config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
+        keep_last=s.cfg.checkpoint.keep_last,
+        extra_files={"model_config.json": model_config},
+        assets=assets,
+        extra_modules=synced_reference(s),
+    )

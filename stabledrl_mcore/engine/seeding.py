@@ -1,11 +1,13 @@
 """Every random draw of a run from a generator seeded by (seed, step, rank or micro-batch, phase): exact resume needs no RNG state, and DP=2 reproduces DP=1."""
 
 from __future__ import annotations
-from typing import Any
-from stabledrl_mcore.config.schema import RunConfig
-from typing import Union
+
 import hashlib
+from typing import Any, Union
+
 import torch
+
+from stabledrl_mcore.config.schema import RunConfig
 
 
 def derive_seed(*parts: Any) -> int:
@@ -14,8 +16,9 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def phase_generator(seed: int, step: int, dp_rank: int, phase: str,
-                    device: Union[str, torch.device] = "cpu") -> torch.Generator:
+def phase_generator(
+    seed: int, step: int, dp_rank: int, phase: str, device: Union[str, torch.device] = "cpu"
+) -> torch.Generator:
     """Every random draw of a step comes from here: exact resume needs no RNG state.
 
     The generator lives on ``device`` (the model's), so Gumbel noise over a
@@ -34,4 +37,4 @@ def first_chunk(s) -> int:
 def chunk_generators(cfg: RunConfig, step: int, device="cpu"):
     """``chunks(phase)(k)``: the generator (on ``device``) of global micro-batch ``k`` of ``phase``
     at ``step``."""
-    return lambda phase: (lambda k: phase_generator(cfg.parallel.seed, step, k, phase, device))
+    return lambda phase: lambda k: phase_generator(cfg.parallel.seed, step, k, phase, device)

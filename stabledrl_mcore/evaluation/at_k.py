@@ -33,8 +33,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_vote(answers: Sequence[Optional[str]],
-                  same: Callable[[str, str], bool] = lambda a, b: a == b) -> Tuple[Optional[int], int]:
+def majority_vote(
+    answers: Sequence[Optional[str]], same: Callable[[str, str], bool] = lambda a, b: a == b
+) -> Tuple[Optional[int], int]:
     """``(index of the winning group's first sample, its votes)``; ``(None, 0)`` when nobody voted.
 
     ``None`` answers do not vote; ties go to the group whose first member is earliest."""
@@ -63,13 +64,15 @@ def check_ks(ks: Sequence[int], n: int, flag: str = "--k") -> List[int]:
     """``ks`` sorted and unique, each in 1..n; a ``ValueError`` naming ``flag`` otherwise."""
     bad = [k for k in ks if not 1 <= int(k) <= n]
     if bad or not ks:
-        raise ValueError(f"{flag} {','.join(map(str, ks)) or '(empty)'}: every k must be in 1..{n} "
-                         f"(the samples per prompt, --n {n})")
+        raise ValueError(
+            f"{flag} {','.join(map(str, ks)) or '(empty)'}: every k must be in 1..{n} (the samples per prompt, --n {n})"
+        )
     return sorted({int(k) for k in ks})
 
 
-def sample_metrics(samples: Sequence[Dict[str, Any]], ks: Sequence[int],
-                   same: Callable[[str, str], bool]) -> Dict[str, Any]:
+def sample_metrics(
+    samples: Sequence[Dict[str, Any]], ks: Sequence[int], same: Callable[[str, str], bool]
+) -> Dict[str, Any]:
     """pass@k, maj@k, mean@k of one example's samples (dicts with ``extracted``, ``reward``,
     ``correct``), and the majority answer of all of them with its votes."""
     n = len(samples)

@@ -21,12 +21,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from stabledrl_mcore.diffusion import generate
-from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.engine.expert import finish_forwards
-from stabledrl_mcore.tasks.prompts import encode_prompts
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, sample_metrics, summarize
-from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices
+from stabledrl_mcore.models.placement import eval_mode, model_device
+from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.tasks.prompts import encode_prompts
 
 
 @dataclass
@@ -51,10 +51,24 @@ def _dp_group():
     return None, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_length: int, steps: int,
-                   block_length: int, temperature: float = 0.0, threshold: Optional[float] = None,
-                   micro_batch: int = 16, seed: int = 0, progress: bool = False, cache: str = "none",
-                   n: int = 1, ks: Optional[Sequence[int]] = None) -> EvalResult:
+def evaluate_model(
+    model,
+    tokenizer,
+    task,
+    examples: Sequence[Example],
+    *,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float = 0.0,
+    threshold: Optional[float] = None,
+    micro_batch: int = 16,
+    seed: int = 0,
+    progress: bool = False,
+    cache: str = "none",
+    n: int = 1,
+    ks: Optional[Sequence[int]] = None,
+) -> EvalResult:
     """Greedy (or sampled) completions for ``examples``; accuracy = share of samples with full reward.
 
     Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``;
@@ -64,14 +78,20 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ks = check_ks(ks, n) if ks is not None else default_ks(n)
-    sampling = dict(gen_length=gen_length, steps=steps, block_length=block_length, temperature=temperature,
-                    threshold=threshold, progress=progress, cache=cache)
+    sampling = dict(
+        gen_length=gen_length,
+        steps=steps,
+        block_length=block_length,
+        temperature=temperature,
+        threshold=threshold,
+        progress=progress,
+        cache=cache,
+    )
     group, rank, world = _dp_group()
     if n == 1 and temperature == 0:
         records = _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling)
     else:
-        records = _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks,
-                                   sampling)
+        records = _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling)
     finish_forwards(model)  # expert parallelism: peers may still run forwards (see parallel.expert)
     if world > 1:
         gathered: List[Any] = [None] * world
@@ -80,9 +100,14 @@ def evaluate_model(model, tokenizer, task, examples: Sequence[Example], *, gen_l
     per_example = [rec if "samples" in rec else sample_metrics([rec], ks, task.same_answer) for rec in records]
     samples = [s for rec in records for s in rec.get("samples", [rec])]
     count = max(len(samples), 1)
-    return EvalResult(accuracy=sum(s["correct"] for s in samples) / count,
-                      mean_reward=sum(s["reward"] for s in samples) / count,
-                      num_examples=len(records), records=records, n=n, metrics=summarize(per_example, ks))
+    return EvalResult(
+        accuracy=sum(s["correct"] for s in samples) / count,
+        mean_reward=sum(s["reward"] for s in samples) / count,
+        num_examples=len(records),
+        records=records,
+        n=n,
+        metrics=summarize(per_example, ks),
+    )
 
 
 def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling):
@@ -94,23 +119,23 @@ def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, 
     generator = torch.Generator(device=device).manual_seed(seed + rank)
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
-            ids, valid = encode_prompts(tokenizer, prompts[start:start + micro_batch], device=device)
+            ids, valid = encode_prompts(tokenizer, prompts[start : start + micro_batch], device=device)
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
-            completions += [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
+            completions += [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
     return evaluate_completions(task, mine, completions, prompts)[1]
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
     """The generator seed of chunk ``chunk`` of a sampled evaluation (independent of the ranks)."""
     digest = hashlib.sha256(f"stabledrl-eval:{seed}:{chunk}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling):
     """``n`` samples per example, chunk by chunk (see the module docstring); one record per example."""
     examples = list(examples)
     per_chunk = max(1, micro_batch // n)
-    chunks = [examples[i:i + per_chunk] for i in range(0, len(examples), per_chunk)]
+    chunks = [examples[i : i + per_chunk] for i in range(0, len(examples), per_chunk)]
     device = model_device(model)
     records: List[Dict[str, Any]] = []
     with torch.no_grad(), eval_mode(model):
@@ -120,12 +145,11 @@ def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch,
             ids, valid = ids.repeat_interleave(n, 0), valid.repeat_interleave(n, 0)
             generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, c))
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
-            texts = [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
+            texts = [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
             for j, ex in enumerate(chunks[c]):
-                mine = texts[j * n:(j + 1) * n]
+                mine = texts[j * n : (j + 1) * n]
                 _, scored = evaluate_completions(task, [ex] * n, mine, [prompts[j]] * n)
-                samples = [{key: r[key] for key in ("completion", "extracted", "reward", "correct")}
-                           for r in scored]
+                samples = [{key: r[key] for key in ("completion", "extracted", "reward", "correct")} for r in scored]
                 record = {key: value for key, value in scored[0].items()}
                 record["index"] = ex.meta.get("index", c * per_chunk + j)
                 record.update(samples=samples, **sample_metrics(samples, ks, task.same_answer))

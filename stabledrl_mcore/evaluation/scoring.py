@@ -26,8 +26,9 @@ T = TypeVar("T")
 SHARD_MODES = ("contiguous", "strided")
 
 
-def evaluate_completions(task: Task, examples: Sequence[Example], completions: Sequence[str],
-                         prompts: Sequence[str] | None = None) -> tuple[float, list[dict[str, Any]]]:
+def evaluate_completions(
+    task: Task, examples: Sequence[Example], completions: Sequence[str], prompts: Sequence[str] | None = None
+) -> tuple[float, list[dict[str, Any]]]:
     """Score one completion per example; returns (accuracy, records).
 
     accuracy = mean of ``task.is_correct`` (full reward), 0.0 for no examples.
@@ -46,16 +47,18 @@ def evaluate_completions(task: Task, examples: Sequence[Example], completions: S
         except Exception:
             extracted = None
         reward = task.reward(completion, ex.reference)
-        records.append({
-            "index": ex.meta.get("index", i),
-            "prompt": ex.prompt if prompts is None else prompts[i],
-            **({} if prompts is None else {"question": ex.prompt}),
-            "reference": ex.reference,
-            "completion": completion,
-            "extracted": extracted,
-            "reward": reward,
-            "correct": bool(task.is_correct(completion, ex.reference)),
-        })
+        records.append(
+            {
+                "index": ex.meta.get("index", i),
+                "prompt": ex.prompt if prompts is None else prompts[i],
+                **({} if prompts is None else {"question": ex.prompt}),
+                "reference": ex.reference,
+                "completion": completion,
+                "extracted": extracted,
+                "reward": reward,
+                "correct": bool(task.is_correct(completion, ex.reference)),
+            }
+        )
     accuracy = sum(r["correct"] for r in records) / len(records) if records else 0.0
     return accuracy, records
 

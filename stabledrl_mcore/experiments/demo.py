@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from stabledrl_mcore.experiments.plots import plot_demo_curves
-from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, read_metrics, run_in_process_ranks, write_run_config
+from stabledrl_mcore.experiments.runs import (
+    eval_history,
+    mean_of_last,
+    read_metrics,
+    run_in_process_ranks,
+    write_run_config,
+)
 from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
 
 
@@ -27,21 +33,32 @@ class DemoOptions:
     rl_steps: int = 150
     eval_every: int = 25
     eval_examples: int = 500
-    final_evals: int = 3          # final accuracy = mean of the last K evaluations
-    nproc: int = 2                # data-parallel RL ranks (one thread each)
-    rollout_steps: int = 8        # denoising steps per rollout (evaluation decodes one token per step)
+    final_evals: int = 3  # final accuracy = mean of the last K evaluations
+    nproc: int = 2  # data-parallel RL ranks (one thread each)
+    rollout_steps: int = 8  # denoising steps per rollout (evaluation decodes one token per step)
     lr: float = 3e-5
-    likelihood: str = "elbo"        # algo.likelihood of the RL run (see tiny_sudoku.rl_overrides)
+    likelihood: str = "elbo"  # algo.likelihood of the RL run (see tiny_sudoku.rl_overrides)
 
 
 def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
     """Everything under ``opts.out``; returns (and writes) ``summary.json``."""
     start = time.time()
     sft = prepare_sft_checkpoint(opts.out, opts.setting, log=log)
-    config = write_run_config(opts.out, rl_overrides(
-        sft, opts.out, seed=opts.setting.seed, steps=opts.rl_steps, nproc=opts.nproc,
-        eval_every=opts.eval_every, eval_examples=opts.eval_examples, rollout_steps=opts.rollout_steps,
-        lr=opts.lr, likelihood=opts.likelihood))
+    config = write_run_config(
+        opts.out,
+        rl_overrides(
+            sft,
+            opts.out,
+            seed=opts.setting.seed,
+            steps=opts.rl_steps,
+            nproc=opts.nproc,
+            eval_every=opts.eval_every,
+            eval_examples=opts.eval_examples,
+            rollout_steps=opts.rollout_steps,
+            lr=opts.lr,
+            likelihood=opts.likelihood,
+        ),
+    )
     log(f"[rl] StableDRL, {opts.rl_steps} steps on {opts.nproc} rank(s); config {config}")
     run_in_process_ranks(config, opts.nproc)
     rows = read_metrics(opts.out)
@@ -58,11 +75,15 @@ def run_demo(opts: DemoOptions, log=print) -> Dict[str, object]:
         "evaluations": [{"step": s, "test_accuracy": a} for s, a in evals],
         "final_accuracy_is": f"mean of the last {opts.final_evals} held-out evaluations",
         "wall_seconds": round(time.time() - start, 1),
-        "test_puzzles": opts.eval_examples, "labelled_puzzles": opts.setting.labelled,
+        "test_puzzles": opts.eval_examples,
+        "labelled_puzzles": opts.setting.labelled,
         "sft_blanks": opts.setting.sft_blanks or "task default",
         "rl_and_test_blanks": opts.setting.rl_blanks or "task default",
-        "rl_steps": opts.rl_steps, "rl_ranks": opts.nproc, "likelihood": opts.likelihood,
-        "sft_steps": sft["sft_steps"], "sft_validation_accuracy": sft["sft_validation_accuracy"],
+        "rl_steps": opts.rl_steps,
+        "rl_ranks": opts.nproc,
+        "likelihood": opts.likelihood,
+        "sft_steps": sft["sft_steps"],
+        "sft_validation_accuracy": sft["sft_validation_accuracy"],
         "sft_seconds": sft["sft_seconds"],
     }
     tmp = os.path.join(opts.out, "summary.json.tmp")
@@ -80,6 +101,8 @@ def format_summary(summary: Dict[str, object]) -> str:
     for key in keys:
         value = summary[key]
         lines.append(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    lines.append("held-out accuracy by RL step: " + ", ".join(
-        f"{e['step']}: {e['test_accuracy']:.3f}" for e in summary["evaluations"]))
+    lines.append(
+        "held-out accuracy by RL step: "
+        + ", ".join(f"{e['step']}: {e['test_accuracy']:.3f}" for e in summary["evaluations"])
+    )
     return "\n".join(lines)

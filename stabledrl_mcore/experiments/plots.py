@@ -20,8 +20,13 @@ def plot_demo_curves(rows: List[Dict[str, float]], out_png: str) -> None:
     train = [r for r in rows if "reward_mean" in r]
     evals = [(r["step"], r["test_accuracy"]) for r in rows if "test_accuracy" in r]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    axes[0].plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=0.8, alpha=0.7,
-                 label="train reward (share of blanks right)")
+    axes[0].plot(
+        [r["step"] for r in train],
+        [r["reward_mean"] for r in train],
+        lw=0.8,
+        alpha=0.7,
+        label="train reward (share of blanks right)",
+    )
     if evals:
         axes[0].plot(*zip(*evals), "o-", label="held-out accuracy (step 0 = SFT start)")
     axes[0].set_xlabel("RL step")
@@ -44,8 +49,10 @@ def plot_stress(runs: Sequence[Dict[str, object]], out_png: str, window: int = 5
         label = f"{run['algo']}, {'noise' if run['noise'] else 'no noise'}"
         style = dict(color=colors.get(str(run["algo"])), linestyle="-" if run["noise"] else "--")
         steps, reward, grad = run["steps"], run["reward_curve"], run["grad_norm_curve"]
-        smooth = [sum(reward[max(0, i - window + 1):i + 1]) / len(reward[max(0, i - window + 1):i + 1])
-                  for i in range(len(reward))]
+        smooth = [
+            sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+            for i in range(len(reward))
+        ]
         axes[0].plot(steps, smooth, label=label, **style)
         axes[1].semilogy(steps, grad, lw=0.8, label=label, **style)
     axes[0].set_xlabel("RL step")

@@ -37,12 +37,16 @@ def run_in_process_ranks(config_path: str, nproc: int) -> None:
 
 def train_command(config_path: str) -> List[str]:
     """``stabledrl train`` of one config, without progress bars (its console goes to a log file)."""
-    return [sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", config_path,
-            "logging.progress=false"]
+    return [sys.executable, "-m", "stabledrl_mcore.cli", "train", "--config", config_path, "logging.progress=false"]
 
 
-def run_side_by_side(config_paths: Sequence[str], *, parallel: int = 2, poll: float = 1.0,
-                     command: Optional[Callable[[str], List[str]]] = None) -> List[int]:
+def run_side_by_side(
+    config_paths: Sequence[str],
+    *,
+    parallel: int = 2,
+    poll: float = 1.0,
+    command: Optional[Callable[[str], List[str]]] = None,
+) -> List[int]:
     """Run ``command(config)`` (default :func:`train_command`) per config, ``parallel`` at a time.
 
     Returns the exit codes. Each run's console goes to ``<its run dir>/train.log``.
@@ -59,8 +63,7 @@ def run_side_by_side(config_paths: Sequence[str], *, parallel: int = 2, poll: fl
                 index, path = pending.pop(0)
                 log = open(os.path.join(os.path.dirname(path), "train.log"), "w")
                 logs.append(log)
-                running[index] = subprocess.Popen(command(path), stdout=log, stderr=subprocess.STDOUT,
-                                                  env=env)
+                running[index] = subprocess.Popen(command(path), stdout=log, stderr=subprocess.STDOUT, env=env)
             for index, proc in list(running.items()):
                 if proc.poll() is not None:
                     codes[index] = proc.returncode

@@ -153,8 +153,14 @@ class SDPACoreAttention(MegatronModule):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
-                scale=self.softmax_scale, enable_gqa=gqa,
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -179,14 +185,12 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if args:
-            raise TypeError("HeadsMajorRotarySelfAttention takes the arguments after "
-                            "attention_mask by keyword")
+            raise TypeError("HeadsMajorRotarySelfAttention takes the arguments after attention_mask by keyword")
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
             rotary_pos_emb = None
         cos_sin = self._as_cos_sin(rotary_pos_emb)
         if cos_sin is None and rotary_pos_emb is not None:  # not ours to handle
-            return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                   **kwargs)
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb, **kwargs)
         # cast once per layer (q and k share it); the rotation runs in the activation dtype
         self._cos_sin = None if cos_sin is None else cos_sin.to(hidden_states.dtype).unbind(0)
         try:
@@ -196,8 +200,11 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
 
     def _as_cos_sin(self, rotary_pos_emb) -> Optional[torch.Tensor]:
         """``[2, B|1, 1, S, d]`` cos/signed sin for a full-width rotate-half rotary, else None."""
-        if (not isinstance(rotary_pos_emb, torch.Tensor) or self.config.rotary_interleaved
-                or hasattr(self.config, "yarn_rotary_scaling_factor")):  # YaRN scales cos/sin
+        if (
+            not isinstance(rotary_pos_emb, torch.Tensor)
+            or self.config.rotary_interleaved
+            or hasattr(self.config, "yarn_rotary_scaling_factor")
+        ):  # YaRN scales cos/sin
             return None
         if rotary_pos_emb.shape[-1] != self.config.kv_channels:
             return None
@@ -207,12 +214,11 @@ class HeadsMajorRotarySelfAttention(SelfAttention):
             return cos_sin_heads_major(rotary_pos_emb)
         return None
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
-                                    split_qkv=True):
-        tensors = super().get_query_key_value_tensors(hidden_states, key_value_states,
-                                                      output_gate=output_gate, split_qkv=split_qkv)
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        tensors = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
         if self._cos_sin is None:
             return tensors
         query, key = tensors[0], tensors[1]
-        return (rotate_heads_major(query, *self._cos_sin), rotate_heads_major(key, *self._cos_sin),
-                *tensors[2:])
+        return (rotate_heads_major(query, *self._cos_sin), rotate_heads_major(key, *self._cos_sin), *tensors[2:])

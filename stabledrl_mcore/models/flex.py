@@ -48,10 +48,10 @@ import warnings
 from typing import Optional
 
 import torch
-
-from stabledrl_mcore.models.masks import AttentionLayout, _host_to_device
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as eager
+
+from stabledrl_mcore.models.masks import AttentionLayout, _host_to_device
 
 FLEX_MIN_QUERY = 256
 """``auto`` uses flex attention on CUDA from this many queries on."""
@@ -70,8 +70,7 @@ def flex_importable() -> bool:
     return True
 
 
-def use_flex(backend: str, layout: AttentionLayout, sq: int, device: torch.device,
-             gqa: bool = False) -> bool:
+def use_flex(backend: str, layout: AttentionLayout, sq: int, device: torch.device, gqa: bool = False) -> bool:
     """Whether this call should run flex attention (see the module docstring).
 
     ``gqa``: the call shares key/value heads between query heads.
@@ -87,8 +86,9 @@ def use_flex(backend: str, layout: AttentionLayout, sq: int, device: torch.devic
     return layout.kind != "bidirectional" or gqa
 
 
-def block_mask(layout: AttentionLayout, sq: int, sk: int, device, *,
-               block_size: int = BLOCK_SIZE, compile: Optional[bool] = None):
+def block_mask(
+    layout: AttentionLayout, sq: int, sk: int, device, *, block_size: int = BLOCK_SIZE, compile: Optional[bool] = None
+):
     """The (cached) flex ``BlockMask`` of a layout's *pattern* for ``sq`` queries, ``sk`` keys.
 
     Padding is ignored (it is the ``score_mod`` of :func:`padding_score_mod`), so
@@ -102,11 +102,11 @@ def block_mask(layout: AttentionLayout, sq: int, sk: int, device, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _block_mask(layout: AttentionLayout, sq: int, sk: int, device: str, block_size: int,
-                compile: bool):
+def _block_mask(layout: AttentionLayout, sq: int, sk: int, device: str, block_size: int, compile: bool):
 
-    return create_block_mask(layout.layout_mod(sq, sk), None, None, sq, sk, device=device,
-                             BLOCK_SIZE=block_size, _compile=compile)
+    return create_block_mask(
+        layout.layout_mod(sq, sk), None, None, sq, sk, device=device, BLOCK_SIZE=block_size, _compile=compile
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -135,9 +135,17 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=None)
 
 
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout,
-                   scale: Optional[float] = None, enable_gqa: bool = False, *,
-                   compiled: Optional[bool] = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def flex_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    compiled: Optional[bool] = None,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
     """``[b, h, s, d]`` attention of ``q`` over ``k``/``v`` under ``layout`` (padding included).
 
     ``compiled`` (default: on CUDA) runs ``torch.compile(flex_attention)``; else the
@@ -151,9 +159,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: At
     score_mod = padding_score_mod(layout, sq, sk, device)
     compiled = q.device.type == "cuda" if compiled is None else compiled
     if compiled:
-        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-                                enable_gqa=enable_gqa)
+        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return eager(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-                     enable_gqa=enable_gqa)
+        return eager(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=enable_gqa)

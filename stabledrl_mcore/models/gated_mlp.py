@@ -50,8 +50,14 @@ class GateUpColumnParallelLinear(AutogradColumnParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         fused_training = fused_swiglu(self.config) and torch.is_grad_enabled()
-        if (self.split_gate_up and self.config.use_te_activation_func and not fused_training and not args
-                and _plain_matmul_applies(kwargs) and kwargs.get("bias") is None):
+        if (
+            self.split_gate_up
+            and self.config.use_te_activation_func
+            and not fused_training
+            and not args
+            and _plain_matmul_applies(kwargs)
+            and kwargs.get("bias") is None
+        ):
             gate_weight, up_weight = weight.chunk(2, dim=0)
             return F.linear(input, gate_weight), F.linear(input, up_weight)
         return super()._forward_impl(input, weight, *args, **kwargs)
@@ -99,9 +105,13 @@ def with_module_activation(config, layer_spec):
     submodules = getattr(mlp, "submodules", None)
     if getattr(submodules, "activation_func", None) is not SwiGLU or config.use_te_activation_func:
         return config
-    swiglu = (config.gated_linear_unit and config.activation_func is F.silu
-              and not config.add_bias_linear
-              and config.glu_linear_offset == 0.0 and config.activation_func_clamp_value is None)
+    swiglu = (
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and config.glu_linear_offset == 0.0
+        and config.activation_func_clamp_value is None
+    )
     if not swiglu:
         return config
     fused = config.bias_activation_fusion

@@ -114,8 +114,9 @@ class KVCache:
         one count per row as a tensor): a prompt's prefix shared by its G completions."""
         if self._staged is not None:
             raise RuntimeError("cannot repeat a KV cache during a forward; commit or discard it first")
-        self._buffers = {n: (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
-                         for n, (k, v) in self._buffers.items()}
+        self._buffers = {
+            n: (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)) for n, (k, v) in self._buffers.items()
+        }
 
     # -- used by the core attention and the model ----------------------------------
     def get(self, layer_number: int) -> Optional[KV]:
@@ -131,8 +132,10 @@ class KVCache:
         seq = key.shape[2]
         start, end = self.offset, self.offset + seq
         if self._length and layer_number not in self._buffers:
-            raise RuntimeError(f"KV cache has {self._length} positions but none for layer "
-                               f"{layer_number}; was it filled by another model?")
+            raise RuntimeError(
+                f"KV cache has {self._length} positions but none for layer "
+                f"{layer_number}; was it filled by another model?"
+            )
         keys, values = self._buffer(layer_number, key, end)
         keys[:, :, start:end].copy_(key)
         values[:, :, start:end].copy_(value)
@@ -144,8 +147,10 @@ class KVCache:
         buffers = self._buffers.get(layer_number)
         if buffers is not None and buffers[0].shape[:2] != key.shape[:2]:
             if self._length:
-                raise ValueError(f"KV cache batch/heads {tuple(buffers[0].shape[:2])} do not match "
-                                 f"the current keys {tuple(key.shape[:2])}")
+                raise ValueError(
+                    f"KV cache batch/heads {tuple(buffers[0].shape[:2])} do not match "
+                    f"the current keys {tuple(key.shape[:2])}"
+                )
             buffers = None  # an empty cache takes a new batch shape
         if buffers is not None and buffers[0].shape[3] != key.shape[3]:
             raise ValueError(f"KV cache head dim {buffers[0].shape[3]} does not match {key.shape[3]}")

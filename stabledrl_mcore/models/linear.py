@@ -25,8 +25,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 def _plain_matmul_applies(kwargs) -> bool:
     """True when Megatron's linear function would add nothing to ``F.linear``."""
-    return not (kwargs.get("gradient_accumulation_fusion") or kwargs.get("allreduce_dgrad")
-                or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer") is not None)
+    return not (
+        kwargs.get("gradient_accumulation_fusion")
+        or kwargs.get("allreduce_dgrad")
+        or kwargs.get("sequence_parallel")
+        or kwargs.get("grad_output_buffer") is not None
+    )
 
 
 class _PlainMatmulWhenUnfused:
@@ -42,8 +46,12 @@ class _PlainMatmulWhenUnfused:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         row_parallel = isinstance(self, RowParallelLinear)
-        if (self.tp_group is not None and self.tp_group.size() == 1 and not self.sequence_parallel
-                and (self.skip_bias_add or not row_parallel)):  # Megatron asserts this for rows
+        if (
+            self.tp_group is not None
+            and self.tp_group.size() == 1
+            and not self.sequence_parallel
+            and (self.skip_bias_add or not row_parallel)
+        ):  # Megatron asserts this for rows
             self.explicit_expert_comm = True
 
     def _forward_impl(self, input, weight, *args, **kwargs):

@@ -33,13 +33,15 @@ def _looks_sharded(logits: torch.Tensor) -> bool:
     flat = logits.detach().reshape(-1, logits.shape[-1])
     fingerprint = flat[:, :: max(1, logits.shape[-1] // 7)].float().sum() + logits.shape[-1]
     probe = torch.stack([fingerprint, -fingerprint])
-    torch.distributed.all_reduce(probe, op=torch.distributed.ReduceOp.MAX,
-                                 group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(
+        probe, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+    )
     return bool(probe[0] != -probe[1])
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *,
-                             vocab_parallel: Optional[bool] = None) -> torch.Tensor:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_parallel: Optional[bool] = None
+) -> torch.Tensor:
     """``log softmax(logits)[..., target]`` in fp32, shape of ``targets`` (e.g. ``[B, S]``).
 
     ``logits``: ``[B, S, V]`` (gathered) or ``[B, S, V/tp]`` (this rank's vocab
@@ -48,8 +50,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, *,
     Differentiable in both cases; the input logits are never modified.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
-                         "disagree on the leading dimensions")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the leading dimensions"
+        )
     tp = _tp_size()
     if vocab_parallel is None:
         vocab_parallel = tp > 1 and _looks_sharded(logits)

@@ -53,9 +53,14 @@ def block_index(seq_len: int, block_size: int, device: Optional[torch.device] = 
     return torch.arange(seq_len, device=device) // block_size
 
 
-def block_causal_mask(seq_len: int, block_size: int, *, offset: int = 0,
-                      key_len: Optional[int] = None,
-                      device: Optional[torch.device] = None) -> torch.Tensor:
+def block_causal_mask(
+    seq_len: int,
+    block_size: int,
+    *,
+    offset: int = 0,
+    key_len: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
     """Block-causal mask for queries at positions ``offset..offset+seq_len-1``.
 
     ``key_len`` (default ``offset + seq_len``) covers keys ``0..key_len-1``, which
@@ -189,8 +194,9 @@ class AttentionLayout:
         return cls("block_causal", int(block_size), tuple(pad or ()))
 
     @classmethod
-    def staircase(cls, block_size: int, pad: Optional[Sequence[int]] = None,
-                  noisy_len: Optional[int] = None) -> "AttentionLayout":
+    def staircase(
+        cls, block_size: int, pad: Optional[Sequence[int]] = None, noisy_len: Optional[int] = None
+    ) -> "AttentionLayout":
         """SDAR training over ``[x_t | x_0]`` (see the module docstring)."""
         return cls("staircase", int(block_size), tuple(pad or ()), int(noisy_len or 0))
 
@@ -209,8 +215,11 @@ class AttentionLayout:
     # -- descriptor round trip ------------------------------------------------------
     def to_tensor(self) -> torch.Tensor:
         """``int64`` CPU descriptor ``[tag, kind, block_size, noisy_len, B, pad_0..pad_{B-1}]``."""
-        return torch.tensor([_DESCRIPTOR_TAG, _KINDS.index(self.kind), self.block_size,
-                             self.noisy_len, len(self.pad), *self.pad], dtype=torch.int64, device="cpu")
+        return torch.tensor(
+            [_DESCRIPTOR_TAG, _KINDS.index(self.kind), self.block_size, self.noisy_len, len(self.pad), *self.pad],
+            dtype=torch.int64,
+            device="cpu",
+        )
 
     @staticmethod
     def is_descriptor(mask: object) -> bool:
@@ -218,8 +227,13 @@ class AttentionLayout:
 
         Only CPU tensors qualify, so the check never synchronises a GPU.
         """
-        if not (isinstance(mask, torch.Tensor) and mask.dim() == 1 and mask.dtype == torch.int64
-                and mask.device.type == "cpu" and mask.numel() >= _HEADER):
+        if not (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 1
+            and mask.dtype == torch.int64
+            and mask.device.type == "cpu"
+            and mask.numel() >= _HEADER
+        ):
             return False
         return int(mask[0]) == _DESCRIPTOR_TAG and mask.numel() == _HEADER + int(mask[4])
 
@@ -242,15 +256,16 @@ class AttentionLayout:
         if self.kind == "staircase":
             n = self._half(sq)
             if sq != sk or not (n <= sq <= 2 * n) or (not self.noisy_len and sq % 2):
-                raise ValueError(f"staircase needs equal query/key lengths of 2n (or n..2n with "
-                                 f"noisy_len=n), got {sq}, {sk} with noisy_len={self.noisy_len} "
-                                 "(a KV cache cannot be combined with the staircase layout)")
+                raise ValueError(
+                    f"staircase needs equal query/key lengths of 2n (or n..2n with "
+                    f"noisy_len=n), got {sq}, {sk} with noisy_len={self.noisy_len} "
+                    "(a KV cache cannot be combined with the staircase layout)"
+                )
         if self.pad:
             if batch is not None and len(self.pad) != batch:
                 raise ValueError(f"layout pads {len(self.pad)} rows, the batch has {batch}")
             if self.kind == "bidirectional" and max(self.pad) >= sk:
-                raise ValueError(f"a row padded over all its {sk} keys would see nothing "
-                                 f"(pad counts {self.pad})")
+                raise ValueError(f"a row padded over all its {sk} keys would see nothing (pad counts {self.pad})")
 
     # -- predicates ---------------------------------------------------------------------
     def _positions(self, sq: int, sk: int):

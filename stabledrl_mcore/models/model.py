@@ -51,8 +51,16 @@ MaskArg = Union[None, torch.Tensor, AttentionLayout]
 class DLLMModel(LanguageModule):
     """LLaDA / SDAR backbone. Build it with :func:`build_model`."""
 
-    def __init__(self, dllm_config: DLLMConfig, config: TransformerConfig, layer_spec,
-                 *, pre_process: bool = True, post_process: bool = True, pg_collection=None):
+    def __init__(
+        self,
+        dllm_config: DLLMConfig,
+        config: TransformerConfig,
+        layer_spec,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection=None,
+    ):
         config = with_module_activation(config, layer_spec)  # the local spec's SwiGLU module
         super().__init__(config=config, pg_collection=pg_collection)
         self.dllm_config = dllm_config.validate()
@@ -64,20 +72,37 @@ class DLLMModel(LanguageModule):
         self.learned_positions = dllm_config.position_embedding == "learned"
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=config, vocab_size=self.padded_vocab_size,
+                config=config,
+                vocab_size=self.padded_vocab_size,
                 max_sequence_length=dllm_config.max_position_embeddings,
                 position_embedding_type="learned_absolute" if self.learned_positions else "rope",
-                num_tokentypes=dllm_config.num_segments, tp_group=self.pg_collection.tp)
-        self.decoder = TransformerBlock(config=config, spec=layer_spec, pre_process=pre_process,
-                                        post_process=post_process, pg_collection=self.pg_collection)
+                num_tokentypes=dllm_config.num_segments,
+                tp_group=self.pg_collection.tp,
+            )
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=layer_spec,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=self.pg_collection,
+        )
         # The local spec's attention takes cos/sin, Megatron's (TE spec) takes angles.
-        self._rotary = (rotary_cos_sin if layer_spec.submodules.self_attention.module
-                        is HeadsMajorRotarySelfAttention else rotary_angles)
+        self._rotary = (
+            rotary_cos_sin
+            if layer_spec.submodules.self_attention.module is HeadsMajorRotarySelfAttention
+            else rotary_angles
+        )
         if post_process:
             self.output_layer = AutogradColumnParallelLinear(
-                config.hidden_size, self.padded_vocab_size, config=config,
-                init_method=config.init_method, bias=False, skip_bias_add=False,
-                gather_output=False, tp_group=self.pg_collection.tp)
+                config.hidden_size,
+                self.padded_vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=False,
+                tp_group=self.pg_collection.tp,
+            )
         self.setup_embeddings_and_output_layer()
         for attention in self.core_attentions():
             attention.backend = dllm_config.attention_backend
@@ -101,10 +126,17 @@ class DLLMModel(LanguageModule):
         self.decoder.set_input_tensor(input_tensor)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                attention_mask: MaskArg = None, *, kv_cache: Optional[KVCache] = None,
-                gather_output: bool = True, segment_ids: Optional[torch.Tensor] = None,
-                logit_positions: Optional[slice] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: MaskArg = None,
+        *,
+        kv_cache: Optional[KVCache] = None,
+        gather_output: bool = True,
+        segment_ids: Optional[torch.Tensor] = None,
+        logit_positions: Optional[slice] = None,
+    ) -> torch.Tensor:
         """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
         hidden states ``[S, B, H]`` on the other stages.
 
@@ -134,9 +166,11 @@ class DLLMModel(LanguageModule):
         if separator is not None and (self.pre_process or not self.learned_positions):
             if segment_ids is None:
                 if input_ids is None or (kv_cache is not None and kv_cache.length):
-                    raise ValueError("segment_separator_id derives positions from the whole input_ids: it "
-                                     "needs them on every stage with RoPE; after a filled KV cache pass "
-                                     "position_ids and segment_ids (segment_positions of the whole rows)")
+                    raise ValueError(
+                        "segment_separator_id derives positions from the whole input_ids: it "
+                        "needs them on every stage with RoPE; after a filled KV cache pass "
+                        "position_ids and segment_ids (segment_positions of the whole rows)"
+                    )
                 derived, segment_ids = segment_positions(input_ids, separator)
                 position_ids = derived if position_ids is None else position_ids
             segment_ids = segment_ids.clamp(max=max(self.dllm_config.num_segments - 1, 0))
@@ -151,10 +185,14 @@ class DLLMModel(LanguageModule):
             hidden = self.embedding(
                 input_ids=input_ids,
                 position_ids=position_ids.expand_as(input_ids) if self.learned_positions else None,
-                tokentype_ids=segment_ids if self.dllm_config.num_segments else None)
+                tokentype_ids=segment_ids if self.dllm_config.num_segments else None,
+            )
             hidden = _canonical_strides(hidden)
-        rotary = None if self.learned_positions else self._rotary(
-            _shared_rows(position_ids), self.config.kv_channels, self.dllm_config.rope_theta)
+        rotary = (
+            None
+            if self.learned_positions
+            else self._rotary(_shared_rows(position_ids), self.config.kv_channels, self.dllm_config.rope_theta)
+        )
         mask = _decoder_mask(attention_mask)
 
         attentions = self.core_attentions() if kv_cache is not None else []
@@ -240,8 +278,9 @@ def _shared_rows(position_ids: torch.Tensor) -> torch.Tensor:
     """
     if position_ids.dim() != 2 or position_ids.shape[0] <= 1:
         return position_ids
-    if position_ids.stride(0) == 0 or (position_ids.device.type == "cpu"
-                                       and bool((position_ids == position_ids[:1]).all())):
+    if position_ids.stride(0) == 0 or (
+        position_ids.device.type == "cpu" and bool((position_ids == position_ids[:1]).all())
+    ):
         return position_ids[:1]
     return position_ids
 
@@ -261,20 +300,28 @@ def _decoder_mask(attention_mask: MaskArg) -> Optional[torch.Tensor]:
         return None if attention_mask.unmasked else _descriptor(attention_mask)
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.dtype != torch.bool:
-            raise TypeError(f"attention_mask must be a bool tensor (True = blocked), "
-                            f"got {attention_mask.dtype}")
+            raise TypeError(f"attention_mask must be a bool tensor (True = blocked), got {attention_mask.dtype}")
         if attention_mask.dim() != 4:
-            raise ValueError(f"attention_mask must be 4-D (broadcastable to [B, 1, S, S_k]), "
-                             f"got shape {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be 4-D (broadcastable to [B, 1, S, S_k]), got shape {tuple(attention_mask.shape)}"
+            )
         return attention_mask
-    raise TypeError(f"attention_mask must be None, a bool tensor or an AttentionLayout, "
-                    f"got {type(attention_mask).__name__}")
+    raise TypeError(
+        f"attention_mask must be None, a bool tensor or an AttentionLayout, got {type(attention_mask).__name__}"
+    )
 
 
-def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
-                post_process: Optional[bool] = None, params_dtype: torch.dtype = torch.float32,
-                recompute: Union[bool, str] = False, use_te: Optional[bool] = None,
-                stock_local: bool = False, device: Union[None, str, torch.device] = None) -> DLLMModel:
+def build_model(
+    cfg: DLLMConfig,
+    *,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    params_dtype: torch.dtype = torch.float32,
+    recompute: Union[bool, str] = False,
+    use_te: Optional[bool] = None,
+    stock_local: bool = False,
+    device: Union[None, str, torch.device] = None,
+) -> DLLMModel:
     """Build this rank's stage of the backbone (after ``parallel.bootstrap.initialize``).
 
     ``pre_process``/``post_process`` default to whether this rank is the first /
@@ -295,8 +342,9 @@ def build_model(cfg: DLLMConfig, *, pre_process: Optional[bool] = None,
         post_process = parallel_state.is_pipeline_last_stage()
     device = default_device() if device is None else torch.device(device)
     meta = device.type == "meta"
-    spec = dllm_layer_spec(qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local,
-                           num_experts=cfg.num_experts)
+    spec = dllm_layer_spec(
+        qk_layernorm=cfg.qk_layernorm, use_te=use_te, stock_local=stock_local, num_experts=cfg.num_experts
+    )
     extra = {"perform_initialization": False, "use_cpu_initialization": True} if meta else {}
     if cfg.is_moe:  # TE's grouped experts on the TE spec, Megatron's SequentialMLP otherwise
         from megatron.core.transformer.moe.experts import SequentialMLP

@@ -25,6 +25,7 @@ from typing import Dict, List
 import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
+
 from stabledrl_mcore.parallel.bootstrap import comm_device
 
 if not hasattr(moe_utils, "te_general_gemm"):
@@ -44,8 +45,8 @@ class _TokenShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         full = grad.new_zeros((sum(ctx.sizes),) + tuple(grad.shape[1:]))
-        offset = sum(ctx.sizes[:ctx.rank])
-        full[offset:offset + grad.shape[0]] = grad
+        offset = sum(ctx.sizes[: ctx.rank])
+        full[offset : offset + grad.shape[0]] = grad
         torch.distributed.all_reduce(full, group=ctx.group)
         return full, None, None, None
 
@@ -60,15 +61,15 @@ class _GatherTokens(torch.autograd.Function):
         ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
         longest = max(sizes)
         padded = share.new_zeros((longest,) + tuple(share.shape[1:]))
-        padded[:share.shape[0]] = share
+        padded[: share.shape[0]] = share
         out = share.new_empty((longest * len(sizes),) + tuple(share.shape[1:]))
         torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
-        return torch.cat([out[i * longest:i * longest + n] for i, n in enumerate(sizes)])
+        return torch.cat([out[i * longest : i * longest + n] for i, n in enumerate(sizes)])
 
     @staticmethod
     def backward(ctx, grad):
-        offset = sum(ctx.sizes[:ctx.rank])
-        return grad[offset:offset + ctx.sizes[ctx.rank]].contiguous(), None, None, None
+        offset = sum(ctx.sizes[: ctx.rank])
+        return grad[offset : offset + ctx.sizes[ctx.rank]].contiguous(), None, None, None
 
 
 class DLLMMoELayer(MoELayer):
@@ -110,8 +111,7 @@ class DLLMMoELayer(MoELayer):
         if count < world and not torch.is_grad_enabled():  # too few to share: every rank routes all
             return self._unguarded_forward(hidden_states)
         if count < world:
-            raise ValueError(f"an MoE forward at tensor_parallel={world} needs at least {world} tokens, "
-                             f"got {count}")
+            raise ValueError(f"an MoE forward at tensor_parallel={world} needs at least {world} tokens, got {count}")
         sizes = [count // world + (1 if r < count % world else 0) for r in range(world)]  # tensor_split's
         share = _TokenShard.apply(hidden_states.reshape(count, 1, hidden), sizes, rank, group)
         output, bias = self._unguarded_forward(share)
@@ -202,6 +202,7 @@ class RoutingRecorder:
             self.slots[layer] += float(routing_map.shape[0] * module.topk)
             if self.keep_maps:
                 self.maps[layer].append(routing_map.cpu())
+
         return record
 
     def summary(self, group=None) -> Dict[str, float]:
@@ -213,15 +214,17 @@ class RoutingRecorder:
             return {}
         counts, slots = self.counts.clone(), self.slots.clone()
         if torch.distributed.is_initialized() and (group is None or torch.distributed.get_world_size(group) > 1):
-
             both = torch.cat([counts.flatten(), slots]).to(comm_device())
             torch.distributed.all_reduce(both, group=group)
-            counts, slots = both[:counts.numel()].view_as(counts), both[counts.numel():]
+            counts, slots = both[: counts.numel()].view_as(counts), both[counts.numel() :]
         counts, slots = counts.cpu(), slots.cpu()  # the one host copy
         kept = counts.sum(-1)
         if not bool((kept > 0).all()):
             return {}
         share = counts / kept[:, None] * counts.shape[1]  # 1 = the even share
-        return {"router_load_max": float(share.max()), "router_load_min": float(share.min()),
-                "router_load_cv": float((share.std(-1, unbiased=False)).mean()),
-                "router_dropped_frac": float(((slots - kept) / slots).mean())}
+        return {
+            "router_load_max": float(share.max()),
+            "router_load_min": float(share.min()),
+            "router_load_cv": float((share.std(-1, unbiased=False)).mean()),
+            "router_dropped_frac": float(((slots - kept) / slots).mean()),
+        }

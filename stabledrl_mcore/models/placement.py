@@ -31,8 +31,7 @@ def model_device(model) -> torch.device:
     raise ValueError("the model has no parameters, so it has no device")
 
 
-def place_model(model: torch.nn.Module, device: Union[str, torch.device],
-                params_dtype: torch.dtype) -> torch.nn.Module:
+def place_model(model: torch.nn.Module, device: Union[str, torch.device], params_dtype: torch.dtype) -> torch.nn.Module:
     """Every parameter and buffer on ``device``, every floating parameter in ``params_dtype``.
 
     Megatron creates its linears and embeddings on ``cuda:current`` (or the CPU with

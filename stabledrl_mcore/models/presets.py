@@ -16,13 +16,14 @@ files (GSAI-ML/LLaDA-8B-Instruct, JetLM/SDAR-8B-Chat).
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-import os
-import shutil
 import torch.nn.functional as F
+
 from stabledrl_mcore.common.errors import UserError
 
 ARCHS = ("llada", "sdar")
@@ -135,8 +136,11 @@ class DLLMConfig:
         h, d = self.hidden_size, self.kv_channels
         attn = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
         attn += self.num_attention_heads * d * h + (2 * d if self.qk_layernorm else 0)
-        mlp = 3 * h * self.moe_ffn_hidden_size * self.num_experts + self.num_experts * h if self.is_moe \
+        mlp = (
+            3 * h * self.moe_ffn_hidden_size * self.num_experts + self.num_experts * h
+            if self.is_moe
             else 3 * h * self.ffn_hidden_size
+        )
         tables = (self.max_position_embeddings if self.position_embedding == "learned" else 0) + self.num_segments
         return self.num_layers * (attn + mlp + 2 * h) + 2 * self.vocab_size * h + h + tables * h
 
@@ -154,19 +158,30 @@ class DLLMConfig:
         problems: List[str] = []
         if self.arch not in ARCHS:
             problems.append(f"arch must be one of {ARCHS}, got {self.arch!r}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-                     "make_vocab_size_divisible_by"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive int, got {value!r}")
         if not problems:
             if self.num_attention_heads % self.num_query_groups:
-                problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a "
-                                f"multiple of num_query_groups ({self.num_query_groups})")
+                problems.append(
+                    f"num_attention_heads ({self.num_attention_heads}) must be a "
+                    f"multiple of num_query_groups ({self.num_query_groups})"
+                )
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-                problems.append(f"hidden_size ({self.hidden_size}) is not divisible by "
-                                f"num_attention_heads ({self.num_attention_heads}); set head_dim")
+                problems.append(
+                    f"hidden_size ({self.hidden_size}) is not divisible by "
+                    f"num_attention_heads ({self.num_attention_heads}); set head_dim"
+                )
             if self.kv_channels % 2:
                 problems.append(f"head_dim ({self.kv_channels}) must be even for rotate-half RoPE")
             for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
@@ -182,16 +197,18 @@ class DLLMConfig:
         problems += self._position_problems()
         problems += self._moe_problems()
         if self.attention_backend not in ATTENTION_BACKENDS:
-            problems.append(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                            f"got {self.attention_backend!r}")
+            problems.append(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if problems:
             raise ModelConfigError("invalid DLLMConfig: " + "; ".join(problems))
         return self
 
     def _moe_problems(self) -> List[str]:
         if self.num_experts is None:
-            return [] if self.moe_ffn_hidden_size is None else [
-                "moe_ffn_hidden_size is set but num_experts is None (a dense model); set num_experts"]
+            return (
+                []
+                if self.moe_ffn_hidden_size is None
+                else ["moe_ffn_hidden_size is set but num_experts is None (a dense model); set num_experts"]
+            )
         problems: List[str] = []
         if not isinstance(self.num_experts, int) or self.num_experts < 2:
             problems.append(f"num_experts must be an int >= 2 or None, got {self.num_experts!r}")
@@ -210,8 +227,7 @@ class DLLMConfig:
     def _position_problems(self) -> List[str]:
         problems: List[str] = []
         if self.position_embedding not in POSITION_EMBEDDINGS:
-            problems.append(f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
-                            f"got {self.position_embedding!r}")
+            problems.append(f"position_embedding must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}")
         sep = self.segment_separator_id
         if sep is not None and (not isinstance(sep, int) or not 0 <= sep < self.vocab_size):
             problems.append(f"segment_separator_id ({sep!r}) is outside the vocabulary [0, {self.vocab_size})")
@@ -244,52 +260,161 @@ class DLLMConfig:
 
 _PRESETS: Dict[str, Dict[str, Any]] = {
     # GSAI-ML/LLaDA-8B-{Base,Instruct} config.json.
-    "llada-8b": dict(arch="llada", vocab_size=126464, hidden_size=4096, num_layers=32,
-                     num_attention_heads=32, num_query_groups=32, ffn_hidden_size=12288,
-                     rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=4096,
-                     mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
-                     bos_token_id=126080),
+    "llada-8b": dict(
+        arch="llada",
+        vocab_size=126464,
+        hidden_size=4096,
+        num_layers=32,
+        num_attention_heads=32,
+        num_query_groups=32,
+        ffn_hidden_size=12288,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_position_embeddings=4096,
+        mask_token_id=126336,
+        eos_token_id=126081,
+        pad_token_id=126081,
+        bos_token_id=126080,
+    ),
     # JetLM/SDAR-8B-Chat: Qwen3-8B shape; <|MASK|> 151669, <|im_end|> eos, <|endoftext|> pad.
-    "sdar-8b": dict(arch="sdar", vocab_size=151936, hidden_size=4096, num_layers=36,
-                    num_attention_heads=32, num_query_groups=8, head_dim=128, ffn_hidden_size=12288,
-                    rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
-                    max_position_embeddings=32768, block_size=4, mask_token_id=151669,
-                    eos_token_id=151645, pad_token_id=151643),
+    "sdar-8b": dict(
+        arch="sdar",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=36,
+        num_attention_heads=32,
+        num_query_groups=8,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_layernorm=True,
+        max_position_embeddings=32768,
+        block_size=4,
+        mask_token_id=151669,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    ),
     # JetLM/SDAR-30B-A3B-Chat: the Qwen3-30B-A3B shape (48 layers, 128 experts of width 768, top-8
     # with renormalised probabilities, every layer an MoE layer) and SDAR's block size and ids.
-    "sdar-30b-a3b": dict(arch="sdar", vocab_size=151936, hidden_size=2048, num_layers=48,
-                         num_attention_heads=32, num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
-                         rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
-                         max_position_embeddings=40960, block_size=4, mask_token_id=151669,
-                         eos_token_id=151645, pad_token_id=151643, num_experts=128,
-                         moe_ffn_hidden_size=768, moe_router_topk=8, moe_norm_topk_prob=True),
+    "sdar-30b-a3b": dict(
+        arch="sdar",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_layernorm=True,
+        max_position_embeddings=40960,
+        block_size=4,
+        mask_token_id=151669,
+        eos_token_id=151645,
+        pad_token_id=151643,
+        num_experts=128,
+        moe_ffn_hidden_size=768,
+        moe_router_topk=8,
+        moe_norm_topk_prob=True,
+    ),
     # ~0.23M parameters: unit tests and the CPU demo. Ids: pad 0, bos 1, eos 2, mask = last.
-    "llada-tiny": dict(arch="llada", vocab_size=256, hidden_size=64, num_layers=4,
-                       num_attention_heads=4, num_query_groups=4, ffn_hidden_size=176,
-                       rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=512,
-                       mask_token_id=255, eos_token_id=2, pad_token_id=0, bos_token_id=1),
-    "sdar-tiny": dict(arch="sdar", vocab_size=256, hidden_size=64, num_layers=4,
-                      num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=176,
-                      rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
-                      max_position_embeddings=512, block_size=4, mask_token_id=255,
-                      eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    "llada-tiny": dict(
+        arch="llada",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_query_groups=4,
+        ffn_hidden_size=176,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_position_embeddings=512,
+        mask_token_id=255,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
+    "sdar-tiny": dict(
+        arch="sdar",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=176,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_layernorm=True,
+        max_position_embeddings=512,
+        block_size=4,
+        mask_token_id=255,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
     # sdar-tiny with 4 experts of width 48, top-2: the MoE tests and CPU benchmarks.
-    "sdar-moe-tiny": dict(arch="sdar", vocab_size=256, hidden_size=64, num_layers=2,
-                          num_attention_heads=4, num_query_groups=2, head_dim=16, ffn_hidden_size=176,
-                          rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
-                          max_position_embeddings=512, block_size=4, mask_token_id=255,
-                          eos_token_id=2, pad_token_id=0, bos_token_id=1, num_experts=4,
-                          moe_ffn_hidden_size=48, moe_router_topk=2, moe_norm_topk_prob=True),
+    "sdar-moe-tiny": dict(
+        arch="sdar",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=176,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_layernorm=True,
+        max_position_embeddings=512,
+        block_size=4,
+        mask_token_id=255,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        num_experts=4,
+        moe_ffn_hidden_size=48,
+        moe_router_topk=2,
+        moe_norm_topk_prob=True,
+    ),
     # ~100M parameters: throughput benchmarks and CPU smoke runs of the full stack.
-    "llada-100m": dict(arch="llada", vocab_size=32768, hidden_size=768, num_layers=8,
-                       num_attention_heads=12, num_query_groups=12, ffn_hidden_size=2048,
-                       rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=2048,
-                       mask_token_id=32767, eos_token_id=2, pad_token_id=0, bos_token_id=1),
-    "sdar-100m": dict(arch="sdar", vocab_size=32768, hidden_size=768, num_layers=8,
-                      num_attention_heads=12, num_query_groups=4, head_dim=64, ffn_hidden_size=2048,
-                      rope_theta=1000000.0, norm_eps=1e-6, qk_layernorm=True,
-                      max_position_embeddings=2048, block_size=4, mask_token_id=32767,
-                      eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    "llada-100m": dict(
+        arch="llada",
+        vocab_size=32768,
+        hidden_size=768,
+        num_layers=8,
+        num_attention_heads=12,
+        num_query_groups=12,
+        ffn_hidden_size=2048,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_position_embeddings=2048,
+        mask_token_id=32767,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
+    "sdar-100m": dict(
+        arch="sdar",
+        vocab_size=32768,
+        hidden_size=768,
+        num_layers=8,
+        num_attention_heads=12,
+        num_query_groups=4,
+        head_dim=64,
+        ffn_hidden_size=2048,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_layernorm=True,
+        max_position_embeddings=2048,
+        block_size=4,
+        mask_token_id=32767,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
 }
 
 
@@ -326,18 +451,23 @@ def _parallel_sizes(parallel: Union[None, Dict[str, Any], Any]) -> Dict[str, Any
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
-            return dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+            return dict(
+                tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            )
         return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if isinstance(parallel, dict):
         return dict(parallel)
-    sizes = dict(tensor_model_parallel_size=parallel.tensor_parallel,
-                 pipeline_model_parallel_size=parallel.pipeline_parallel)
+    sizes = dict(
+        tensor_model_parallel_size=parallel.tensor_parallel, pipeline_model_parallel_size=parallel.pipeline_parallel
+    )
     if getattr(parallel, "expert_parallel", 1) > 1 or getattr(parallel, "expert_tensor_parallel", None):
-        sizes.update(expert_model_parallel_size=parallel.expert_parallel,
-                     expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel)
+        sizes.update(
+            expert_model_parallel_size=parallel.expert_parallel,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel,
+        )
     return sizes
 
 
@@ -353,14 +483,22 @@ def moe_transformer_config(cfg: DLLMConfig) -> Dict[str, Any]:
         return {}
     balancing = "aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none"
     return dict(
-        num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-        moe_router_topk=cfg.moe_router_topk, moe_router_score_function="softmax",
-        moe_router_pre_softmax=not cfg.moe_norm_topk_prob, moe_router_dtype="fp32",
-        moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None, moe_expert_capacity_factor=cfg.moe_capacity_factor,
-        moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-        moe_permute_fusion=False)
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type=balancing,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=cfg.moe_capacity_factor,
+        moe_pad_expert_input_to_capacity=False,
+        moe_token_drop_policy="probs",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+    )
 
 
 def swiglu_fusion_available() -> bool:
@@ -410,13 +548,16 @@ def use_swiglu_fusion(cfg: "DLLMConfig") -> bool:
     setting = os.environ.get("STABLEDRL_SWIGLU_FUSION", "auto").strip().lower()
     if setting in ("0", "false", "no", "off", "1", "true", "yes", "on"):
         return swiglu_fusion_available()
-    return swiglu_fusion_available() and (torch.cuda.is_available()
-                                          or cfg.ffn_hidden_size >= CPU_SWIGLU_FUSION_MIN_FFN)
+    return swiglu_fusion_available() and (torch.cuda.is_available() or cfg.ffn_hidden_size >= CPU_SWIGLU_FUSION_MIN_FFN)
 
 
-def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any], Any] = None,
-                          dtype: torch.dtype = torch.float32,
-                          recompute: Union[bool, str] = False, **overrides: Any):
+def to_transformer_config(
+    cfg: DLLMConfig,
+    parallel: Union[None, Dict[str, Any], Any] = None,
+    dtype: torch.dtype = torch.float32,
+    recompute: Union[bool, str] = False,
+    **overrides: Any,
+):
     """Translate a :class:`DLLMConfig` into Megatron-Core's ``TransformerConfig``.
 
     ``parallel``: None (read Megatron's parallel state), a dict of
@@ -432,18 +573,33 @@ def to_transformer_config(cfg: DLLMConfig, parallel: Union[None, Dict[str, Any],
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ModelConfigError(f"unsupported dtype {dtype}")
     kwargs: Dict[str, Any] = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
-        normalization="RMSNorm", layernorm_epsilon=cfg.norm_eps, qk_layernorm=cfg.qk_layernorm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=cfg.init_std, embedding_init_method_std=cfg.embedding_init_std,
-        rotary_interleaved=False, apply_rope_fusion=False,
-        bias_activation_fusion=use_swiglu_fusion(cfg), masked_softmax_fusion=False,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        qk_layernorm=cfg.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        embedding_init_method_std=cfg.embedding_init_std,
+        rotary_interleaved=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=use_swiglu_fusion(cfg),
+        masked_softmax_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         cuda_graph_scope=[],  # Megatron's default "full" only triggers a deprecation warning
     )

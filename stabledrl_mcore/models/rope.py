@@ -26,7 +26,7 @@ import torch
 def inv_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """``theta ** (-2i / d)`` for ``i < d/2`` in fp32 (same arithmetic as HF's default RoPE)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponent)
+    return 1.0 / (theta**exponent)
 
 
 def rotary_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:

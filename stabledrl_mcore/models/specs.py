@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from stabledrl_mcore.models import moe
 from stabledrl_mcore.models.attention import HeadsMajorRotarySelfAttention, SDPACoreAttention
 from stabledrl_mcore.models.gated_mlp import GateUpColumnParallelLinear, SwiGLU
 from stabledrl_mcore.models.linear import AutogradColumnParallelLinear, AutogradRowParallelLinear
-import torch
-from stabledrl_mcore.models import moe
 
 
 class SpecError(RuntimeError):
@@ -44,8 +44,10 @@ def te_unavailable_reason() -> str | None:
             import transformer_engine  # noqa: F401
         except ImportError:
             return "transformer_engine is not installed (pip install -e .[gpu])"
-        return ("transformer_engine is installed but megatron.core.extensions.transformer_engine "
-                "does not import with it (a version mismatch with megatron-core)")
+        return (
+            "transformer_engine is installed but megatron.core.extensions.transformer_engine "
+            "does not import with it (a version mismatch with megatron-core)"
+        )
     return None
 
 
@@ -54,8 +56,9 @@ def te_available() -> bool:
     return te_unavailable_reason() is None
 
 
-def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
-                    stock_local: bool = False, num_experts: int | None = None) -> ModuleSpec:
+def dllm_layer_spec(
+    *, qk_layernorm: bool = False, use_te: bool | None = None, stock_local: bool = False, num_experts: int | None = None
+) -> ModuleSpec:
     """The transformer-layer spec for LLaDA (``qk_layernorm=False``) and SDAR (``True``).
 
     Megatron's own GPT layer (local or TE flavour) with ``attn_mask_type=arbitrary``
@@ -77,17 +80,21 @@ def dllm_layer_spec(*, qk_layernorm: bool = False, use_te: bool | None = None,
 
     reason = te_unavailable_reason() if use_te is not False else None
     if use_te and reason:
-        raise SpecError(f"use_te=True but the Transformer Engine spec cannot be built: {reason}; "
-                        "use the local spec (use_te=None or False)")
+        raise SpecError(
+            f"use_te=True but the Transformer Engine spec cannot be built: {reason}; "
+            "use the local spec (use_te=None or False)"
+        )
     use_te = reason is None if use_te is None else use_te
     if num_experts is not None:
         pass
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm)
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
+        )
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                        qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+        )
     spec = copy.deepcopy(spec)
     if num_experts is not None:
         spec.submodules.mlp.module = moe.DLLMMoELayer  # trainable at TP > 1 (see .moe)

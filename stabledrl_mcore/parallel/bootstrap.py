@@ -21,15 +21,15 @@ import datetime
 import os
 import random
 import re
+import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
 import numpy as np
+import torch
 
-import socket
-from stabledrl_mcore.parallel import cpu_compat
 from stabledrl_mcore.common.errors import UserError
+from stabledrl_mcore.parallel import cpu_compat
 
 
 class ParallelLayoutError(UserError, ValueError):
@@ -123,34 +123,42 @@ def validate_parallel_layout(
     """
     problems = []
     if tensor_parallel < 1 or pipeline_parallel < 1:
-        problems.append(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel "
-                        f"({pipeline_parallel}) must be >= 1")
+        problems.append(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel ({pipeline_parallel}) must be >= 1")
     elif world_size % (tensor_parallel * pipeline_parallel):
         problems.append(
             f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel "
-            f"= {tensor_parallel} x {pipeline_parallel} = {tensor_parallel * pipeline_parallel}")
+            f"= {tensor_parallel} x {pipeline_parallel} = {tensor_parallel * pipeline_parallel}"
+        )
     if num_attention_heads is not None and tensor_parallel >= 1 and num_attention_heads % tensor_parallel:
-        problems.append(f"num_attention_heads ({num_attention_heads}) is not divisible by "
-                        f"tensor_parallel ({tensor_parallel})")
+        problems.append(
+            f"num_attention_heads ({num_attention_heads}) is not divisible by tensor_parallel ({tensor_parallel})"
+        )
     if num_query_groups is not None and tensor_parallel >= 1 and num_query_groups % tensor_parallel:
-        problems.append(f"num_query_groups ({num_query_groups}) is not divisible by "
-                        f"tensor_parallel ({tensor_parallel})")
+        problems.append(
+            f"num_query_groups ({num_query_groups}) is not divisible by tensor_parallel ({tensor_parallel})"
+        )
     if num_layers is not None and pipeline_parallel >= 1 and num_layers % pipeline_parallel:
-        problems.append(f"num_layers ({num_layers}) is not divisible by "
-                        f"pipeline_parallel ({pipeline_parallel})")
+        problems.append(f"num_layers ({num_layers}) is not divisible by pipeline_parallel ({pipeline_parallel})")
     if vocab_size is not None and tensor_parallel >= 1 and vocab_size % tensor_parallel:
-        problems.append(f"vocab_size ({vocab_size}) is not divisible by "
-                        f"tensor_parallel ({tensor_parallel}); pad the vocabulary")
-    problems += _expert_layout_problems(world_size, tensor_parallel, pipeline_parallel, expert_parallel,
-                                        expert_tensor_parallel, num_experts)
+        problems.append(
+            f"vocab_size ({vocab_size}) is not divisible by tensor_parallel ({tensor_parallel}); pad the vocabulary"
+        )
+    problems += _expert_layout_problems(
+        world_size, tensor_parallel, pipeline_parallel, expert_parallel, expert_tensor_parallel, num_experts
+    )
     if problems:
         raise ParallelLayoutError("invalid parallel layout: " + "; ".join(problems))
     return world_size // (tensor_parallel * pipeline_parallel)
 
 
-def _expert_layout_problems(world_size: int, tensor_parallel: int, pipeline_parallel: int,
-                            expert_parallel: int, expert_tensor_parallel: Optional[int],
-                            num_experts: Optional[int]) -> List[str]:
+def _expert_layout_problems(
+    world_size: int,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int,
+    expert_tensor_parallel: Optional[int],
+    num_experts: Optional[int],
+) -> List[str]:
     etp = expert_tensor_parallel or tensor_parallel
     if expert_parallel == 1 and expert_tensor_parallel is None:
         return []
@@ -158,15 +166,22 @@ def _expert_layout_problems(world_size: int, tensor_parallel: int, pipeline_para
         return [f"expert_parallel ({expert_parallel}) and expert_tensor_parallel ({etp}) must be >= 1"]
     problems = []
     if num_experts == 0:
-        problems.append(f"expert_parallel={expert_parallel} / expert_tensor_parallel={expert_tensor_parallel} "
-                        f"need a mixture-of-experts model (num_experts); this one is dense: set "
-                        f"parallel.expert_parallel=1 and parallel.expert_tensor_parallel=null")
+        problems.append(
+            f"expert_parallel={expert_parallel} / expert_tensor_parallel={expert_tensor_parallel} "
+            f"need a mixture-of-experts model (num_experts); this one is dense: set "
+            f"parallel.expert_parallel=1 and parallel.expert_tensor_parallel=null"
+        )
     elif num_experts and num_experts % expert_parallel:
         problems.append(f"num_experts ({num_experts}) is not divisible by expert_parallel ({expert_parallel})")
-    if pipeline_parallel >= 1 and world_size % pipeline_parallel == 0 and \
-            (world_size // pipeline_parallel) % (etp * expert_parallel):
-        problems.append(f"world size {world_size} / pipeline_parallel {pipeline_parallel} is not divisible by "
-                        f"expert_tensor_parallel x expert_parallel = {etp} x {expert_parallel}")
+    if (
+        pipeline_parallel >= 1
+        and world_size % pipeline_parallel == 0
+        and (world_size // pipeline_parallel) % (etp * expert_parallel)
+    ):
+        problems.append(
+            f"world size {world_size} / pipeline_parallel {pipeline_parallel} is not divisible by "
+            f"expert_tensor_parallel x expert_parallel = {etp} x {expert_parallel}"
+        )
     return problems
 
 
@@ -208,11 +223,15 @@ def initialize(
     """
     from megatron.core import parallel_state
 
-
     launch = detect_launch_env(environ)
-    validate_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel,
-                             expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
-                             **(model_shape or {}))
+    validate_parallel_layout(
+        launch.world_size,
+        tensor_parallel,
+        pipeline_parallel,
+        expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
+        **(model_shape or {}),
+    )
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu_compat.enable()
@@ -227,11 +246,14 @@ def initialize(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
-                or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel
-                or parallel_state.get_expert_model_parallel_world_size() != expert_parallel):
-            raise ParallelLayoutError("Megatron parallel state is already initialised with a "
-                                      "different layout; call destroy() first")
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
+            or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel
+            or parallel_state.get_expert_model_parallel_world_size() != expert_parallel
+        ):
+            raise ParallelLayoutError(
+                "Megatron parallel state is already initialised with a different layout; call destroy() first"
+            )
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,

@@ -38,9 +38,25 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace",
-    "rand", "randn", "randint", "randperm", "zeros_like", "ones_like", "empty_like",
-    "full_like", "rand_like", "randn_like", "eye",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "linspace",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "eye",
 )
 
 _lock = threading.Lock()
@@ -77,8 +93,13 @@ def _tensor_type(original: Callable) -> Callable:
     @functools.wraps(original)
     def type_(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if (not args and not kwargs and isinstance(result, str) and self.device.type == "cpu"
-                and not result.startswith("torch.cuda.")):  # a TorchFunctionMode may call us twice
+        if (
+            not args
+            and not kwargs
+            and isinstance(result, str)
+            and self.device.type == "cpu"
+            and not result.startswith("torch.cuda.")
+        ):  # a TorchFunctionMode may call us twice
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 
@@ -121,13 +142,13 @@ def enable(force: bool = False) -> bool:
         _patch(torch.distributed, "reduce_scatter", _uneven_reduce_scatter(torch.distributed.reduce_scatter))
         from megatron.core.transformer.moe import token_dispatcher
 
-        _patch(token_dispatcher, "maybe_move_tensor_to_cpu",
-               _host_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu))
+        _patch(
+            token_dispatcher, "maybe_move_tensor_to_cpu", _host_split_sizes(token_dispatcher.maybe_move_tensor_to_cpu)
+        )
         from megatron.core.tensor_parallel import random as mpu_random
 
         _patch(mpu_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-        _patch(mpu_random, "_set_cuda_rng_state",
-               lambda state, *a, **k: torch.set_rng_state(state))
+        _patch(mpu_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
         _active = True
         return True
 
@@ -178,7 +199,7 @@ def _uneven_all_gather(original: Callable) -> Callable:
             return original(tensor_list, tensor, group=group, async_op=async_op)
         longest = max(sizes)
         padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
-        padded[:tensor.shape[0]] = tensor
+        padded[: tensor.shape[0]] = tensor
         gathered = [torch.empty_like(padded) for _ in tensor_list]
         original(gathered, padded, group=group)
         for out, part, size in zip(tensor_list, gathered, sizes):
@@ -199,7 +220,7 @@ def _uneven_reduce_scatter(original: Callable) -> Callable:
         torch.distributed.all_reduce(whole, op=op, group=group)
         rank = torch.distributed.get_rank(group)
         start = sum(t.numel() for t in input_list[:rank])
-        output.copy_(whole[start:start + output.numel()].view(output.shape))
+        output.copy_(whole[start : start + output.numel()].view(output.shape))
         return None
 
     return reduce_scatter

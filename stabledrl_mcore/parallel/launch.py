@@ -14,8 +14,7 @@ return e.g. 75 after a pre-emption); :func:`spawn` returns them.
 
 from __future__ import annotations
 
-from stabledrl_mcore.parallel.bootstrap import free_port
-
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -28,10 +27,11 @@ import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
-import ctypes
+
 import psutil
 import torch
-from stabledrl_mcore.parallel.bootstrap import destroy
+
+from stabledrl_mcore.parallel.bootstrap import destroy, free_port
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _HELD: List[int] = []  # forwarded signals a rank received before ``fn`` installed its own handlers
@@ -46,8 +46,14 @@ class WorkerFailed(RuntimeError):
     exception's class (or None); ``exit_codes`` is each rank's exit status.
     """
 
-    def __init__(self, first_error: str, details: str = "", *, first_type: Optional[str] = None,
-                 exit_codes: Sequence[Optional[int]] = ()):
+    def __init__(
+        self,
+        first_error: str,
+        details: str = "",
+        *,
+        first_type: Optional[str] = None,
+        exit_codes: Sequence[Optional[int]] = (),
+    ):
         super().__init__(first_error)
         self.first_error, self.details, self.first_type = first_error, details, first_type
         self.exit_codes = list(exit_codes)
@@ -122,23 +128,33 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     if hold:
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, lambda signum, frame: _HELD.append(signum))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     report = os.path.join(report_dir, f"rank{rank}")
     code = 0
     try:
         fn, args = pickle.loads(payload)
         if threads:
-
             torch.set_num_threads(threads)
         code = _status(fn(*args))
     except SystemExit as exit_:  # sys.exit(75) inside fn is a status like returning 75
         code = _status(exit_.code) if isinstance(exit_.code, int) or exit_.code is None else 1
     except BaseException as err:  # noqa: BLE001 - reported to the parent
-        _write_json(report + ".error.json", {
-            "time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
-            "line": error_line(err), "traceback": traceback.format_exc()[-20000:]})
+        _write_json(
+            report + ".error.json",
+            {
+                "time": time.time(),
+                "type": f"{type(err).__module__}.{type(err).__qualname__}",
+                "line": error_line(err),
+                "traceback": traceback.format_exc()[-20000:],
+            },
+        )
         code = 1
     finally:
         if torch.distributed.is_initialized():  # only ranks that started a process group
@@ -158,7 +174,6 @@ def _status(value: Any) -> int:
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants (e.g. checkpoint-writer helpers), by PID."""
     try:
-
         pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except Exception:  # noqa: BLE001 - psutil missing or the process already gone
         pids = [pid]
@@ -192,26 +207,36 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with status {code}"
 
 
-def _failure(procs, report_dir: str, expected: Sequence[int], reason: Optional[str],
-             stopped_by_launcher: Sequence[int], received: Sequence[int]) -> Optional[WorkerFailed]:
+def _failure(
+    procs,
+    report_dir: str,
+    expected: Sequence[int],
+    reason: Optional[str],
+    stopped_by_launcher: Sequence[int],
+    received: Sequence[int],
+) -> Optional[WorkerFailed]:
     """The error to raise (None when every rank ended with 0 or an expected status)."""
     world = len(procs)
     codes = [p.exitcode for p in procs]
     errors = _read_reports(report_dir, world, "error")
     returned = {r: rep["code"] for r, rep in _read_reports(report_dir, world, "code").items()}
-    bad = [r for r, c in enumerate(codes) if r not in errors and r not in stopped_by_launcher
-           and not (c == 0 or (c in expected and returned.get(r) == c))]
+    bad = [
+        r
+        for r, c in enumerate(codes)
+        if r not in errors and r not in stopped_by_launcher and not (c == 0 or (c in expected and returned.get(r) == c))
+    ]
     if not errors and not bad and not reason:
         return None
-    first_type, sent = None, "".join(f" after {signal.Signals(s).name} was forwarded to the ranks"
-                                     for s in sorted(set(received)))
+    first_type, sent = (
+        None,
+        "".join(f" after {signal.Signals(s).name} was forwarded to the ranks" for s in sorted(set(received))),
+    )
     if errors:
         rank = min(errors, key=lambda r: (errors[r]["time"], r))
         first, first_type = f"rank {rank}: {errors[rank]['line']}", errors[rank]["type"]
     elif bad:
         rank = bad[0]
-        how = (f"returned status {codes[rank]}" if returned.get(rank) == codes[rank]
-               else _describe_exit(codes[rank]))
+        how = f"returned status {codes[rank]}" if returned.get(rank) == codes[rank] else _describe_exit(codes[rank])
         first = f"rank {rank} {how}{sent}"
     else:
         rank, first = None, f"{reason}{sent}"
@@ -220,16 +245,27 @@ def _failure(procs, report_dir: str, expected: Sequence[int], reason: Optional[s
         if r in errors:
             lines.append(f"--- rank {r} ---\n{errors[r]['traceback']}")
         elif r in stopped_by_launcher:
-            lines.append(f"--- rank {r}: stopped by the launcher"
-                         + (f" after rank {rank} failed" if rank is not None else f" ({reason})") + " ---")
+            lines.append(
+                f"--- rank {r}: stopped by the launcher"
+                + (f" after rank {rank} failed" if rank is not None else f" ({reason})")
+                + " ---"
+            )
         elif r in bad:
             lines.append(f"--- rank {r}: {_describe_exit(codes[r])} ---")
     return WorkerFailed(first, "\n".join(lines), first_type=first_type, exit_codes=codes)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
-          timeout: float = 600.0, threads: Optional[int] = 1, grace: float = 5.0,
-          expected_codes: Sequence[int] = (), hold_signals: bool = False) -> List[int]:
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 600.0,
+    threads: Optional[int] = 1,
+    grace: float = 5.0,
+    expected_codes: Sequence[int] = (),
+    hold_signals: bool = False,
+) -> List[int]:
     """Run ``fn(*args)`` on ``world_size`` processes; return each rank's exit status.
 
     ``fn`` must be picklable (module level). ``threads`` sets torch's intra-op
@@ -245,9 +281,14 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
     ctx = mp.get_context("spawn")
     report_dir = tempfile.mkdtemp(prefix="stabledrl-spawn-")
     port, payload = free_port(), pickle.dumps((fn, tuple(args)))
-    procs = [ctx.Process(target=_entry, daemon=False,
-                         args=(payload, r, world_size, port, threads, report_dir, os.getpid(), hold_signals))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry,
+            daemon=False,
+            args=(payload, r, world_size, port, threads, report_dir, os.getpid(), hold_signals),
+        )
+        for r in range(world_size)
+    ]
     received: List[int] = []
     previous = _forward_signals(procs, received)
     deadline, reason, stopped = time.monotonic() + timeout, None, []
@@ -279,8 +320,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
         if sys.exc_info()[0] is not None:  # e.g. Ctrl-C in the launcher: the ranks are gone, so is this
             shutil.rmtree(report_dir, ignore_errors=True)
     try:
-        error = _failure(procs, report_dir, expected_codes, None if reason == "a rank failed" else reason,
-                         stopped, received)
+        error = _failure(
+            procs, report_dir, expected_codes, None if reason == "a rank failed" else reason, stopped, received
+        )
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
     if error is not None:

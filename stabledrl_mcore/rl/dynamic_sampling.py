@@ -38,8 +38,8 @@ from typing import Optional
 
 import torch
 
-from stabledrl_mcore.rl.rollout import RolloutBatch
 from stabledrl_mcore.parallel.bootstrap import comm_device
+from stabledrl_mcore.rl.rollout import RolloutBatch
 
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -65,7 +65,6 @@ def gather_over_data_parallel(flags: torch.Tensor) -> torch.Tensor:
         return flags
     from megatron.core import parallel_state as ps
 
-
     group = ps.get_data_parallel_group()
     size = torch.distributed.get_world_size(group=group)
     if size == 1:
@@ -76,8 +75,9 @@ def gather_over_data_parallel(flags: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(device=flags.device, dtype=torch.bool)
 
 
-def filter_uniform_groups(batch: RolloutBatch, group_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                          limit: Optional[int] = None) -> Optional[RolloutBatch]:
+def filter_uniform_groups(
+    batch: RolloutBatch, group_size: int, *, dp_rank: int = 0, dp_size: int = 1, limit: Optional[int] = None
+) -> Optional[RolloutBatch]:
     """The scored ``batch`` restricted to the kept groups (see the module docstring); None when
     no rank keeps any group. All DP ranks must call it together (one all-gather)."""
     local = varied_groups(batch.rewards, group_size)

@@ -27,12 +27,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from stabledrl_mcore.algorithms.losses import spg_select_bound
 from stabledrl_mcore.diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
 from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
-from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
 from stabledrl_mcore.engine.pipeline import pipeline_forward, pipeline_world_size
-from stabledrl_mcore.algorithms.losses import spg_select_bound
+from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 ESTIMATORS = ("elbo", "mean_field", "spg", "staircase")
@@ -54,8 +54,8 @@ class LikelihoodSpec:
     num_mc: int = 2
     length_normalize: bool = True
     coupled: bool = False
-    beta: float = 1.5          # SPG EUBO temperature
-    omega: float = 0.5         # SPG mixture weight for A <= 0
+    beta: float = 1.5  # SPG EUBO temperature
+    omega: float = 0.5  # SPG mixture weight for A <= 0
     block_size: Optional[int] = None  # staircase / block-wise masking
     scheme: str = "uniform"
     scheme_options: Tuple[Tuple[str, object], ...] = ()
@@ -92,8 +92,14 @@ def scored_region(batch: RolloutBatch, spec: LikelihoodSpec) -> torch.Tensor:
     return (positions >= batch.prompt_len)[None].expand_as(batch.completion_mask)
 
 
-def draw_plan(batch: RolloutBatch, spec: LikelihoodSpec, chunk_generator: Callable[[int], torch.Generator],
-              *, micro_batch: int, first_chunk: int = 0) -> MaskPlan:
+def draw_plan(
+    batch: RolloutBatch,
+    spec: LikelihoodSpec,
+    chunk_generator: Callable[[int], torch.Generator],
+    *,
+    micro_batch: int,
+    first_chunk: int = 0,
+) -> MaskPlan:
     """The masks of one likelihood evaluation of the rank batch.
 
     Drawn per micro-batch ``k`` from ``chunk_generator(first_chunk + k)`` (stratified
@@ -103,20 +109,32 @@ def draw_plan(batch: RolloutBatch, spec: LikelihoodSpec, chunk_generator: Callab
     """
     if batch.source is not None:  # dynamic sampling: a kept row keeps the masks it has in the unfiltered batch
         full = draw_plan(batch.source, spec, chunk_generator, micro_batch=micro_batch, first_chunk=first_chunk)
-        return dataclasses.replace(full, **{name: getattr(full, name)[:, batch.source_rows]
-                                            for name in ("masked", "weight", "ratio")})
+        return dataclasses.replace(
+            full, **{name: getattr(full, name)[:, batch.source_rows] for name in ("masked", "weight", "ratio")}
+        )
     scheme, options = _scheme(spec)
     plans = []
     for k, start in enumerate(range(0, batch.size, micro_batch)):
         rows = slice(start, start + micro_batch)
-        regions = MaskRegions.from_batch(batch.sequences[rows], batch.prompt_len,
-                                         completion_mask=batch.completion_mask[rows],
-                                         prompt_valid=batch.prompt_valid[rows])
-        plans.append(build_mask_plan(regions, scheme, num_mc=1 if scheme == "full" else spec.num_mc,
-                                     generator=chunk_generator(first_chunk + k), post_eos=spec.post_eos,
-                                     **options))
-    return dataclasses.replace(plans[0], **{name: torch.cat([getattr(p, name) for p in plans], 1)
-                                            for name in ("masked", "weight", "ratio")})
+        regions = MaskRegions.from_batch(
+            batch.sequences[rows],
+            batch.prompt_len,
+            completion_mask=batch.completion_mask[rows],
+            prompt_valid=batch.prompt_valid[rows],
+        )
+        plans.append(
+            build_mask_plan(
+                regions,
+                scheme,
+                num_mc=1 if scheme == "full" else spec.num_mc,
+                generator=chunk_generator(first_chunk + k),
+                post_eos=spec.post_eos,
+                **options,
+            )
+        )
+    return dataclasses.replace(
+        plans[0], **{name: torch.cat([getattr(p, name) for p in plans], 1) for name in ("masked", "weight", "ratio")}
+    )
 
 
 def _scheme(spec: LikelihoodSpec):
@@ -130,8 +148,9 @@ def _scheme(spec: LikelihoodSpec):
     return spec.scheme, dict(spec.scheme_options, prefix_mask_prob=spec.prefix_mask_prob)
 
 
-def token_logp_inputs(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int,
-                      draw: int) -> Tuple[Dict[str, object], Callable[[torch.Tensor], torch.Tensor]]:
+def token_logp_inputs(
+    batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int, draw: int
+) -> Tuple[Dict[str, object], Callable[[torch.Tensor], torch.Tensor]]:
     """``(model keyword arguments, reduce)`` of :func:`token_logp`: ``reduce(logits)`` gives the
     ``[n, S]`` token log-probs (under pipeline parallelism it runs on the last stage)."""
     ids = batch.sequences[rows]
@@ -153,12 +172,15 @@ def token_logp_inputs(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
         mask = keys if pattern is None else pattern | keys
     # The head runs on the completion's positions only (prompt positions are never scored).
     p = batch.prompt_len
-    return ({"input_ids": x, "position_ids": pos, "attention_mask": mask, "logit_positions": slice(p, n)},
-            lambda logits: F.pad(gather_log_probs(logits, ids[:, p:], scored[:, p:]), (p, 0)))
+    return (
+        {"input_ids": x, "position_ids": pos, "attention_mask": mask, "logit_positions": slice(p, n)},
+        lambda logits: F.pad(gather_log_probs(logits, ids[:, p:], scored[:, p:]), (p, 0)),
+    )
 
 
-def token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
-               rows: slice, mask_id: int, draw: int) -> torch.Tensor:
+def token_logp(
+    model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int, draw: int
+) -> torch.Tensor:
     """log p(clean token | noisy input) for ``rows`` under draw ``draw``: ``[n, S]``, 0 off the scored set.
 
     The attention is an :class:`AttentionLayout` (staircase for SDAR, bidirectional for
@@ -176,9 +198,9 @@ def chunks(num_mc: int, size: int, micro_batch: int):
             yield draw, start, slice(start, start + micro_batch)
 
 
-def token_logp_micro_batches(batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec,
-                             order: Sequence[Tuple[int, int, slice]], *, mask_id: int
-                             ) -> Tuple[List[Dict[str, object]], Callable[[torch.Tensor, int], torch.Tensor]]:
+def token_logp_micro_batches(
+    batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, order: Sequence[Tuple[int, int, slice]], *, mask_id: int
+) -> Tuple[List[Dict[str, object]], Callable[[torch.Tensor, int], torch.Tensor]]:
     """``(micro-batches, last_stage_fn)`` of the ``(draw, start, rows)`` chunks ``order`` for
     :func:`~..engine.pipeline.pipeline_forward` and ``pipeline_forward_backward``:
     ``last_stage_fn(logits, i)`` gives chunk ``i``'s ``[n, S]`` token log-probs (:func:`token_logp`)."""
@@ -186,9 +208,16 @@ def token_logp_micro_batches(batch: RolloutBatch, plan: MaskPlan, spec: Likeliho
     return [inputs for inputs, _ in parts], lambda logits, i: parts[i][1](logits)
 
 
-def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *,
-                   micro_batch: int, mask_id: int,
-                   graphs: Optional[Dict[Tuple[int, int], torch.Tensor]] = None) -> torch.Tensor:
+def all_token_logp(
+    model,
+    batch: RolloutBatch,
+    plan: MaskPlan,
+    spec: LikelihoodSpec,
+    *,
+    micro_batch: int,
+    mask_id: int,
+    graphs: Optional[Dict[Tuple[int, int], torch.Tensor]] = None,
+) -> torch.Tensor:
     """``[M, N, S]`` token log-probs of the whole rank batch, detached.
 
     Every (draw, micro-batch) chunk is one micro-batch of :func:`~..engine.pipeline.pipeline_forward`:
@@ -210,8 +239,9 @@ def all_token_logp(model, batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodS
     out = None  # float32, or the log-probs' own dtype if wider (a float64 model in tests)
     for (draw, start, rows), tok in zip(order, toks):
         if out is None:
-            out = torch.zeros(plan.masked.shape, dtype=torch.promote_types(tok.dtype, torch.float32),
-                              device=plan.masked.device)
+            out = torch.zeros(
+                plan.masked.shape, dtype=torch.promote_types(tok.dtype, torch.float32), device=plan.masked.device
+            )
         out[draw, rows] = tok.detach().to(out.dtype)
         if graphs is not None:
             graphs[(draw, start)] = tok
@@ -224,16 +254,16 @@ def _normalised(seq: torch.Tensor, batch: RolloutBatch, spec: LikelihoodSpec) ->
     return seq
 
 
-def elbo_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
-                   spec: LikelihoodSpec) -> torch.Tensor:
+def elbo_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch, spec: LikelihoodSpec) -> torch.Tensor:
     """Per-sequence ELBO estimates ``[N]``, differentiable in the token log-probs ``tok``."""
     own_length = spec.length_normalize and spec.normalize_by == "completion"
     lo, _ = elbo_from_draws(tok, plan, scored_region(batch, spec), own_length)
     return _normalised(lo, batch, spec)
 
 
-def sequence_estimates_and_elbo(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
-                                spec: LikelihoodSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+def sequence_estimates_and_elbo(
+    tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch, spec: LikelihoodSpec
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(estimate, elbo)``, both ``[N]`` and differentiable in the token log-probs ``tok``.
 
     ``estimate`` is what the loss differentiates: the ELBO, or SPG's sandwich (ELBO for
@@ -248,8 +278,7 @@ def sequence_estimates_and_elbo(tok: torch.Tensor, plan: MaskPlan, batch: Rollou
     return spg_select_bound(lo, _normalised(hi, batch, spec), batch.advantages, mix=spec.omega), lo
 
 
-def sequence_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch,
-                       spec: LikelihoodSpec) -> torch.Tensor:
+def sequence_estimates(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch, spec: LikelihoodSpec) -> torch.Tensor:
     """Per-sequence estimates ``[N]`` the loss differentiates (see :func:`sequence_estimates_and_elbo`)."""
     return sequence_estimates_and_elbo(tok, plan, batch, spec)[0]
 
@@ -260,11 +289,19 @@ def estimate(tok: torch.Tensor, plan: MaskPlan, batch: RolloutBatch, spec: Likel
     return OldEstimate(plan, tok, logp.detach(), elbo.detach())
 
 
-def old_policy_likelihood(model, batch: RolloutBatch, spec: LikelihoodSpec, *, micro_batch: int,
-                          mask_id: int, chunk_generator: Callable[[int], torch.Generator],
-                          first_chunk: int = 0, sampling: str = "replay",
-                          iteration_generators: Optional[Callable[[int], Callable[[int], torch.Generator]]] = None,
-                          iterations: int = 1) -> RolloutBatch:
+def old_policy_likelihood(
+    model,
+    batch: RolloutBatch,
+    spec: LikelihoodSpec,
+    *,
+    micro_batch: int,
+    mask_id: int,
+    chunk_generator: Callable[[int], torch.Generator],
+    first_chunk: int = 0,
+    sampling: str = "replay",
+    iteration_generators: Optional[Callable[[int], Callable[[int], torch.Generator]]] = None,
+    iterations: int = 1,
+) -> RolloutBatch:
     """Phase 3: draw the masks, score the old policy, keep both on the batch.
 
     ``batch.plan``/``old_token_logp``/``old_logp``/``old_ratio_logp`` hold the estimate
@@ -296,14 +333,27 @@ def old_estimate(batch: RolloutBatch, inner: int = 0, sampling: str = "replay") 
     estimate, or with ``per_iteration`` iteration ``inner``'s own."""
     if sampling == "per_iteration" and inner > 0:
         return batch.iteration_estimates[inner]
-    return OldEstimate(batch.plan, batch.old_token_logp, batch.old_logp,
-                       batch.old_logp if batch.old_ratio_logp is None else batch.old_ratio_logp)
+    return OldEstimate(
+        batch.plan,
+        batch.old_token_logp,
+        batch.old_logp,
+        batch.old_logp if batch.old_ratio_logp is None else batch.old_ratio_logp,
+    )
 
 
-def iteration_inputs(model, batch: RolloutBatch, spec: LikelihoodSpec, inner: int, *, sampling: str,
-                     micro_batch: int, mask_id: int, chunk_generator: Callable[[int], torch.Generator],
-                     first_chunk: int = 0, retain_graph: bool = False
-                     ) -> Tuple[OldEstimate, MaskPlan, torch.Tensor, Optional[Dict[Tuple[int, int], torch.Tensor]]]:
+def iteration_inputs(
+    model,
+    batch: RolloutBatch,
+    spec: LikelihoodSpec,
+    inner: int,
+    *,
+    sampling: str,
+    micro_batch: int,
+    mask_id: int,
+    chunk_generator: Callable[[int], torch.Generator],
+    first_chunk: int = 0,
+    retain_graph: bool = False,
+) -> Tuple[OldEstimate, MaskPlan, torch.Tensor, Optional[Dict[Tuple[int, int], torch.Tensor]]]:
     """``(old estimate, plan, current token log-probs, retained graphs)`` of inner iteration ``inner``.
 
     The plan is the old one (``replay``; ``per_iteration``: iteration ``inner``'s own) or

@@ -41,11 +41,23 @@ def prompt_counts(start: int, stop: int, group_size: int):
     return slice(first, last + 1), counts
 
 
-def group_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, *, group_size: int,
-                   gen_length: int, steps: int, block_length: int, temperature: float,
-                   threshold: Optional[float], micro_batch: int,
-                   chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
-                   progress: bool = False, **sampler_options) -> List[torch.Tensor]:
+def group_rollouts(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_valid: torch.Tensor,
+    *,
+    group_size: int,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float,
+    threshold: Optional[float],
+    micro_batch: int,
+    chunk_generator: Callable[[int], torch.Generator],
+    first_chunk: int = 0,
+    progress: bool = False,
+    **sampler_options,
+) -> List[torch.Tensor]:
     """``group_size`` completions of each prompt row (``[B, P]``, each prompt once): the decoded
     batches, rows prompt-major (what ``generate_rollouts`` concatenates). ``sampler_options`` go
     to :func:`~..diffusion.generate` (LLaDA's ``cache`` and ``stats``)."""
@@ -55,10 +67,24 @@ def group_rollouts(model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor, 
     for start in range(0, total, rows):
         stop = min(start + rows, total)
         prompts, counts = prompt_counts(start, stop, group_size)
-        chunks = [(min(micro_batch, stop - a), chunk_generator(first_chunk + a // micro_batch))
-                  for a in range(start, stop, micro_batch)]
-        outputs.append(generate(model, prompt_ids[prompts], gen_length=gen_length, steps=steps,
-                                block_length=block_length, temperature=temperature, threshold=threshold,
-                                prompt_valid=prompt_valid[prompts], progress=progress, repeats=counts,
-                                row_chunks=chunks, **sampler_options))
+        chunks = [
+            (min(micro_batch, stop - a), chunk_generator(first_chunk + a // micro_batch))
+            for a in range(start, stop, micro_batch)
+        ]
+        outputs.append(
+            generate(
+                model,
+                prompt_ids[prompts],
+                gen_length=gen_length,
+                steps=steps,
+                block_length=block_length,
+                temperature=temperature,
+                threshold=threshold,
+                prompt_valid=prompt_valid[prompts],
+                progress=progress,
+                repeats=counts,
+                row_chunks=chunks,
+                **sampler_options,
+            )
+        )
     return outputs

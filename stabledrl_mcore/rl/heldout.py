@@ -9,12 +9,11 @@ after the last step.
 
 from __future__ import annotations
 
-from stabledrl_mcore.tasks.from_config import heldout_examples
-
 from typing import Callable, Dict, Optional
 
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.evaluation.distributed import evaluate_model
+from stabledrl_mcore.tasks.from_config import heldout_examples
 
 
 def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable[[object], Dict[str, float]]]:
@@ -26,9 +25,18 @@ def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable
     r = cfg.rollout
 
     def evaluate(model) -> Dict[str, float]:
-        result = evaluate_model(model, tokenizer, task, examples, gen_length=r.gen_length,
-                                steps=r.gen_length, block_length=r.block_length, temperature=0.0,
-                                micro_batch=cfg.eval.micro_batch_size, seed=cfg.eval.seed)
+        result = evaluate_model(
+            model,
+            tokenizer,
+            task,
+            examples,
+            gen_length=r.gen_length,
+            steps=r.gen_length,
+            block_length=r.block_length,
+            temperature=0.0,
+            micro_batch=cfg.eval.micro_batch_size,
+            seed=cfg.eval.seed,
+        )
         return {"test_accuracy": result.accuracy, "test_reward": result.mean_reward}
 
     return evaluate

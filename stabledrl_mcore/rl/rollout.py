@@ -7,18 +7,17 @@ step is a pure function of (weights, step number, seed) and resume is exact.
 
 from __future__ import annotations
 
-from stabledrl_mcore.tasks.prompts import encode_prompts
-
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from stabledrl_mcore.algorithms.advantages import group_advantages
 from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
 from stabledrl_mcore.models.placement import eval_mode, model_device
-from stabledrl_mcore.tasks.base import Example
-from stabledrl_mcore.algorithms.advantages import group_advantages
 from stabledrl_mcore.rl.group_rollout import group_rollouts
+from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.tasks.prompts import encode_prompts
 
 
 @dataclass
@@ -38,13 +37,13 @@ class RolloutBatch:
     completions: List[str]
     references: List[Any]
     rewards: Optional[torch.Tensor] = None
-    correct: Optional[torch.Tensor] = None         # [N] bool: the task's full (base) reward, for accuracy
+    correct: Optional[torch.Tensor] = None  # [N] bool: the task's full (base) reward, for accuracy
     advantages: Optional[torch.Tensor] = None
     reward_errors: int = 0
     old_token_logp: Optional[torch.Tensor] = None  # [M, N, S] per-draw log-probs (no grad)
-    old_logp: Optional[torch.Tensor] = None        # [N] sequence estimates (what the loss differentiates)
+    old_logp: Optional[torch.Tensor] = None  # [N] sequence estimates (what the loss differentiates)
     old_ratio_logp: Optional[torch.Tensor] = None  # [N] what importance ratios compare (the ELBO)
-    plan: Any = None                               # diffusion.MaskPlan of the old-policy estimate
+    plan: Any = None  # diffusion.MaskPlan of the old-policy estimate
     iteration_estimates: List[Any] = field(default_factory=list)  # rl.estimates.OldEstimate per iteration
     stats: Dict[str, float] = field(default_factory=dict)
     # dynamic sampling (rl.dynamic_sampling): the unfiltered batch these rows were kept from, their
@@ -69,11 +68,21 @@ class RolloutBatch:
         host = rows.tolist()
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return RolloutBatch(
-            sequences=self.sequences[rows], prompt_len=self.prompt_len, prompt_valid=self.prompt_valid[rows],
-            completion_mask=self.completion_mask[rows], group_index=self.group_index[rows],
-            completions=[self.completions[i] for i in host], references=[self.references[i] for i in host],
-            rewards=pick(self.rewards), correct=pick(self.correct), advantages=pick(self.advantages),
-            reward_errors=self.reward_errors, source=self, source_rows=rows, gradient_scale=gradient_scale)
+            sequences=self.sequences[rows],
+            prompt_len=self.prompt_len,
+            prompt_valid=self.prompt_valid[rows],
+            completion_mask=self.completion_mask[rows],
+            group_index=self.group_index[rows],
+            completions=[self.completions[i] for i in host],
+            references=[self.references[i] for i in host],
+            rewards=pick(self.rewards),
+            correct=pick(self.correct),
+            advantages=pick(self.advantages),
+            reward_errors=self.reward_errors,
+            source=self,
+            source_rows=rows,
+            gradient_scale=gradient_scale,
+        )
 
 
 def completion_mask_until_eos(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -83,12 +92,25 @@ def completion_mask_until_eos(completion: torch.Tensor, eos_id: int) -> torch.Te
     return ~after_first
 
 
-def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, group_size: int,
-                      gen_length: int, steps: int, block_length: int, temperature: float,
-                      threshold: Optional[float], micro_batch: int,
-                      chunk_generator: Callable[[int], torch.Generator], first_chunk: int = 0,
-                      progress: bool = False, cache: str = "none",
-                      measure_cache_gap: bool = False) -> RolloutBatch:
+def generate_rollouts(
+    model,
+    tokenizer,
+    task,
+    examples: Sequence[Example],
+    *,
+    group_size: int,
+    gen_length: int,
+    steps: int,
+    block_length: int,
+    temperature: float,
+    threshold: Optional[float],
+    micro_batch: int,
+    chunk_generator: Callable[[int], torch.Generator],
+    first_chunk: int = 0,
+    progress: bool = False,
+    cache: str = "none",
+    measure_cache_gap: bool = False,
+) -> RolloutBatch:
     """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
 
     Micro-batch ``k`` of this rank draws from ``chunk_generator(first_chunk + k)``,
@@ -113,9 +135,21 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
         extra["cache"] = cache
     with torch.no_grad(), eval_mode(model):  # whole groups per decoding batch (SDAR: prefilled once)
         outputs = group_rollouts(
-            model, unique_ids, unique_valid, group_size=group_size, gen_length=gen_length, steps=steps,
-            block_length=block_length, temperature=temperature, threshold=threshold, micro_batch=micro_batch,
-            chunk_generator=chunk_generator, first_chunk=first_chunk, progress=progress, **extra)
+            model,
+            unique_ids,
+            unique_valid,
+            group_size=group_size,
+            gen_length=gen_length,
+            steps=steps,
+            block_length=block_length,
+            temperature=temperature,
+            threshold=threshold,
+            micro_batch=micro_batch,
+            chunk_generator=chunk_generator,
+            first_chunk=first_chunk,
+            progress=progress,
+            **extra,
+        )
     sequences = torch.cat(outputs)
     width = prompt_ids.shape[1]
     completion = sequences[:, width:]
@@ -123,7 +157,10 @@ def generate_rollouts(model, tokenizer, task, examples: Sequence[Example], *, gr
     comp_mask[:, width:] = completion_mask_until_eos(completion, tokenizer.eos_token_id)
     valid = torch.cat([prompt_valid, torch.ones_like(completion, dtype=torch.bool)], 1)
     return RolloutBatch(
-        sequences=sequences, prompt_len=width, prompt_valid=valid, completion_mask=comp_mask,
+        sequences=sequences,
+        prompt_len=width,
+        prompt_valid=valid,
+        completion_mask=comp_mask,
         group_index=group_index,
         completions=[tokenizer.decode(row) for row in completion.tolist()],  # one device->host copy
         references=[ex.reference for ex in examples for _ in range(group_size)],

@@ -7,40 +7,29 @@ optimizer with its LR schedule, the task and its prompt stream.
 
 from __future__ import annotations
 
-from stabledrl_mcore.tasks.from_config import load_train_examples
-
-from stabledrl_mcore.tasks.from_config import build_task
-
-from stabledrl_mcore.engine.model_setup import load_initial_weights
-
-from stabledrl_mcore.engine.model_setup import reference_policy
-
-from stabledrl_mcore.engine.model_setup import model_config
-
-from stabledrl_mcore.engine.optimizer import build_optimizer
-
-from stabledrl_mcore.engine.seeding import derive_seed
-
 import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
 
+from stabledrl_mcore.config.checks import check_layout, check_model_options, check_pipeline_options
 from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.tasks.base import Example
-from stabledrl_mcore.config.checks import check_layout, check_model_options
-from stabledrl_mcore.config.checks import check_pipeline_options
-from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
+from stabledrl_mcore.engine.model_setup import load_initial_weights, model_config, reference_policy
+from stabledrl_mcore.engine.optimizer import build_optimizer
+from stabledrl_mcore.engine.seeding import derive_seed
 from stabledrl_mcore.models import build_model
 from stabledrl_mcore.parallel import bootstrap
+from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.tasks.from_config import build_task, load_train_examples
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
 
 @dataclass
 class TrainingSetup:
     cfg: RunConfig
-    model: Any           # the DLLMModel (this rank's stage)
-    ddp: Any             # Megatron DistributedDataParallel around it
+    model: Any  # the DLLMModel (this rank's stage)
+    ddp: Any  # Megatron DistributedDataParallel around it
     optimizer: Any
     scheduler: Any
     tokenizer: Any
@@ -58,11 +47,12 @@ class PromptStream:
     ``prompts_per_step`` is the number generated per step (``rollout.generated_prompts``: with
     oversampling more than are trained on), so step ``s``'s prompts stay a function of (seed, s)."""
 
-    def __init__(self, examples: List[Example], prompts_per_step: int, dp_rank: int, dp_size: int,
-                 seed: int):
+    def __init__(self, examples: List[Example], prompts_per_step: int, dp_rank: int, dp_size: int, seed: int):
         if prompts_per_step % dp_size:
-            raise ValueError(f"rollout.prompts_per_step + oversample_prompts ({prompts_per_step}) must be "
-                             f"divisible by the data-parallel size ({dp_size})")
+            raise ValueError(
+                f"rollout.prompts_per_step + oversample_prompts ({prompts_per_step}) must be "
+                f"divisible by the data-parallel size ({dp_size})"
+            )
         if not examples:
             raise ValueError("the task produced no training examples")
         self.examples, self.per_step, self.seed = examples, prompts_per_step, seed
@@ -78,9 +68,11 @@ class PromptStream:
         out = []
         for index in range(start, start + local):
             epoch, offset = divmod(index, len(self.examples))
-            order = torch.randperm(len(self.examples), device="cpu",  # host-side data order
-                                   generator=torch.Generator(device="cpu").manual_seed(
-                                       derive_seed(self.seed, epoch)))
+            order = torch.randperm(
+                len(self.examples),
+                device="cpu",  # host-side data order
+                generator=torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, epoch)),
+            )
             out.append(self.examples[int(order[offset])])
         return out
 
@@ -100,8 +92,7 @@ def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
     if rank == 0 and not os.path.isdir(target):
         data = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}  # file-backed tasks
         sample = task.load(cfg.rollout.split, n=256, seed=cfg.parallel.seed, **data)
-        texts = [task.prompt(ex) for ex in sample] + [str(ex.meta.get("answer_text", ex.reference))
-                                                      for ex in sample]
+        texts = [task.prompt(ex) for ex in sample] + [str(ex.meta.get("answer_text", ex.reference)) for ex in sample]
         train_sentencepiece(texts, target + ".tmp", vocab_size=64)
         os.replace(target + ".tmp", target)
     if torch.distributed.is_initialized():
@@ -113,18 +104,21 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     """Initialise distributed state and build model, optimizer, scheduler, tokenizer and prompts."""
     from megatron.core import parallel_state as ps
 
-
     if cfg.parallel.threads:
         torch.set_num_threads(cfg.parallel.threads)
     check_pipeline_options(cfg)
     task = build_task(cfg)
     # the data is read (and a bad file refused) before anything distributed or a model is built
     examples = train_examples if train_examples is not None else load_train_examples(cfg, task)
-    bootstrap.initialize(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
-                         seed=cfg.parallel.seed, timeout_minutes=cfg.parallel.timeout_minutes,
-                         backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
-                         expert_parallel=cfg.parallel.expert_parallel,
-                         expert_tensor_parallel=cfg.parallel.expert_tensor_parallel)
+    bootstrap.initialize(
+        cfg.parallel.tensor_parallel,
+        cfg.parallel.pipeline_parallel,
+        seed=cfg.parallel.seed,
+        timeout_minutes=cfg.parallel.timeout_minutes,
+        backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
+        expert_parallel=cfg.parallel.expert_parallel,
+        expert_tensor_parallel=cfg.parallel.expert_tensor_parallel,
+    )
     tokenizer = resolve_tokenizer(cfg, task, cfg.logging.run_dir)
     mcfg = model_config(cfg, tokenizer)
     check_layout(cfg, mcfg, torch.distributed.get_world_size())
@@ -138,7 +132,6 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, total)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
-    return TrainingSetup(cfg, model, ddp, optimizer, scheduler, tokenizer, task, prompts,
-                         dp_rank, dp_size, reference=reference)
-
-
+    return TrainingSetup(
+        cfg, model, ddp, optimizer, scheduler, tokenizer, task, prompts, dp_rank, dp_size, reference=reference
+    )

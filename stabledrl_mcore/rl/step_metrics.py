@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
-from stabledrl_mcore.parallel.bootstrap import comm_device
 
+from stabledrl_mcore.parallel.bootstrap import comm_device
 
 _UNFILTERED = object()
 
@@ -16,14 +16,14 @@ def _dp_sum(values: torch.Tensor) -> list:
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
 
-
         values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
     return values.tolist()
 
 
-def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], *,
-                 kept: Any = _UNFILTERED) -> Dict[str, float]:
+def step_metrics(
+    s, batch, update: Dict[str, float], seconds: Dict[str, float], *, kept: Any = _UNFILTERED
+) -> Dict[str, float]:
     """Reward mean/std and accuracy over the global batch; ``groups_varied``, the share of prompt
     groups whose rewards are not all equal (0: every advantage is zero, no learning signal);
     the update's loss diagnostics (averaged over DP ranks, weighted by each rank's share of the
@@ -49,9 +49,20 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
     device = rewards.device  # the batch's statistics stay there until the one reduction
     correct = batch.correct if batch.correct is not None else rewards >= 1.0
     varied = (groups.amax(1) > groups.amin(1)).sum().double()
-    local = torch.cat([torch.stack([rewards.sum(), (rewards ** 2).sum(), correct.sum().double(),
-                                    batch.completion_mask.sum().double(), varied]),
-                       torch.tensor(host, dtype=torch.float64, device=device)])
+    local = torch.cat(
+        [
+            torch.stack(
+                [
+                    rewards.sum(),
+                    (rewards**2).sum(),
+                    correct.sum().double(),
+                    batch.completion_mask.sum().double(),
+                    varied,
+                ]
+            ),
+            torch.tensor(host, dtype=torch.float64, device=device),
+        ]
+    )
     total = _dp_sum(local)
     n = max(total[5], 1.0)
     mean = total[0] / n
@@ -82,8 +93,7 @@ def step_metrics(s, batch, update: Dict[str, float], seconds: Dict[str, float], 
     if seconds.get("rollout"):
         out["tokens_per_s/rollout"] = total[3] / seconds["rollout"]
     if seconds.get("update"):
-        out["tokens_per_s/update"] = total[7] * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations \
-            / seconds["update"]
+        out["tokens_per_s/update"] = total[7] * s.cfg.algo.num_mc * s.cfg.algo.inner_iterations / seconds["update"]
     if seconds.get("old_logp"):
         out["tokens_per_s/old_logp"] = total[7] * s.cfg.algo.num_mc / seconds["old_logp"]
     return out

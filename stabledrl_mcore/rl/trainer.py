@@ -11,57 +11,40 @@ each data-parallel rank takes its own prompts, tensor-parallel ranks share them.
 
 from __future__ import annotations
 
-from stabledrl_mcore.engine.model_setup import synced_reference
-
-from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
-
-from stabledrl_mcore.engine.metrics import progress_bar
-
-from stabledrl_mcore.engine.resume import restore_training_state
-
-from stabledrl_mcore.engine.resume import prepare_start
-
-from stabledrl_mcore.engine.preemption import run_with_preemption_marker
-
-from stabledrl_mcore.engine.preemption import preemption_agreed
-
-from stabledrl_mcore.engine.preemption import install_preemption_handlers
-
-
-from stabledrl_mcore.engine.seeding import chunk_generators
-
-from stabledrl_mcore.engine.seeding import first_chunk
-
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.engine.run_dir import checkpoint_root
-from stabledrl_mcore.config.schema import RunConfig, save_config
-from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.engine.metrics import create_logger, logger_options
-from stabledrl_mcore.models.placement import model_device
-from stabledrl_mcore.engine.expert import expert_group, lockstep_dummy_rounds, phase_model, routing_statistics, summed_over_ranks
-from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
-from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
-from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
-from stabledrl_mcore.engine.save_schedule import SaveSchedule
-from stabledrl_mcore.rl.setup import TrainingSetup, build_training
-from stabledrl_mcore.engine.model_setup import sync_reference
-from stabledrl_mcore.engine.seeding import phase_generator
-from stabledrl_mcore.rl.step_metrics import step_metrics
-from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
-from stabledrl_mcore.engine.health import RunHealth
-from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
-from stabledrl_mcore.engine.gradients import agree_ok
-from stabledrl_mcore.engine.gradients import agreed_reason
-from stabledrl_mcore.engine.gradients import grads_finite
-from stabledrl_mcore.engine.gradients import sync_gradients
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-from stabledrl_mcore.config.schema import load_config
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.config.schema import RunConfig, load_config, save_config
+from stabledrl_mcore.engine.expert import (
+    expert_group,
+    lockstep_dummy_rounds,
+    phase_model,
+    routing_statistics,
+    summed_over_ranks,
+)
+from stabledrl_mcore.engine.gradients import agree_ok, agreed_reason, grads_finite, sync_gradients
+from stabledrl_mcore.engine.health import RunHealth
+from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
+from stabledrl_mcore.engine.model_setup import sync_reference, synced_reference
+from stabledrl_mcore.engine.preemption import install_preemption_handlers, preemption_agreed, run_with_preemption_marker
+from stabledrl_mcore.engine.resume import prepare_start, restore_training_state
+from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.engine.save_schedule import SaveSchedule, save_training_checkpoint
+from stabledrl_mcore.engine.seeding import chunk_generators, first_chunk, phase_generator
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
+from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
+from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
+from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
+from stabledrl_mcore.rl.setup import TrainingSetup, build_training
+from stabledrl_mcore.rl.step_metrics import step_metrics
+from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
 
 
 class PhaseTimer:
@@ -81,10 +64,20 @@ def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
     a = cfg.algo
     block = model.dllm_config.block_size if a.likelihood == "staircase" else None
     options = (("block_length", cfg.rollout.block_length),) if a.mask_scheme == "block_random" else ()
-    return LikelihoodSpec(kind=a.likelihood, num_mc=a.num_mc, coupled=a.coupled_masks,
-                          length_normalize=a.length_normalize, block_size=block, beta=a.spg_beta,
-                          omega=a.spg_omega, scheme=a.mask_scheme, scheme_options=options,
-                          prefix_mask_prob=a.prefix_mask_prob, post_eos=a.post_eos, normalize_by=a.normalize_by)
+    return LikelihoodSpec(
+        kind=a.likelihood,
+        num_mc=a.num_mc,
+        coupled=a.coupled_masks,
+        length_normalize=a.length_normalize,
+        block_size=block,
+        beta=a.spg_beta,
+        omega=a.spg_omega,
+        scheme=a.mask_scheme,
+        scheme_options=options,
+        prefix_mask_prob=a.prefix_mask_prob,
+        post_eos=a.post_eos,
+        normalize_by=a.normalize_by,
+    )
 
 
 def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> Dict[str, Any]:
@@ -102,18 +95,36 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         # a retained graph is recorded through DDP (refused with PP and EP: phase_model returns it as is)
         with phase_model(s.ddp if cfg.parallel.retain_update_graph else s.model) as model:
             old, plan, current, retained = iteration_inputs(
-                model, batch, spec, inner,
-                sampling=a.mask_sampling, micro_batch=micro, mask_id=mask_id, retain_graph=cfg.parallel.retain_update_graph,
-                chunk_generator=chunk_generators(cfg, step, device)(f"masks/iter{inner}"), first_chunk=first_chunk(s))
+                model,
+                batch,
+                spec,
+                inner,
+                sampling=a.mask_sampling,
+                micro_batch=micro,
+                mask_id=mask_id,
+                retain_graph=cfg.parallel.retain_update_graph,
+                chunk_generator=chunk_generators(cfg, step, device)(f"masks/iter{inner}"),
+                first_chunk=first_chunk(s),
+            )
         if s.reference is not None and plan is not ref_plan:
             with phase_model(s.reference) as reference:
                 ref = all_token_logp(reference, batch, plan, spec, micro_batch=micro, mask_id=mask_id)
             ref_plan = plan
         coef, loss_metrics = loss_coefficients(
-            current, batch, spec, plan=plan, old=old, loss=a.loss, loss_options=a.loss_options, eps=a.eps,
-            ratio_noise=noise, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, ref_tok=ref,
-            noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise",
-                                            device=device))
+            current,
+            batch,
+            spec,
+            plan=plan,
+            old=old,
+            loss=a.loss,
+            loss_options=a.loss_options,
+            eps=a.eps,
+            ratio_noise=noise,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            ref_tok=ref,
+            noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise", device=device),
+        )
         if inner == 0:
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
             for moment in ("log_ratio_m1", "log_ratio_m2"):  # the same keys on every rank
@@ -126,16 +137,18 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
         if finite_loss:  # router statistics of the first update's (training) forwards
             # the statistics' all-reduce after the expert group's lockstep has drained
             with routing_statistics(s.model, metrics, enabled=inner == 0), phase_model(s.ddp, backward=True) as ddp:
-                accumulate_gradients(ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id,
-                                     retained=retained)
+                accumulate_gradients(
+                    ddp, batch, spec, coef, plan=plan, micro_batch=micro, mask_id=mask_id, retained=retained
+                )
         retained = None
         sync_gradients(s.ddp)
         s.scheduler.step(increment=1)
         # every rank skips together: never short-circuit one rank past grads_finite's all-reduce
         if not finite_loss or not grads_finite(s.model):
             metrics["skipped_updates"] += 1
-            metrics["update_skips"].append(agreed_reason(loss_metrics.get("nonfinite_reason")) if not finite_loss
-                                           else "non-finite gradients")
+            metrics["update_skips"].append(
+                agreed_reason(loss_metrics.get("nonfinite_reason")) if not finite_loss else "non-finite gradients"
+            )
             s.optimizer.zero_grad()
             continue
         _, grad_norm, _ = s.optimizer.step()
@@ -150,9 +163,14 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
     return metrics
 
 
-def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[TrainingSetup] = None,
-          stop_after: Optional[int] = None,
-          hooks: Sequence[Callable[[TrainingSetup, int], Dict[str, float]]] = ()) -> TrainingSetup:
+def train(
+    cfg: RunConfig,
+    *,
+    resume: Optional[str] = None,
+    setup: Optional[TrainingSetup] = None,
+    stop_after: Optional[int] = None,
+    hooks: Sequence[Callable[[TrainingSetup, int], Dict[str, float]]] = (),
+) -> TrainingSetup:
     """Run ``cfg.steps`` StableDRL steps (``stop_after`` ends early, e.g. for tests).
 
     ``hooks(setup, step)`` run on every rank after each step; the metrics they
@@ -172,9 +190,13 @@ def train(cfg: RunConfig, *, resume: Optional[str] = None, setup: Optional[Train
     start, notes = restore_training_state(s, ckpt_root, plan, extra_modules=synced_reference(s))
     notes = moved_aside + notes
     spec, timer = likelihood_spec(cfg, s.model), PhaseTimer()
-    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
-                           console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s",
-                                         "test_accuracy"))
+    logger = create_logger(
+        cfg.logging.run_dir,
+        config=to_dict(cfg),
+        **logger_options(cfg.logging),
+        start_step=start,
+        console_keys=("reward_mean", "loss", "grad_norm", "clip_frac_high", "step_s", "test_accuracy"),
+    )
     if torch.distributed.get_rank() == 0:
         save_config(cfg, f"{cfg.logging.run_dir}/config.yaml")
         for note in notes:
@@ -248,16 +270,19 @@ def filter_phase(s: TrainingSetup, batch, timer: PhaseTimer):
     if not r.filter_uniform_groups:
         return batch
     with timer("filter"):
-        return filter_uniform_groups(batch, r.group_size, dp_rank=s.dp_rank, dp_size=s.dp_size,
-                                     limit=r.prompts_per_step)
+        return filter_uniform_groups(
+            batch, r.group_size, dp_rank=s.dp_rank, dp_size=s.dp_size, limit=r.prompts_per_step
+        )
 
 
 def no_update(s: TrainingSetup, step: int, logger) -> Dict[str, Any]:
     """A step whose every group was dropped: no optimizer update on any rank (nothing to learn;
     not a skipped update), the LR schedule advances as if the updates had run."""
     s.scheduler.step(increment=s.cfg.algo.inner_iterations)
-    logger.info(f"step {step + 1}: every group had identical rewards, so rollout.filter_uniform_groups dropped "
-                f"them all: no optimizer update this step (the LR schedule advances)")
+    logger.info(
+        f"step {step + 1}: every group had identical rewards, so rollout.filter_uniform_groups dropped "
+        f"them all: no optimizer update this step (the LR schedule advances)"
+    )
     return {"skipped_updates": 0.0, "update_skips": []}
 
 
@@ -266,22 +291,37 @@ def rollout_phase(s: TrainingSetup, step: int):
     r = s.cfg.rollout
     with phase_model(s.model) as model:
         return generate_rollouts(
-            model, s.tokenizer, s.task, s.prompts.for_step(step), group_size=r.group_size,
-            gen_length=r.gen_length, steps=r.steps, block_length=r.block_length, temperature=r.temperature,
-            threshold=r.threshold, micro_batch=s.cfg.parallel.micro_batch_size,
+            model,
+            s.tokenizer,
+            s.task,
+            s.prompts.for_step(step),
+            group_size=r.group_size,
+            gen_length=r.gen_length,
+            steps=r.steps,
+            block_length=r.block_length,
+            temperature=r.temperature,
+            threshold=r.threshold,
+            micro_batch=s.cfg.parallel.micro_batch_size,
             chunk_generator=chunk_generators(s.cfg, step, model_device(s.model))("rollout"),
-            first_chunk=first_chunk(s), cache=r.cache,
-            measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0)
+            first_chunk=first_chunk(s),
+            cache=r.cache,
+            measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0,
+        )
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):
     """Phase 3: masks drawn and the old policy scored (per iteration with ``per_iteration``)."""
     chunks = chunk_generators(s.cfg, step, model_device(s.model))
     with phase_model(s.model) as model:
-        return old_policy_likelihood(model, batch, spec, micro_batch=s.cfg.parallel.micro_batch_size,
-                                     mask_id=s.model.dllm_config.mask_token_id, chunk_generator=chunks("masks"),
-                                     first_chunk=first_chunk(s), sampling=s.cfg.algo.mask_sampling,
-                                     iteration_generators=lambda k: chunks(f"masks/iter{k}"),
-                                     iterations=s.cfg.algo.inner_iterations)
-
-
+        return old_policy_likelihood(
+            model,
+            batch,
+            spec,
+            micro_batch=s.cfg.parallel.micro_batch_size,
+            mask_id=s.model.dllm_config.mask_token_id,
+            chunk_generator=chunks("masks"),
+            first_chunk=first_chunk(s),
+            sampling=s.cfg.algo.mask_sampling,
+            iteration_generators=lambda k: chunks(f"masks/iter{k}"),
+            iterations=s.cfg.algo.inner_iterations,
+        )

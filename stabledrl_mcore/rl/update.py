@@ -13,28 +13,45 @@ micro-batching.
 
 from __future__ import annotations
 
-from stabledrl_mcore.engine.gradients import first_nonfinite
-
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from stabledrl_mcore.diffusion.masking import MaskPlan
-from stabledrl_mcore.models.moe import router_loss_scale
-from stabledrl_mcore.engine.pipeline import pipeline_forward_backward, pipeline_world_size
-from stabledrl_mcore.rl.estimates import LikelihoodSpec, OldEstimate, chunks, old_estimate, scored_region, sequence_estimates, sequence_estimates_and_elbo, token_logp_micro_batches
 from stabledrl_mcore.algorithms.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
+from stabledrl_mcore.diffusion.masking import MaskPlan
+from stabledrl_mcore.engine.gradients import first_nonfinite
+from stabledrl_mcore.engine.pipeline import pipeline_forward_backward, pipeline_world_size
+from stabledrl_mcore.models.moe import router_loss_scale
+from stabledrl_mcore.rl.estimates import (
+    LikelihoodSpec,
+    OldEstimate,
+    chunks,
+    old_estimate,
+    scored_region,
+    sequence_estimates,
+    sequence_estimates_and_elbo,
+    token_logp_micro_batches,
+)
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 
-def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: LikelihoodSpec, *,
-                      loss: str, eps: float, ratio_noise: Optional[RatioNoise],
-                      noise_generator: Optional[torch.Generator], plan: Optional[MaskPlan] = None,
-                      old: Optional[OldEstimate] = None, loss_options: Optional[Mapping[str, Any]] = None,
-                      kl_coef: float = 0.0, kl_estimator: str = "k3",
-                      ref_tok: Optional[torch.Tensor] = None
-                      ) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]:
+def loss_coefficients(
+    current_tok: torch.Tensor,
+    batch: RolloutBatch,
+    spec: LikelihoodSpec,
+    *,
+    loss: str,
+    eps: float,
+    ratio_noise: Optional[RatioNoise],
+    noise_generator: Optional[torch.Generator],
+    plan: Optional[MaskPlan] = None,
+    old: Optional[OldEstimate] = None,
+    loss_options: Optional[Mapping[str, Any]] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    ref_tok: Optional[torch.Tensor] = None,
+) -> Tuple[Optional[torch.Tensor], Dict[str, Any]]:
     """``(d loss / d token_logp, metrics)``; ``(None, {"nonfinite_reason": ...})`` when a value is
     not finite: an input log-prob or estimate, the loss, or its gradient.
 
@@ -46,8 +63,13 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
     plan = batch.plan if plan is None else plan
     old = old_estimate(batch) if old is None else old
     options = dict(loss_options or {})
-    reason = first_nonfinite([("current token log-probs", current_tok), ("old token log-probs", old.token_logp),
-                              ("reference token log-probs", ref_tok)])
+    reason = first_nonfinite(
+        [
+            ("current token log-probs", current_tok),
+            ("old token log-probs", old.token_logp),
+            ("reference token log-probs", ref_tok),
+        ]
+    )
     if reason is not None:
         return None, {"nonfinite_reason": reason}
     leaf = current_tok.detach().clone().requires_grad_(True)
@@ -55,23 +77,51 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
         if loss in available_token_policy_losses():  # d1: per-token ratios of the one-step estimate
             region = scored_region(batch, spec)
             value, metrics = token_policy_loss(
-                loss, leaf[0], old.token_logp[0], batch.advantages, region, batch.group_index, eps=eps,
-                ratio_noise=ratio_noise, noise_generator=noise_generator, kl_coef=kl_coef,
-                kl_estimator=kl_estimator, ref_logp_tok=None if ref_tok is None else ref_tok[0], **options)
+                loss,
+                leaf[0],
+                old.token_logp[0],
+                batch.advantages,
+                region,
+                batch.group_index,
+                eps=eps,
+                ratio_noise=ratio_noise,
+                noise_generator=noise_generator,
+                kl_coef=kl_coef,
+                kl_estimator=kl_estimator,
+                ref_logp_tok=None if ref_tok is None else ref_tok[0],
+                **options,
+            )
         else:
             ref_logp = None if ref_tok is None else sequence_estimates(ref_tok, plan, batch, spec)
             logp, elbo = sequence_estimates_and_elbo(leaf, plan, batch, spec)
-            reason = first_nonfinite([("current sequence estimates", logp), ("current ELBO", elbo),
-                                      ("old sequence estimates", old.logp), ("old ELBO", old.ratio_logp),
-                                      ("reference sequence estimates", ref_logp)])
+            reason = first_nonfinite(
+                [
+                    ("current sequence estimates", logp),
+                    ("current ELBO", elbo),
+                    ("old sequence estimates", old.logp),
+                    ("old ELBO", old.ratio_logp),
+                    ("reference sequence estimates", ref_logp),
+                ]
+            )
             if reason is not None:
                 return None, {"nonfinite_reason": reason}
             value, metrics = sequence_policy_loss(
-                loss, logp, old.logp, batch.advantages, batch.group_index, eps=eps,
-                ratio_noise=ratio_noise, noise_generator=noise_generator,
-                ratio_logp=elbo, old_ratio_logp=old.ratio_logp,
-                completion_lengths=scored_region(batch, spec).sum(-1), kl_coef=kl_coef, ref_logp=ref_logp,
-                kl_estimator=kl_estimator, **options)
+                loss,
+                logp,
+                old.logp,
+                batch.advantages,
+                batch.group_index,
+                eps=eps,
+                ratio_noise=ratio_noise,
+                noise_generator=noise_generator,
+                ratio_logp=elbo,
+                old_ratio_logp=old.ratio_logp,
+                completion_lengths=scored_region(batch, spec).sum(-1),
+                kl_coef=kl_coef,
+                ref_logp=ref_logp,
+                kl_estimator=kl_estimator,
+                **options,
+            )
     except FloatingPointError as err:  # the losses' one signal of a value that overflowed (exp of a ratio)
         return None, {"nonfinite_reason": str(err)[:200]}
     if not torch.isfinite(value):
@@ -84,10 +134,17 @@ def loss_coefficients(current_tok: torch.Tensor, batch: RolloutBatch, spec: Like
     return coef, metrics
 
 
-def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef: torch.Tensor, *,
-                         micro_batch: int, mask_id: int,
-                         retained: Optional[Dict[Tuple[int, int], torch.Tensor]] = None,
-                         plan: Optional[MaskPlan] = None) -> None:
+def accumulate_gradients(
+    model,
+    batch: RolloutBatch,
+    spec: LikelihoodSpec,
+    coef: torch.Tensor,
+    *,
+    micro_batch: int,
+    mask_id: int,
+    retained: Optional[Dict[Tuple[int, int], torch.Tensor]] = None,
+    plan: Optional[MaskPlan] = None,
+) -> None:
     """Back-propagate ``sum(coef * token_logp_theta)`` micro-batch by micro-batch under ``plan``
     (default: the batch's).
 
@@ -102,7 +159,7 @@ def accumulate_gradients(model, batch: RolloutBatch, spec: LikelihoodSpec, coef:
     plan = batch.plan if plan is None else plan
     # which (draw, micro-batch) chunks carry any weight: one device->host copy for all of them
     starts = list(range(0, batch.size, micro_batch))
-    live = torch.stack([coef[:, s:s + micro_batch].flatten(1).ne(0).any(-1) for s in starts], 1).tolist()
+    live = torch.stack([coef[:, s : s + micro_batch].flatten(1).ne(0).any(-1) for s in starts], 1).tolist()
     order = list(chunks(plan.num_mc, batch.size, micro_batch))
     todo = [chunk for chunk in order if live[chunk[0]][chunk[1] // micro_batch]]
 

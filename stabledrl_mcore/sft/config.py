@@ -12,9 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from stabledrl_mcore.config.schema import CheckpointSection, LoggingSection, ModelSection, OptimizerSection, ParallelSection
 from stabledrl_mcore.config.checks import CHAT_TEMPLATES, RL_ONLY, validate_sft_config  # noqa: F401 (API)
-
+from stabledrl_mcore.config.schema import (
+    CheckpointSection,
+    LoggingSection,
+    ModelSection,
+    OptimizerSection,
+    ParallelSection,
+)
 
 
 @dataclass
@@ -66,5 +71,3 @@ class SFTConfig:
     def validate(self) -> "SFTConfig":
         """Check values that types alone cannot (:func:`~stabledrl_mcore.config.checks.validate_sft_config`)."""
         return validate_sft_config(self)
-
-

@@ -48,33 +48,44 @@ def render(row: Any, where: str, section: SFTSection, tokenizer) -> Tuple[str, s
     """``(prompt text, answer text)`` of one row."""
     template = section.chat_template == "auto" and bool(tokenizer.chat_template)
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with {section.prompt_key!r}/{section.response_key!r} "
-                        f"or {section.messages_key!r}, got {type(row).__name__}")
+        raise DataError(
+            f"{where}: expected an object with {section.prompt_key!r}/{section.response_key!r} "
+            f"or {section.messages_key!r}, got {type(row).__name__}"
+        )
     if row.get(section.messages_key) is not None:
         messages = row[section.messages_key]
-        if (not isinstance(messages, list) or len(messages) < 2
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)):
-            raise DataError(f"{where}: {section.messages_key!r} must be a list of at least two "
-                            f"{{role, content}} turns")
+        if (
+            not isinstance(messages, list)
+            or len(messages) < 2
+            or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        ):
+            raise DataError(f"{where}: {section.messages_key!r} must be a list of at least two {{role, content}} turns")
         if messages[-1].get("role") != "assistant":
-            raise DataError(f"{where}: the last turn of {section.messages_key!r} must be the assistant's "
-                            f"answer (role 'assistant'), got role {messages[-1].get('role')!r}")
+            raise DataError(
+                f"{where}: the last turn of {section.messages_key!r} must be the assistant's "
+                f"answer (role 'assistant'), got role {messages[-1].get('role')!r}"
+            )
         if not template:
-            raise DataError(f"{where}: a {section.messages_key!r} chat needs a tokenizer with a chat template "
-                            f"(this one has none, or sft.chat_template=never); give "
-                            f"{section.prompt_key!r}/{section.response_key!r} rows instead")
+            raise DataError(
+                f"{where}: a {section.messages_key!r} chat needs a tokenizer with a chat template "
+                f"(this one has none, or sft.chat_template=never); give "
+                f"{section.prompt_key!r}/{section.response_key!r} rows instead"
+            )
         prompt = [{"role": m.get("role"), "content": m["content"]} for m in messages[:-1]]
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return text, messages[-1]["content"]
     missing = [k for k in (section.prompt_key, section.response_key) if not isinstance(row.get(k), str)]
     if missing:
-        raise DataError(f"{where}: no text field {' / '.join(map(repr, missing))} and no "
-                        f"{section.messages_key!r} chat (keys: {', '.join(map(str, row)) or 'none'}); "
-                        f"set sft.prompt_key / sft.response_key / sft.messages_key")
+        raise DataError(
+            f"{where}: no text field {' / '.join(map(repr, missing))} and no "
+            f"{section.messages_key!r} chat (keys: {', '.join(map(str, row)) or 'none'}); "
+            f"set sft.prompt_key / sft.response_key / sft.messages_key"
+        )
     prompt = row[section.prompt_key]
     if template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     return prompt, row[section.response_key]
 
 
@@ -91,9 +102,11 @@ def encode_rows(records: Iterable[Tuple[str, Any]], section: SFTSection, tokeniz
         prompt_ids = tokenizer.encode(prompt)
         answer_ids = tokenizer.encode(response) + [tokenizer.eos_token_id]
         if section.max_length is not None and len(prompt_ids) + len(answer_ids) > section.max_length:
-            raise DataError(f"{where}: {len(prompt_ids) + len(answer_ids)} tokens (prompt {len(prompt_ids)}, "
-                            f"answer + EOS {len(answer_ids)}), more than sft.max_length={section.max_length}; "
-                            f"raise it or shorten the row")
+            raise DataError(
+                f"{where}: {len(prompt_ids) + len(answer_ids)} tokens (prompt {len(prompt_ids)}, "
+                f"answer + EOS {len(answer_ids)}), more than sft.max_length={section.max_length}; "
+                f"raise it or shorten the row"
+            )
         rows.append((where, prompt_ids, answer_ids))
     if not rows:
         raise DataError(f"{source} holds no rows")
@@ -101,8 +114,8 @@ def encode_rows(records: Iterable[Tuple[str, Any]], section: SFTSection, tokeniz
     ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
     answer = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, (_, prompt_ids, answer_ids) in enumerate(rows):
-        ids[i, :len(prompt_ids) + len(answer_ids)] = torch.tensor(prompt_ids + answer_ids, dtype=torch.long)
-        answer[i, len(prompt_ids):] = True  # the answer, its EOS and the EOS padding
+        ids[i, : len(prompt_ids) + len(answer_ids)] = torch.tensor(prompt_ids + answer_ids, dtype=torch.long)
+        answer[i, len(prompt_ids) :] = True  # the answer, its EOS and the EOS padding
     return SFTData(ids, answer, source)
 
 
@@ -111,8 +124,10 @@ def tokenizer_corpus(section: SFTSection, limit: int = 2048) -> List[str]:
     texts: List[str] = []
     for where, row in read_rows(section):
         if isinstance(row, dict) and row.get(section.messages_key) is not None:
-            raise DataError(f"{where}: a {section.messages_key!r} chat needs a tokenizer with a chat "
-                            f"template; set model.tokenizer (a random-init run trains a plain one)")
+            raise DataError(
+                f"{where}: a {section.messages_key!r} chat needs a tokenizer with a chat "
+                f"template; set model.tokenizer (a random-init run trains a plain one)"
+            )
         prompt, response = render(row, where, section, PlainText())
         texts += [prompt, response]
         if len(texts) >= limit:
@@ -124,4 +139,3 @@ class PlainText:
     """A stand-in tokenizer without a chat template (for :func:`tokenizer_corpus`)."""
 
     chat_template = None
-

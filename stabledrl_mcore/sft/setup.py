@@ -4,23 +4,20 @@ backbone (preset or ``model.checkpoint``), Megatron DDP, optimizer and LR schedu
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
-from stabledrl_mcore.common.errors import DataError
-from stabledrl_mcore.sft.config import SFTConfig
-from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
-from typing import Any
-from typing import Optional
-from dataclasses import dataclass
+from stabledrl_mcore.common.errors import ConfigError, DataError
+from stabledrl_mcore.engine.model_setup import load_initial_weights, model_config
+from stabledrl_mcore.engine.optimizer import build_optimizer
 from stabledrl_mcore.engine.seeding import derive_seed
-from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 from stabledrl_mcore.models import build_model
 from stabledrl_mcore.parallel import bootstrap
-from stabledrl_mcore.engine.model_setup import load_initial_weights
-from stabledrl_mcore.engine.model_setup import model_config
-from stabledrl_mcore.engine.optimizer import build_optimizer
-from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
+from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def sft_tokenizer(cfg: SFTConfig):
@@ -46,31 +43,44 @@ def check_data(data: SFTData, mcfg, description: str) -> None:
     """Token ids inside the model's vocabulary, rows inside its learned positions (if it has them)."""
     top = int(data.ids.max())
     if top >= mcfg.vocab_size:
-        raise DataError(f"{data.source}: token id {top} is outside {description}'s vocabulary "
-                        f"({mcfg.vocab_size}); use the model's own tokenizer (model.tokenizer)")
+        raise DataError(
+            f"{data.source}: token id {top} is outside {description}'s vocabulary "
+            f"({mcfg.vocab_size}); use the model's own tokenizer (model.tokenizer)"
+        )
     if mcfg.position_embedding == "learned" and data.ids.shape[1] > mcfg.max_position_embeddings:
-        raise DataError(f"{data.source}: rows of {data.ids.shape[1]} tokens exceed {description}'s "
-                        f"max_position_embeddings={mcfg.max_position_embeddings}; set sft.max_length (and shorten "
-                        f"the longer rows)")
+        raise DataError(
+            f"{data.source}: rows of {data.ids.shape[1]} tokens exceed {description}'s "
+            f"max_position_embeddings={mcfg.max_position_embeddings}; set sft.max_length (and shorten "
+            f"the longer rows)"
+        )
 
 
 def build_sft(cfg: SFTConfig):
     """Initialise distributed state and build everything :func:`~.trainer.train_sft` needs."""
     from megatron.core import parallel_state as ps
 
-
     p = cfg.parallel
     if p.threads:
         torch.set_num_threads(p.threads)
-    bootstrap.initialize(p.tensor_parallel, 1, seed=p.seed, timeout_minutes=p.timeout_minutes,
-                         backend=None if p.backend == "auto" else p.backend)
+    bootstrap.initialize(
+        p.tensor_parallel,
+        1,
+        seed=p.seed,
+        timeout_minutes=p.timeout_minutes,
+        backend=None if p.backend == "auto" else p.backend,
+    )
     tokenizer = sft_tokenizer(cfg)
     data = load_sft_data(cfg.sft, tokenizer)
     mcfg = model_config(cfg, tokenizer)
     check_data(data, mcfg, "the model")
-    bootstrap.validate_parallel_layout(torch.distributed.get_world_size(), p.tensor_parallel, 1,
-                                       num_layers=mcfg.num_layers, num_attention_heads=mcfg.num_attention_heads,
-                                       num_query_groups=mcfg.num_query_groups)
+    bootstrap.validate_parallel_layout(
+        torch.distributed.get_world_size(),
+        p.tensor_parallel,
+        1,
+        num_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_query_groups=mcfg.num_query_groups,
+    )
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
     if cfg.model.checkpoint:
@@ -88,9 +98,11 @@ def check_batch(cfg: SFTConfig, data_parallel: int) -> None:
 
     batch, micro = cfg.sft.batch_size, cfg.parallel.micro_batch_size
     if batch % data_parallel or (batch // data_parallel) % micro:
-        raise ConfigError(f"sft.batch_size={batch} must split into {data_parallel} data-parallel rank(s) of "
-                          f"whole parallel.micro_batch_size={micro} micro-batches (batch_size / DP a multiple "
-                          f"of micro_batch_size)")
+        raise ConfigError(
+            f"sft.batch_size={batch} must split into {data_parallel} data-parallel rank(s) of "
+            f"whole parallel.micro_batch_size={micro} micro-batches (batch_size / DP a multiple "
+            f"of micro_batch_size)"
+        )
 
 
 class RowStream:

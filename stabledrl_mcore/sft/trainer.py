@@ -14,43 +14,38 @@ micro-batch index), so the data-parallel split does not change the run and a res
 
 from __future__ import annotations
 
-from stabledrl_mcore.sft.setup import SFTSetup
-
 import os
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from stabledrl_mcore.engine.run_dir import checkpoint_root
-from stabledrl_mcore.config.schema import save_config
-from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
-from stabledrl_mcore.engine.metrics import create_logger, logger_options
-from stabledrl_mcore.models.placement import model_device
-from stabledrl_mcore.engine.save_schedule import SaveSchedule
-from stabledrl_mcore.engine.seeding import phase_generator
-from stabledrl_mcore.engine.gradients import agree_ok
-from stabledrl_mcore.engine.gradients import grads_finite
-from stabledrl_mcore.engine.gradients import sync_gradients
-from stabledrl_mcore.sft.config import SFTConfig
-from stabledrl_mcore.engine.save_schedule import save_training_checkpoint
-from stabledrl_mcore.engine.metrics import progress_bar
-from stabledrl_mcore.engine.resume import restore_training_state
-from stabledrl_mcore.engine.resume import prepare_start
-from stabledrl_mcore.engine.preemption import preemption_agreed
-from stabledrl_mcore.engine.preemption import install_preemption_handlers
-from stabledrl_mcore.sft.setup import build_sft
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
-from stabledrl_mcore.config.schema import load_config
-from stabledrl_mcore.engine.preemption import run_with_preemption_marker
+from stabledrl_mcore.config.io import to_dict
+from stabledrl_mcore.config.schema import load_config, save_config
+from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
+from stabledrl_mcore.engine.gradients import agree_ok, grads_finite, sync_gradients
 from stabledrl_mcore.engine.health import RunHealth
+from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
+from stabledrl_mcore.engine.preemption import install_preemption_handlers, preemption_agreed, run_with_preemption_marker
+from stabledrl_mcore.engine.resume import prepare_start, restore_training_state
+from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.engine.save_schedule import SaveSchedule, save_training_checkpoint
+from stabledrl_mcore.engine.seeding import phase_generator
+from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.sft.config import SFTConfig
+from stabledrl_mcore.sft.setup import SFTSetup, build_sft
 
 Hook = Callable[["SFTSetup", int], Optional[Dict[str, float]]]
 
 
-def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional[Callable[[Dict], bool]] = None,
-              stop_after: Optional[int] = None) -> SFTSetup:
+def train_sft(
+    cfg: SFTConfig,
+    *,
+    hooks: Sequence[Hook] = (),
+    stop_when: Optional[Callable[[Dict], bool]] = None,
+    stop_after: Optional[int] = None,
+) -> SFTSetup:
     """Run ``cfg.steps`` SFT steps. ``hooks(setup, step)`` run on every rank after each step (their
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
@@ -60,8 +55,13 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     s = build_sft(cfg)
     root = checkpoint_root(cfg)
     start, resumed = restore_training_state(s, root, plan)
-    logger = create_logger(cfg.logging.run_dir, config=to_dict(cfg), **logger_options(cfg.logging), start_step=start,
-                           console_keys=("loss", "grad_norm", "lr", "step_s"))
+    logger = create_logger(
+        cfg.logging.run_dir,
+        config=to_dict(cfg),
+        **logger_options(cfg.logging),
+        start_step=start,
+        console_keys=("loss", "grad_norm", "lr", "step_s"),
+    )
     if torch.distributed.get_rank() == 0:
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
         for note in notes + resumed:
@@ -69,8 +69,13 @@ def train_sft(cfg: SFTConfig, *, hooks: Sequence[Hook] = (), stop_when: Optional
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     install_preemption_handlers()
     saves = SaveSchedule(cfg.checkpoint, cfg.logging.run_dir, logger, rank=torch.distributed.get_rank())
-    health = RunHealth(cfg.sft.max_skipped_updates, logger, from_step_zero=start == 0,
-                       limit_field="sft.max_skipped_updates", what="SFT")
+    health = RunHealth(
+        cfg.sft.max_skipped_updates,
+        logger,
+        from_step_zero=start == 0,
+        limit_field="sft.max_skipped_updates",
+        what="SFT",
+    )
     bar = progress_bar(cfg, start, end)
     with logger:
         for step in range(start, end):
@@ -105,11 +110,18 @@ def sft_update(s: SFTSetup, step: int) -> Tuple[Dict[str, float], Optional[str]]
     s.optimizer.zero_grad()
     total = torch.zeros((), device=device, dtype=torch.float64)
     for k, begin in enumerate(range(0, len(rows), micro)):
-        chosen = rows[begin:begin + micro]
+        chosen = rows[begin : begin + micro]
         ids, answer = s.data.ids[chosen].to(device), s.data.answer[chosen].to(device)
         generator = phase_generator(cfg.parallel.seed, step, first_chunk + k, "sft", device=device)
-        losses, _ = sft_sequence_losses(s.ddp, ids, answer, mask_id=s.model.dllm_config.mask_token_id,
-                                        generator=generator, eps=cfg.sft.eps, block_size=s.block_size)
+        losses, _ = sft_sequence_losses(
+            s.ddp,
+            ids,
+            answer,
+            mask_id=s.model.dllm_config.mask_token_id,
+            generator=generator,
+            eps=cfg.sft.eps,
+            block_size=s.block_size,
+        )
         (losses.sum() / len(rows)).backward()  # DDP averages over data-parallel ranks: the job's mean
         total += losses.detach().sum().double()
     sync_gradients(s.ddp)

@@ -8,26 +8,58 @@ or [0, 2] with the ``anti_short_boxed`` option every task takes),
 :mod:`stabledrl_mcore.evaluation`.
 """
 
-from stabledrl_mcore.tasks.base import (BASE_TASK_OPTIONS, GENERATED_TASKS, REWARD_RANGE, Example, Task, TaskProtocol,
-                                        available_tasks, get_task, register_task)
-from stabledrl_mcore.tasks.countdown import CountdownTask, evaluate_expression, solve as solve_countdown
+from stabledrl_mcore.tasks.aime import Aime2024Task, Aime2025Task
+from stabledrl_mcore.tasks.base import (
+    BASE_TASK_OPTIONS,
+    GENERATED_TASKS,
+    REWARD_RANGE,
+    Example,
+    Task,
+    TaskProtocol,
+    available_tasks,
+    get_task,
+    register_task,
+)
+from stabledrl_mcore.tasks.countdown import CountdownTask, evaluate_expression
+from stabledrl_mcore.tasks.countdown import solve as solve_countdown
 from stabledrl_mcore.tasks.extract import answer_tag, last_boxed, parse_number
 from stabledrl_mcore.tasks.math_equiv import math_equal
 from stabledrl_mcore.tasks.math_tasks import Gsm8kTask, Math500Task, resolve_data_root
-from stabledrl_mcore.tasks.aime import Aime2024Task, Aime2025Task
-from stabledrl_mcore.tasks.qa import QaTask
 from stabledrl_mcore.tasks.prompts import SYSTEM_PROMPT, PromptFormat, build_prompt, prompt_format
+from stabledrl_mcore.tasks.qa import QaTask
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
-from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions, solve as solve_sudoku
-
+from stabledrl_mcore.tasks.sudoku import SudokuTask, count_solutions
+from stabledrl_mcore.tasks.sudoku import solve as solve_sudoku
 
 __all__ = [
-    "BASE_TASK_OPTIONS", "GENERATED_TASKS", "REWARD_RANGE", "Example", "Task", "TaskProtocol", "available_tasks",
-    "get_task", "register_task",
-    "CountdownTask", "evaluate_expression", "solve_countdown",
-
-    "answer_tag", "last_boxed", "parse_number", "math_equal",
-    "Gsm8kTask", "Math500Task", "resolve_data_root", "Aime2024Task", "Aime2025Task", "QaTask",
-    "SYSTEM_PROMPT", "PromptFormat", "build_prompt", "prompt_format", "anti_short_boxed_bonus",
-    "SudokuTask", "count_solutions", "solve_sudoku",
+    "BASE_TASK_OPTIONS",
+    "GENERATED_TASKS",
+    "REWARD_RANGE",
+    "Example",
+    "Task",
+    "TaskProtocol",
+    "available_tasks",
+    "get_task",
+    "register_task",
+    "CountdownTask",
+    "evaluate_expression",
+    "solve_countdown",
+    "answer_tag",
+    "last_boxed",
+    "parse_number",
+    "math_equal",
+    "Gsm8kTask",
+    "Math500Task",
+    "resolve_data_root",
+    "Aime2024Task",
+    "Aime2025Task",
+    "QaTask",
+    "SYSTEM_PROMPT",
+    "PromptFormat",
+    "build_prompt",
+    "prompt_format",
+    "anti_short_boxed_bonus",
+    "SudokuTask",
+    "count_solutions",
+    "solve_sudoku",
 ]

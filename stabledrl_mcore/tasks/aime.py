@@ -64,8 +64,9 @@ class Aime2024Task(_AimeTask):
     format_hint = "'Problem' and 'Answer' (an integer 0-999) fields, as Maxwell-Jia/AIME_2024"
 
     def _download_command(self, path: Path, split: str) -> str:
-        return (f"python -c \"import datasets; datasets.load_dataset('Maxwell-Jia/AIME_2024')['train']"
-                f".to_json('{path}')\"")
+        return (
+            f"python -c \"import datasets; datasets.load_dataset('Maxwell-Jia/AIME_2024')['train'].to_json('{path}')\""
+        )
 
 
 @register_task("aime2025")
@@ -79,5 +80,7 @@ class Aime2025Task(_AimeTask):
     format_hint = "'question' and 'answer' (an integer 0-999) fields, as opencompass/AIME2025"
 
     def _download_command(self, path: Path, split: str) -> str:
-        return (f"python -c \"import datasets as d; d.concatenate_datasets([d.load_dataset('opencompass/AIME2025', "
-                f"c)['test'] for c in ('AIME2025-I', 'AIME2025-II')]).to_json('{path}')\"")
+        return (
+            f"python -c \"import datasets as d; d.concatenate_datasets([d.load_dataset('opencompass/AIME2025', "
+            f"c)['test'] for c in ('AIME2025-I', 'AIME2025-II')]).to_json('{path}')\""
+        )

@@ -38,14 +38,17 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from stabledrl_mcore.common.registry import Registry
 from stabledrl_mcore.tasks.prompts import PromptFormat
-from stabledrl_mcore.tasks.shaping import (ANTI_SHORT_BOXED_MIN_CHARS, ANTI_SHORT_BOXED_MIN_RATIO,
-                                           anti_short_boxed_bonus, check_anti_short_boxed_thresholds)
+from stabledrl_mcore.tasks.shaping import (
+    ANTI_SHORT_BOXED_MIN_CHARS,
+    ANTI_SHORT_BOXED_MIN_RATIO,
+    anti_short_boxed_bonus,
+    check_anti_short_boxed_thresholds,
+)
 
 logger = logging.getLogger(__name__)
 
 REWARD_RANGE: tuple[float, float] = (0.0, 1.0)
-BASE_TASK_OPTIONS: tuple[str, ...] = ("anti_short_boxed", "anti_short_boxed_min_chars",
-                                      "anti_short_boxed_min_ratio")
+BASE_TASK_OPTIONS: tuple[str, ...] = ("anti_short_boxed", "anti_short_boxed_min_chars", "anti_short_boxed_min_ratio")
 """Options of :class:`Task` itself, accepted by every task (see the module docstring)."""
 
 
@@ -72,8 +75,9 @@ class TaskProtocol(Protocol):
     name: str
     reward_range: tuple[float, float]
 
-    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
-             seed: int = 0, n: int | None = None) -> list[Example]: ...
+    def load(
+        self, split: str, *, path: str | None = None, limit: int | None = None, seed: int = 0, n: int | None = None
+    ) -> list[Example]: ...
 
     def prompt(self, example: Example, tokenizer: Any = None) -> str: ...
 
@@ -106,11 +110,16 @@ class Task:
     prompt_format: PromptFormat = PromptFormat()
     """System prompt override, user-turn template and chat template (``rollout.*``; :mod:`.prompts`)."""
 
-    def __init__(self, *, anti_short_boxed: bool = False,
-                 anti_short_boxed_min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
-                 anti_short_boxed_min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO) -> None:
-        self.set_anti_short_boxed(anti_short_boxed, min_chars=anti_short_boxed_min_chars,
-                                  min_ratio=anti_short_boxed_min_ratio)
+    def __init__(
+        self,
+        *,
+        anti_short_boxed: bool = False,
+        anti_short_boxed_min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
+        anti_short_boxed_min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO,
+    ) -> None:
+        self.set_anti_short_boxed(
+            anti_short_boxed, min_chars=anti_short_boxed_min_chars, min_ratio=anti_short_boxed_min_ratio
+        )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A subclass written against the old protocol declares ``reward_range = (lo, hi)``: that is its
@@ -121,13 +130,19 @@ class Task:
             cls.base_reward_range = (float(own[0]), float(own[1]))
             delattr(cls, "reward_range")
 
-    def set_anti_short_boxed(self, enabled: bool = True, *, min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
-                             min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO) -> None:
+    def set_anti_short_boxed(
+        self,
+        enabled: bool = True,
+        *,
+        min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
+        min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO,
+    ) -> None:
         """Turn the anti short boxed term on or off and set its thresholds (validated)."""
         if not isinstance(enabled, bool):
             raise ValueError(f"anti_short_boxed must be true or false, got {enabled!r}")
-        self.anti_short_boxed_min_chars, self.anti_short_boxed_min_ratio = \
-            check_anti_short_boxed_thresholds(min_chars, min_ratio)
+        self.anti_short_boxed_min_chars, self.anti_short_boxed_min_ratio = check_anti_short_boxed_thresholds(
+            min_chars, min_ratio
+        )
         self.anti_short_boxed = enabled
 
     @property
@@ -136,8 +151,9 @@ class Task:
         lo, hi = self.base_reward_range
         return (lo, hi + 1.0) if self.anti_short_boxed else (lo, hi)
 
-    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
-             seed: int = 0, n: int | None = None) -> list[Example]:
+    def load(
+        self, split: str, *, path: str | None = None, limit: int | None = None, seed: int = 0, n: int | None = None
+    ) -> list[Example]:
         raise NotImplementedError
 
     def prompt(self, example: Example, tokenizer: Any = None) -> str:
@@ -183,8 +199,9 @@ class Task:
         """Score one completion: ``base_reward`` plus the enabled shaping term; in ``reward_range``."""
         value = self.base_reward(completion, reference)
         if self.anti_short_boxed:
-            value += anti_short_boxed_bonus(completion, min_chars=self.anti_short_boxed_min_chars,
-                                            min_ratio=self.anti_short_boxed_min_ratio)
+            value += anti_short_boxed_bonus(
+                completion, min_chars=self.anti_short_boxed_min_chars, min_ratio=self.anti_short_boxed_min_ratio
+            )
         return value
 
     def is_correct(self, completion: str, reference: Any) -> bool:
@@ -201,7 +218,8 @@ class Task:
 
 
 _REGISTRY: Registry[Callable[..., Task]] = Registry(
-    "task", unknown=lambda name, valid: ValueError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}"))
+    "task", unknown=lambda name, valid: ValueError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}")
+)
 
 
 def register_task(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
@@ -248,17 +266,21 @@ def get_task(name: str, *, prompt_style: str = "chat", **kwargs: Any) -> Task:
     if valid is not None:
         unknown = sorted(set(kwargs) - valid)
         if unknown:
-            raise ValueError(f"task {name!r}: unknown option(s) {', '.join(map(repr, unknown))}; "
-                             f"valid options: {', '.join(sorted(valid))}")
+            raise ValueError(
+                f"task {name!r}: unknown option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options: {', '.join(sorted(valid))}"
+            )
     base = {k: kwargs.pop(k) for k in BASE_TASK_OPTIONS if k in kwargs}
     task = factory(**kwargs)
     task.prompt_style = prompt_style
     if base:
-        task.set_anti_short_boxed(base.get("anti_short_boxed", task.anti_short_boxed),
-                                  min_chars=base.get("anti_short_boxed_min_chars",
-                                                     task.anti_short_boxed_min_chars),
-                                  min_ratio=base.get("anti_short_boxed_min_ratio",
-                                                     task.anti_short_boxed_min_ratio))
+        task.set_anti_short_boxed(
+            base.get("anti_short_boxed", task.anti_short_boxed),
+            min_chars=base.get("anti_short_boxed_min_chars", task.anti_short_boxed_min_chars),
+            min_ratio=base.get("anti_short_boxed_min_ratio", task.anti_short_boxed_min_ratio),
+        )
     return task
+
+
 GENERATED_TASKS = ("countdown", "sudoku")
 """Tasks that generate their examples (no data files, no ``prompt_key`` / ``answer_key``)."""

@@ -124,8 +124,12 @@ def solve(numbers: list[int], target: int) -> str | None:
             for j in range(i + 1, len(items)):
                 (a, ea), (b, eb) = items[i], items[j]
                 rest = [items[k] for k in range(len(items)) if k not in (i, j)]
-                cands = [(a + b, f"({ea} + {eb})"), (a - b, f"({ea} - {eb})"), (b - a, f"({eb} - {ea})"),
-                         (a * b, f"({ea} * {eb})")]
+                cands = [
+                    (a + b, f"({ea} + {eb})"),
+                    (a - b, f"({ea} - {eb})"),
+                    (b - a, f"({eb} - {ea})"),
+                    (a * b, f"({ea} * {eb})"),
+                ]
                 if b != 0:
                     cands.append((a / b, f"({ea} / {eb})"))
                 if a != 0:
@@ -157,8 +161,9 @@ class CountdownTask(Task):
         ref = example.reference
         return " ".join(str(n) for n in ref["numbers"]) + f" -> {ref['target']} ="
 
-    def __init__(self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100,
-                 **options: Any) -> None:
+    def __init__(
+        self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100, **options: Any
+    ) -> None:
         super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         if not num_counts or any(k not in (2, 3, 4, 5) for k in num_counts):
             raise ValueError(f"num_counts must be a non-empty tuple of 2..5, got {num_counts!r}")
@@ -182,8 +187,9 @@ class CountdownTask(Task):
             return None
         return numbers, int(t)
 
-    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
-             seed: int = 0, n: int | None = None) -> list[Example]:
+    def load(
+        self, split: str, *, path: str | None = None, limit: int | None = None, seed: int = 0, n: int | None = None
+    ) -> list[Example]:
         """``n`` distinct puzzles of ``split`` ('train' or 'test'), deterministic in ``seed``."""
         if split not in DEFAULT_N:
             raise ValueError(f"countdown: split must be one of {sorted(DEFAULT_N)}, got {split!r}")
@@ -206,24 +212,36 @@ class CountdownTask(Task):
                 raise RuntimeError(f"generated unreachable countdown puzzle {numbers} -> {target}")
             seen.add(key)
             ref = {"numbers": numbers, "target": target}
-            examples.append(Example(prompt=self.question(numbers, target), reference=ref,
-                                    meta={"index": len(examples), "solution": solution}))
+            examples.append(
+                Example(
+                    prompt=self.question(numbers, target),
+                    reference=ref,
+                    meta={"index": len(examples), "solution": solution},
+                )
+            )
         return examples[:limit] if limit is not None else examples
 
     @staticmethod
     def question(numbers: list[int], target: int) -> str:
-        return (f"Using the numbers {list(numbers)}, create an equation that equals {target}. "
-                "You can use basic arithmetic operations (+, -, *, /) and parentheses, and each "
-                "number must be used exactly once. Give the final expression in <answer> </answer> tags.")
+        return (
+            f"Using the numbers {list(numbers)}, create an equation that equals {target}. "
+            "You can use basic arithmetic operations (+, -, *, /) and parentheses, and each "
+            "number must be used exactly once. Give the final expression in <answer> </answer> tags."
+        )
 
     def check_reference(self, reference: Any) -> dict[str, Any]:
-        ok = (isinstance(reference, dict) and isinstance(reference.get("numbers"), (list, tuple))
-              and 0 < len(reference["numbers"]) <= 8
-              and all(isinstance(x, int) and not isinstance(x, bool) for x in reference["numbers"])
-              and isinstance(reference.get("target"), int) and not isinstance(reference["target"], bool))
+        ok = (
+            isinstance(reference, dict)
+            and isinstance(reference.get("numbers"), (list, tuple))
+            and 0 < len(reference["numbers"]) <= 8
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in reference["numbers"])
+            and isinstance(reference.get("target"), int)
+            and not isinstance(reference["target"], bool)
+        )
         if not ok:
-            raise ValueError(f"countdown: reference must be {{'numbers': [int, ...], 'target': int}}, "
-                             f"got {reference!r}")
+            raise ValueError(
+                f"countdown: reference must be {{'numbers': [int, ...], 'target': int}}, got {reference!r}"
+            )
         return reference
 
     def extract_answer(self, completion: str) -> str | None:

@@ -64,14 +64,20 @@ def load_reward_fn(spec: str) -> Callable[[str, Any], Any]:
         try:
             module = importlib.import_module(target)
         except ImportError as err:
-            raise RewardFunctionError(f"{FIELD}={spec}: cannot import module {target!r} ({err}); give a file "
-                                      f"path (path/to/file.py:{name}) or install the package") from None
+            raise RewardFunctionError(
+                f"{FIELD}={spec}: cannot import module {target!r} ({err}); give a file "
+                f"path (path/to/file.py:{name}) or install the package"
+            ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__)
-        raise RewardFunctionError(f"{FIELD}={spec}: {target} has no function {name!r} (its functions: "
-                                  f"{', '.join(found) or 'none'})")
+        found = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
+        raise RewardFunctionError(
+            f"{FIELD}={spec}: {target} has no function {name!r} (its functions: {', '.join(found) or 'none'})"
+        )
     _check_signature(fn, spec)
     return fn
 
@@ -79,8 +85,9 @@ def load_reward_fn(spec: str) -> Callable[[str, Any], Any]:
 def _import_file(target: str, spec: str):
     path = os.path.abspath(target)
     if not os.path.isfile(path):
-        raise RewardFunctionError(f"{FIELD}={spec}: file {path} not found (a relative path is taken from the "
-                                  f"working directory {os.getcwd()})")
+        raise RewardFunctionError(
+            f"{FIELD}={spec}: file {path} not found (a relative path is taken from the working directory {os.getcwd()})"
+        )
     module_name = f"stabledrl_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -98,8 +105,10 @@ def _check_signature(fn: Callable, spec: str) -> None:
     try:
         inspect.signature(fn).bind("completion", "reference")
     except TypeError:
-        raise RewardFunctionError(f"{FIELD}={spec}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot "
-                                  f"be called as fn(completion, reference) -> float") from None
+        raise RewardFunctionError(
+            f"{FIELD}={spec}: {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot "
+            f"be called as fn(completion, reference) -> float"
+        ) from None
     except ValueError:  # builtins without a signature: accept, a bad call is counted at run time
         pass
 
@@ -122,12 +131,20 @@ class CustomRewardTask:
     setting one sets it on the task.
     """
 
-    def __init__(self, task: Any, fn: Callable[[str, Any], Any], *, spec: str,
-                 timeout_s: float = DEFAULT_REWARD_TIMEOUT_S):
+    def __init__(
+        self, task: Any, fn: Callable[[str, Any], Any], *, spec: str, timeout_s: float = DEFAULT_REWARD_TIMEOUT_S
+    ):
         if not timeout_s > 0:
             raise ValueError(f"rollout.reward_timeout_s must be > 0, got {timeout_s}")
-        own = {"task": task, "fn": fn, "spec": spec, "timeout_s": float(timeout_s), "failures": 0,
-               "total_failures": 0, "shown": set()}
+        own = {
+            "task": task,
+            "fn": fn,
+            "spec": spec,
+            "timeout_s": float(timeout_s),
+            "failures": 0,
+            "total_failures": 0,
+            "shown": set(),
+        }
         self.__dict__.update(own)
 
     def __getattr__(self, name: str) -> Any:
@@ -154,13 +171,19 @@ class CustomRewardTask:
             self.total_failures += 1
             if failure.kind not in self.shown:
                 self.shown.add(failure.kind)
-                print(f"stabledrl: warning: {FIELD}={self.spec} {failure} (scored 0; every such failure is "
-                      f"counted in the reward_errors metric, this message is shown once)", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"stabledrl: warning: {FIELD}={self.spec} {failure} (scored 0; every such failure is "
+                    f"counted in the reward_errors metric, this message is shown once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             value = 0.0
         if getattr(self.task, "anti_short_boxed", False):  # the shaping term of every task adds to yours
-            value += anti_short_boxed_bonus(completion, min_chars=self.task.anti_short_boxed_min_chars,
-                                            min_ratio=self.task.anti_short_boxed_min_ratio)
+            value += anti_short_boxed_bonus(
+                completion,
+                min_chars=self.task.anti_short_boxed_min_chars,
+                min_ratio=self.task.anti_short_boxed_min_ratio,
+            )
         return value
 
     def pop_failures(self) -> int:

@@ -30,7 +30,7 @@ _OPEN_TAG, _CLOSE_TAG = "<answer>", "</answer>"
 
 def _match_brace(text: str, open_idx: int, max_chars: int) -> str | None:
     """Content of the brace group opening at ``text[open_idx] == '{'`` (escaped braces skipped)."""
-    window = text[open_idx + 1: open_idx + 1 + max_chars]
+    window = text[open_idx + 1 : open_idx + 1 + max_chars]
     depth = 1
     for m in _BRACE_TOKEN.finditer(window):
         tok = m.group()
@@ -74,7 +74,7 @@ def answer_tag(text: str, *, max_chars: int = MAX_TAG_CHARS) -> str | None:
     start = text.rfind(_OPEN_TAG, max(0, close - max_chars - len(_OPEN_TAG)), close)
     if start < 0:
         return None
-    return text[start + len(_OPEN_TAG): close].strip()
+    return text[start + len(_OPEN_TAG) : close].strip()
 
 
 def boxed_then_tag(text: str) -> str | None:
@@ -97,8 +97,11 @@ def tag_then_boxed(text: str) -> str | None:
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\s*\{([^{}]{0,200})\}")
 _FRAC = re.compile(r"([-+]?)\s*\\[dt]?frac\s*\{\s*([-+]?[0-9.]{1,60})\s*\}\s*\{\s*([-+]?[0-9.]{1,60})\s*\}")
 _THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")
-_NUMBER = re.compile(r"(?:(?<![0-9])[-+])?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
-                     r"(?:\s*/\s*(?:[0-9]+(?:\.[0-9]+)?))?", re.ASCII)
+_NUMBER = re.compile(
+    r"(?:(?<![0-9])[-+])?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+    r"(?:\s*/\s*(?:[0-9]+(?:\.[0-9]+)?))?",
+    re.ASCII,
+)
 _DROP = ("\\$", "$", "\\!", "\\,", "\\;", "\\:", "\\%", "%", "\\left", "\\right", "\\ ")
 
 

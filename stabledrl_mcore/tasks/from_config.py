@@ -1,13 +1,13 @@
 """A run's task and its data, built from the run config's rollout / eval sections (train, eval and the preflight build them the same way)."""
 
 from __future__ import annotations
-from stabledrl_mcore.tasks.base import GENERATED_TASKS, Example
-from typing import List
-from typing import Optional
-from stabledrl_mcore.tasks.base import get_task
-from stabledrl_mcore.tasks.prompts import rollout_prompt_format
+
+from typing import List, Optional
+
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.tasks.base import GENERATED_TASKS, Example, get_task
 from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
+from stabledrl_mcore.tasks.prompts import rollout_prompt_format
 
 
 def build_task(cfg):
@@ -22,8 +22,10 @@ def build_task(cfg):
         if value is None:
             continue
         if r.task in GENERATED_TASKS:
-            raise ConfigError(f"rollout.{name}={value}: task {r.task} generates its examples (no data columns); "
-                              f"it applies to file-backed tasks such as qa, gsm8k, math500, aime2024")
+            raise ConfigError(
+                f"rollout.{name}={value}: task {r.task} generates its examples (no data columns); "
+                f"it applies to file-backed tasks such as qa, gsm8k, math500, aime2024"
+            )
         if name in options:
             raise ConfigError(f"rollout.{name} and rollout.task_options.{name} both set: keep rollout.{name}")
         options[name] = value
@@ -34,11 +36,12 @@ def build_task(cfg):
     task = get_task(r.task, prompt_style=r.prompt_style, **options)
     task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
     if r.reward_fn:
-
         shaping = [k for k in TASK_REWARD_OPTIONS if k in options]
         if shaping:
-            raise ConfigError(f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
-                              f"rollout.reward_fn replaces: drop one of them")
+            raise ConfigError(
+                f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
+                f"rollout.reward_fn replaces: drop one of them"
+            )
         task = CustomRewardTask(task, load_reward_fn(r.reward_fn), spec=r.reward_fn, timeout_s=r.reward_timeout_s)
     return task
 

@@ -39,13 +39,17 @@ def check_local(path: str | os.PathLike, field: str = "path") -> Path:
     """``path`` as a :class:`Path`; a URL or a hub name that is not a local path raises :class:`DataError`."""
     text = os.fspath(path)
     if "://" in text or text.startswith(("hf:", "hf.co/", "huggingface.co/")):
-        raise DataError(f"{field}={text}: only local files are read (no downloads); save the dataset first, "
-                        f"e.g. datasets.load_dataset(...).save_to_disk(DIR), and give DIR")
+        raise DataError(
+            f"{field}={text}: only local files are read (no downloads); save the dataset first, "
+            f"e.g. datasets.load_dataset(...).save_to_disk(DIR), and give DIR"
+        )
     local = Path(text)
     if not local.exists() and _HUB_NAME.fullmatch(text) and not local.suffix:
-        raise DataError(f"{field}={text}: no such local file or folder, and only local files are read (a hub "
-                        f"dataset is not downloaded): python -c \"import datasets; datasets.load_dataset('{text}')"
-                        f".save_to_disk('data/{local.name}')\" and give that folder")
+        raise DataError(
+            f"{field}={text}: no such local file or folder, and only local files are read (a hub "
+            f"dataset is not downloaded): python -c \"import datasets; datasets.load_dataset('{text}')"
+            f".save_to_disk('data/{local.name}')\" and give that folder"
+        )
     return local
 
 
@@ -63,8 +67,9 @@ def split_file(folder: Path, split: str) -> Path | None:
     return None
 
 
-def load_rows(path: str | os.PathLike, split: str = "train", *, required: Iterable[str] = (),
-              field: str = "path") -> list[tuple[str, Row]]:
+def load_rows(
+    path: str | os.PathLike, split: str = "train", *, required: Iterable[str] = (), field: str = "path"
+) -> list[tuple[str, Row]]:
     """``(where, row)`` for every row of ``split`` at ``path`` (see the module docstring).
 
     ``required`` columns must exist (a JSONL/JSON row without one names its line/index; a
@@ -74,14 +79,18 @@ def load_rows(path: str | os.PathLike, split: str = "train", *, required: Iterab
     required = tuple(required)
     local = check_local(path, field)
     if not local.exists():
-        raise FileNotFoundError(f"{field}={local}: no such file or directory (a .jsonl, .json, .parquet or .csv "
-                                f"file, a save_to_disk folder, or a folder of <split>.<ext> files)")
+        raise FileNotFoundError(
+            f"{field}={local}: no such file or directory (a .jsonl, .json, .parquet or .csv "
+            f"file, a save_to_disk folder, or a folder of <split>.<ext> files)"
+        )
     if local.is_dir() and not is_saved_dataset(local):
         found = split_file(local, split)
         if found is None:
             have = sorted(p.name for p in local.iterdir() if p.suffix in FILE_FORMATS) or ["no data files"]
-            raise FileNotFoundError(f"{field}={local}: no {split}.jsonl/.json/.parquet/.csv for split {split!r} "
-                                    f"in this folder (it holds: {', '.join(have)})")
+            raise FileNotFoundError(
+                f"{field}={local}: no {split}.jsonl/.json/.parquet/.csv for split {split!r} "
+                f"in this folder (it holds: {', '.join(have)})"
+            )
         local = found
     if local.is_dir():
         rows = _saved_rows(local, split)
@@ -94,8 +103,10 @@ def load_rows(path: str | os.PathLike, split: str = "train", *, required: Iterab
     elif local.suffix == ".csv":
         rows = _csv_rows(local)
     else:
-        raise DataError(f"{field}={local}: unknown data file type {local.suffix!r} (use {', '.join(FILE_FORMATS)} "
-                        f"or a save_to_disk folder)")
+        raise DataError(
+            f"{field}={local}: unknown data file type {local.suffix!r} (use {', '.join(FILE_FORMATS)} "
+            f"or a save_to_disk folder)"
+        )
     if not rows:
         raise DataError(f"{local} holds no examples (empty file)")
     _check_required(local, rows, required)
@@ -109,8 +120,10 @@ def _check_required(source: Path, rows: list[tuple[str, Row]], required: tuple[s
         if not missing:
             continue
         if columnar:  # every row has the same columns: name the file, not a row
-            raise DataError(f"{source}: no column(s) {missing}; its columns: {', '.join(map(str, row))} "
-                            f"(choose them with rollout.prompt_key / rollout.answer_key)")
+            raise DataError(
+                f"{source}: no column(s) {missing}; its columns: {', '.join(map(str, row))} "
+                f"(choose them with rollout.prompt_key / rollout.answer_key)"
+            )
         raise DataError(f"{where}: missing field(s) {missing}; expected {list(required)}")
 
 
@@ -156,8 +169,10 @@ def _csv_rows(path: Path) -> list[tuple[str, Row]]:
         reader = csv.DictReader(handle)
         for index, row in enumerate(reader):
             if None in row:
-                raise DataError(f"{path}:{reader.line_num} (row {index}): more values than the header's "
-                                f"{len(reader.fieldnames or [])} columns")
+                raise DataError(
+                    f"{path}:{reader.line_num} (row {index}): more values than the header's "
+                    f"{len(reader.fieldnames or [])} columns"
+                )
             rows.append((f"{path}:{reader.line_num} (row {index})", dict(row)))
     return rows
 

@@ -51,8 +51,11 @@ for _name in ("math_verify.grader", "math_verify.parser"):
 
 def signals_available() -> bool:
     """True if a SIGALRM deadline can be used here (main thread, no alarm already armed)."""
-    return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0))
+    return (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    )
 
 
 def call_with_deadline(fn: Callable[[], T], seconds: float, default: T) -> T:
@@ -120,9 +123,17 @@ def _is_plain_number(s: str) -> bool:
     return re.fullmatch(r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?|[-+]?\.[0-9]+", s) is not None
 
 
-_WARMUP = (("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi/3)"), ("9\\pi", "28\\pi"),
-           ("x^2 + 2x + 1", "(x+1)^2"), ("[-2, 7)", "[-2,7]"), ("\\frac{1}{2}", "0.5"),
-           ("\\text{(A)}", "A"), ("-2, 3", "3, -2"), ("3\\sqrt{2}", "\\sqrt{18}"), ("x = 2", "2"))
+_WARMUP = (
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi/3)"),
+    ("9\\pi", "28\\pi"),
+    ("x^2 + 2x + 1", "(x+1)^2"),
+    ("[-2, 7)", "[-2,7]"),
+    ("\\frac{1}{2}", "0.5"),
+    ("\\text{(A)}", "A"),
+    ("-2, 3", "3, -2"),
+    ("3\\sqrt{2}", "\\sqrt{18}"),
+    ("x = 2", "2"),
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,9 +143,11 @@ def _math_verify() -> tuple[Any, Any, list[Any]]:
 
     config = [LatexExtractionConfig()]
     for gold, pred in _WARMUP:  # sympy imports code paths lazily; first uses can take ~1 s
-        verify(parse(f"$\\boxed{{{gold}}}$", extraction_config=config, parsing_timeout=None),
-               parse(f"$\\boxed{{{pred}}}$", extraction_config=config, parsing_timeout=None),
-               timeout_seconds=None)
+        verify(
+            parse(f"$\\boxed{{{gold}}}$", extraction_config=config, parsing_timeout=None),
+            parse(f"$\\boxed{{{pred}}}$", extraction_config=config, parsing_timeout=None),
+            timeout_seconds=None,
+        )
     return parse, verify, config
 
 

@@ -32,8 +32,14 @@ from typing import Any
 from stabledrl_mcore.common.errors import DataError
 from stabledrl_mcore.tasks.base import Example, Task, register_task
 from stabledrl_mcore.tasks.extract import answer_tag, boxed_then_tag, numbers_equal, parse_number
-from stabledrl_mcore.tasks.local_datasets import (answer_value, check_local, is_saved_dataset, load_rows,
-                                                  split_file, text_value)
+from stabledrl_mcore.tasks.local_datasets import (
+    answer_value,
+    check_local,
+    is_saved_dataset,
+    load_rows,
+    split_file,
+    text_value,
+)
 from stabledrl_mcore.tasks.math_equiv import DEFAULT_TIMEOUT_S, math_equal
 from stabledrl_mcore.tasks.prompts import MATH_SYSTEM_PROMPT
 
@@ -62,8 +68,14 @@ class _FileMathTask(Task):
     fields: tuple[str, ...] = ()
     format_hint: str = ""
 
-    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
-                 prompt_key: str | None = None, answer_key: str | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        data_root: str | os.PathLike | None = None,
+        format_weight: float = 0.0,
+        prompt_key: str | None = None,
+        answer_key: str | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
         if not 0.0 <= format_weight <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {format_weight}")
@@ -82,11 +94,13 @@ class _FileMathTask(Task):
         return resolve_data_root(self.data_root) / self.dir_name / f"{split}.jsonl"
 
     def _missing_message(self, path: Path, split: str) -> str:
-        return (f"{self.name}: data file not found: {path} (one JSON object per line with "
-                f"{self.format_hint}); point to it with rollout.data_path=FILE (stabledrl train), "
-                f"--data-path FILE (stabledrl eval) or path=FILE (Python), or set ${DATA_ENV} to the "
-                f"data root holding {self.dir_name}/{split}.jsonl; to download it (network needed): "
-                f"{self._download_command(path, split)}")
+        return (
+            f"{self.name}: data file not found: {path} (one JSON object per line with "
+            f"{self.format_hint}); point to it with rollout.data_path=FILE (stabledrl train), "
+            f"--data-path FILE (stabledrl eval) or path=FILE (Python), or set ${DATA_ENV} to the "
+            f"data root holding {self.dir_name}/{split}.jsonl; to download it (network needed): "
+            f"{self._download_command(path, split)}"
+        )
 
     def _download_command(self, path: Path, split: str) -> str:
         hf_args = ", ".join(repr(a) for a in self.hf_id)
@@ -100,8 +114,9 @@ class _FileMathTask(Task):
             except ImportError:
                 raise ImportError(f"{self.name}: source='hf' needs the 'datasets' package") from None
             where = "/".join(self.hf_id)
-            return [(f"{where}[{split}][{i}]", dict(r))
-                    for i, r in enumerate(datasets.load_dataset(*self.hf_id)[split])]
+            return [
+                (f"{where}[{split}][{i}]", dict(r)) for i, r in enumerate(datasets.load_dataset(*self.hf_id)[split])
+            ]
         if source != "local":
             raise ValueError(f"{self.name}: source must be 'local' or 'hf', got {source!r}")
         keys = (self.prompt_key, self.answer_key)
@@ -118,8 +133,16 @@ class _FileMathTask(Task):
     def _example(self, row: dict[str, Any], index: int) -> Example:
         raise NotImplementedError
 
-    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
-             seed: int = 0, n: int | None = None, source: str = "local") -> list[Example]:
+    def load(
+        self,
+        split: str,
+        *,
+        path: str | None = None,
+        limit: int | None = None,
+        seed: int = 0,
+        n: int | None = None,
+        source: str = "local",
+    ) -> list[Example]:
         """Examples of ``split`` in file order (``seed`` and ``n`` are unused here); first ``limit``."""
         rows = self._rows(split, path, source)
         if limit is not None:
@@ -182,8 +205,9 @@ class Gsm8kTask(_FileMathTask):
     def _example(self, row: dict[str, Any], index: int) -> Example:
         solution = text_value(row, self.answer_key)
         gold = self.check_reference(gsm8k_gold(solution))
-        return Example(prompt=text_value(row, self.prompt_key), reference=gold,
-                       meta={"index": index, "solution": solution})
+        return Example(
+            prompt=text_value(row, self.prompt_key), reference=gold, meta={"index": index, "solution": solution}
+        )
 
     def check_reference(self, reference: Any) -> str:
         ref = super().check_reference(reference)
@@ -205,8 +229,13 @@ class Math500Task(_FileMathTask):
     fields = ("problem", "answer")
     format_hint = "'problem', 'answer' (LaTeX final answer) and 'solution' fields"
 
-    def __init__(self, data_root: str | os.PathLike | None = None, format_weight: float = 0.0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> None:
+    def __init__(
+        self,
+        data_root: str | os.PathLike | None = None,
+        format_weight: float = 0.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **options: Any,
+    ) -> None:
         super().__init__(data_root, format_weight, **options)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -217,8 +246,7 @@ class Math500Task(_FileMathTask):
         for key in ("subject", "level", "unique_id"):
             if key in row:
                 meta[key] = row[key]
-        return Example(prompt=text_value(row, self.prompt_key), reference=answer_value(row, self.answer_key),
-                       meta=meta)
+        return Example(prompt=text_value(row, self.prompt_key), reference=answer_value(row, self.answer_key), meta=meta)
 
     def _correct(self, answer: str | None, reference: str) -> bool:
         return math_equal(answer, reference, self.timeout_s)

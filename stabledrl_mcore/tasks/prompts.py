@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
-from typing import Union
-import torch
 from datetime import datetime
+from typing import Any, Optional, Sequence, Union
+
 import jinja2
 import jinja2.ext
+import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from stabledrl_mcore.common.errors import UserError
 
 MATH_SYSTEM_PROMPT = (
@@ -59,8 +60,11 @@ SYSTEM_PROMPT = MATH_SYSTEM_PROMPT
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
-    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) and hasattr(
-        tokenizer, "apply_chat_template")
+    return (
+        tokenizer is not None
+        and bool(getattr(tokenizer, "chat_template", None))
+        and hasattr(tokenizer, "apply_chat_template")
+    )
 
 
 def plain_prompt(question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
@@ -69,8 +73,9 @@ def plain_prompt(question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
     return f"{head}Question: {question}\nAnswer:"
 
 
-def build_prompt(question: str, tokenizer: Any = None, *, system_prompt: str = SYSTEM_PROMPT,
-                 chat_template: Optional[str] = None) -> str:
+def build_prompt(
+    question: str, tokenizer: Any = None, *, system_prompt: str = SYSTEM_PROMPT, chat_template: Optional[str] = None
+) -> str:
     """Format ``question`` with ``tokenizer``'s chat template, or the plain fallback.
 
     ``chat_template``: the text of a Jinja chat template used instead of the tokenizer's
@@ -101,12 +106,10 @@ def build_prompt(question: str, tokenizer: Any = None, *, system_prompt: str = S
 def _compiled(text: str):
     """A Jinja template compiled as Hugging Face compiles chat templates (sandboxed, trimmed blocks)."""
 
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(text)
@@ -151,24 +154,35 @@ class PromptFormat:
     def render(self, question: str, tokenizer: Any = None, *, default_system: str = "") -> str:
         """The prompt text for ``question`` (``default_system``: the task's system prompt)."""
         system = default_system if self.system_prompt is None else self.system_prompt
-        return build_prompt(self.template.replace(QUESTION, question), tokenizer, system_prompt=system,
-                            chat_template=self.chat_template_text)
+        return build_prompt(
+            self.template.replace(QUESTION, question),
+            tokenizer,
+            system_prompt=system,
+            chat_template=self.chat_template_text,
+        )
 
 
 PROMPT_FIELDS = ("rollout.system_prompt", "rollout.prompt_template", "rollout.chat_template")
 """The config fields of a :class:`PromptFormat` (their names in error messages)."""
 
 
-def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] = None,
-                  chat_template: Optional[str] = None, *, names: Sequence[str] = PROMPT_FIELDS) -> PromptFormat:
+def prompt_format(
+    system_prompt: Optional[str] = None,
+    template: Optional[str] = None,
+    chat_template: Optional[str] = None,
+    *,
+    names: Sequence[str] = PROMPT_FIELDS,
+) -> PromptFormat:
     """A checked :class:`PromptFormat`: the template holds ``{question}``; the chat template file
     exists, parses and renders a test conversation. A failure is one :class:`~stabledrl_mcore.common.errors.UserError`
     line naming the field (``names``: system prompt, template, chat template) and the fix."""
 
     template = QUESTION if template is None else template
     if not isinstance(template, str) or QUESTION not in template:
-        raise UserError(f"{names[1]}: {template!r} has no {QUESTION} placeholder (where the question goes), "
-                        f"e.g. 'Solve: {QUESTION}'")
+        raise UserError(
+            f"{names[1]}: {template!r} has no {QUESTION} placeholder (where the question goes), "
+            f"e.g. 'Solve: {QUESTION}'"
+        )
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise UserError(f"{names[0]} must be a string (or null for the task's own), got {system_prompt!r}")
     if chat_template is None:
@@ -178,8 +192,9 @@ def prompt_format(system_prompt: Optional[str] = None, template: Optional[str] =
     try:
         out = fmt.render("test question", default_system="test system prompt")
     except Exception as err:  # noqa: BLE001 - any Jinja failure is the file's, named in one line
-        raise UserError(f"{names[2]}: {chat_template} does not render a test conversation: "
-                        f"{type(err).__name__}: {err}") from None
+        raise UserError(
+            f"{names[2]}: {chat_template} does not render a test conversation: {type(err).__name__}: {err}"
+        ) from None
     if not isinstance(out, str) or not out.strip():
         raise UserError(f"{names[2]}: {chat_template} renders an empty prompt for a test conversation")
     return fmt
@@ -190,13 +205,17 @@ def rollout_prompt_format(rollout: Any) -> PromptFormat:
 
     ``prompt_style: compact`` prompts are the bare question: the prompt fields are refused there."""
 
-    given = {"rollout.system_prompt": rollout.system_prompt is not None,
-             "rollout.prompt_template": rollout.prompt_template != QUESTION,
-             "rollout.chat_template": rollout.chat_template is not None}
+    given = {
+        "rollout.system_prompt": rollout.system_prompt is not None,
+        "rollout.prompt_template": rollout.prompt_template != QUESTION,
+        "rollout.chat_template": rollout.chat_template is not None,
+    }
     if rollout.prompt_style == "compact" and any(given.values()):
         named = ", ".join(name for name, set_ in given.items() if set_)
-        raise UserError(f"{named}: rollout.prompt_style=compact prompts are the bare question; set "
-                        f"rollout.prompt_style=chat to use them, or unset them")
+        raise UserError(
+            f"{named}: rollout.prompt_style=compact prompts are the bare question; set "
+            f"rollout.prompt_style=chat to use them, or unset them"
+        )
     return prompt_format(rollout.system_prompt, rollout.prompt_template, rollout.chat_template)
 
 
@@ -220,8 +239,9 @@ def _read_template(path: str, name: str) -> str:
     return text
 
 
-def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None,
-                   device: Union[str, torch.device] = "cpu"):
+def encode_prompts(
+    tokenizer, texts: Sequence[str], *, max_len: Optional[int] = None, device: Union[str, torch.device] = "cpu"
+):
     """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])`` on ``device``
     (padded on the host, copied once)."""
     encoded = [tokenizer.encode(t) for t in texts]
@@ -229,8 +249,10 @@ def encode_prompts(tokenizer, texts: Sequence[str], *, max_len: Optional[int] = 
         encoded = [e[-max_len:] for e in encoded]
     width = max(len(e) for e in encoded)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long,
-                       device=device).reshape(len(encoded), width)
-    valid = torch.tensor([[False] * (width - len(e)) + [True] * len(e) for e in encoded],
-                         dtype=torch.bool, device=device).reshape(len(encoded), width)
+    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long, device=device).reshape(
+        len(encoded), width
+    )
+    valid = torch.tensor(
+        [[False] * (width - len(e)) + [True] * len(e) for e in encoded], dtype=torch.bool, device=device
+    ).reshape(len(encoded), width)
     return ids, valid

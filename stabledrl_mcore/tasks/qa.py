@@ -37,10 +37,14 @@ from stabledrl_mcore.tasks.math_equiv import DEFAULT_TIMEOUT_S, math_equal
 from stabledrl_mcore.tasks.math_tasks import _FileMathTask
 from stabledrl_mcore.tasks.prompts import MATH_SYSTEM_PROMPT
 
-QA_SYSTEM_PROMPT = ("Think step by step inside <reasoning> </reasoning> tags. Then give only the final "
-                    "answer inside <answer> </answer> tags.")
-CHOICE_SYSTEM_PROMPT = ("Think step by step inside <reasoning> </reasoning> tags. Then give only the letter "
-                        "of the correct option inside <answer> </answer> tags, for example <answer>B</answer>.")
+QA_SYSTEM_PROMPT = (
+    "Think step by step inside <reasoning> </reasoning> tags. Then give only the final "
+    "answer inside <answer> </answer> tags."
+)
+CHOICE_SYSTEM_PROMPT = (
+    "Think step by step inside <reasoning> </reasoning> tags. Then give only the letter "
+    "of the correct option inside <answer> </answer> tags, for example <answer>B</answer>."
+)
 MAX_ANSWER_CHARS = 1000
 """Answers longer than this are wrong for every verifier (bounds regex and string work)."""
 
@@ -50,8 +54,11 @@ def _squash(text: str) -> str:
 
 
 _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm)\s*\{([^{}]*)\}")
-_CHOICE_ALONE = re.compile(r"(?:(?:the\s+)?(?:correct\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"
-                           r"[(\[]?([A-Za-z])[)\]]?[.:]?", re.I)
+_CHOICE_ALONE = re.compile(
+    r"(?:(?:the\s+)?(?:correct\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"
+    r"[(\[]?([A-Za-z])[)\]]?[.:]?",
+    re.I,
+)
 _CHOICE_LEADING = re.compile(r"[(\[]?([A-Z])[)\].:]\s")
 
 
@@ -126,10 +133,17 @@ class QaTask(_FileMathTask):
     dir_name = "qa"
     fields = ("prompt", "answer")
 
-    def __init__(self, verifier: str = "math", pattern: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, data_root: str | os.PathLike | None = None,
-                 format_weight: float = 0.0, prompt_key: str | None = None, answer_key: str | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        verifier: str = "math",
+        pattern: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        data_root: str | os.PathLike | None = None,
+        format_weight: float = 0.0,
+        prompt_key: str | None = None,
+        answer_key: str | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(data_root, format_weight, prompt_key, answer_key, **options)
         self.verifier_name = verifier
         self.verifier = get_verifier(verifier)
@@ -146,9 +160,11 @@ class QaTask(_FileMathTask):
         self.format_hint = f"{self.prompt_key!r} (question) and {self.answer_key!r} (reference answer) fields"
 
     def _missing_message(self, path: Any, split: str) -> str:
-        return (f"qa: data not found: {path} ({self.format_hint}); give your file or folder with "
-                f"rollout.data_path (training), eval.data_path (held-out), --data-path (stabledrl eval) "
-                f"or path= (Python)")
+        return (
+            f"qa: data not found: {path} ({self.format_hint}); give your file or folder with "
+            f"rollout.data_path (training), eval.data_path (held-out), --data-path (stabledrl eval) "
+            f"or path= (Python)"
+        )
 
     def _rows(self, split: str, path: str | None, source: str) -> list[tuple[str, dict[str, Any]]]:
         if source != "local":

@@ -83,7 +83,7 @@ def _non_ws_inside_boxes(text: str) -> int:
         close = text.find("}", start + len(_BOXED_OPEN))
         if close < 0:
             return inside
-        inside += _non_ws_count(text[start:close + 1])
+        inside += _non_ws_count(text[start : close + 1])
         pos = close + 1
 
 
@@ -91,14 +91,19 @@ def check_anti_short_boxed_thresholds(min_chars: Any, min_ratio: Any) -> tuple[i
     """Validate the two thresholds; returns them as (int, float) or raises ``ValueError``."""
     if isinstance(min_chars, bool) or not isinstance(min_chars, int) or min_chars < 0:
         raise ValueError(f"anti_short_boxed_min_chars must be an int >= 0, got {min_chars!r}")
-    if isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float)) \
-            or not math.isfinite(min_ratio) or not 0.0 <= min_ratio <= 1.0:
+    if (
+        isinstance(min_ratio, bool)
+        or not isinstance(min_ratio, (int, float))
+        or not math.isfinite(min_ratio)
+        or not 0.0 <= min_ratio <= 1.0
+    ):
         raise ValueError(f"anti_short_boxed_min_ratio must be a number in [0, 1], got {min_ratio!r}")
     return int(min_chars), float(min_ratio)
 
 
-def anti_short_boxed_bonus(completion: Any, *, min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS,
-                           min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO) -> float:
+def anti_short_boxed_bonus(
+    completion: Any, *, min_chars: int = ANTI_SHORT_BOXED_MIN_CHARS, min_ratio: float = ANTI_SHORT_BOXED_MIN_RATIO
+) -> float:
     """1.0, or 0.0 for a short completion that is (mainly) just a ``\\boxed{}`` (see module docstring)."""
     try:
         text = completion if isinstance(completion, str) else str(completion)

@@ -36,9 +36,18 @@ from stabledrl_mcore.tasks.extract import MAX_TAG_CHARS, answer_tag, last_boxed
 from stabledrl_mcore.tasks.prompts import SUDOKU_SYSTEM_PROMPT
 
 _PEERS: tuple[tuple[int, ...], ...] = tuple(
-    tuple(sorted({j for j in range(16) if j != i and (
-        j // 4 == i // 4 or j % 4 == i % 4 or (j // 8 == i // 8 and (j % 4) // 2 == (i % 4) // 2))}))
-    for i in range(16))
+    tuple(
+        sorted(
+            {
+                j
+                for j in range(16)
+                if j != i
+                and (j // 4 == i // 4 or j % 4 == i % 4 or (j // 8 == i // 8 and (j % 4) // 2 == (i % 4) // 2))
+            }
+        )
+    )
+    for i in range(16)
+)
 _SEPARATORS = re.compile(r"[\s,|;:.\-_/\[\]()*+]+")
 _RUN = re.compile(r"[1-4]{16,}")
 _GRID = re.compile(r"[0-4]{16}")
@@ -89,8 +98,11 @@ def solve(puzzle: str) -> str | None:
 
 def is_valid_grid(grid: str) -> bool:
     """True for a complete valid grid (16 digits 1-4, no clash)."""
-    return (isinstance(grid, str) and re.fullmatch(r"[1-4]{16}", grid) is not None
-            and all(grid[j] != grid[i] for i in range(16) for j in _PEERS[i]))
+    return (
+        isinstance(grid, str)
+        and re.fullmatch(r"[1-4]{16}", grid) is not None
+        and all(grid[j] != grid[i] for i in range(16) for j in _PEERS[i])
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,7 +142,7 @@ def extract_grid(completion: str) -> str | None:
 
 def format_grid(puzzle: str) -> str:
     """Four rows of four digits, '0' for blanks."""
-    return "\n".join(puzzle[r * 4: r * 4 + 4] for r in range(4))
+    return "\n".join(puzzle[r * 4 : r * 4 + 4] for r in range(4))
 
 
 @register_task("sudoku")
@@ -171,8 +183,9 @@ class SudokuTask(Task):
                 cells[c] = keep
         return "".join(cells) if removed == target else None
 
-    def load(self, split: str, *, path: str | None = None, limit: int | None = None,
-             seed: int = 0, n: int | None = None) -> list[Example]:
+    def load(
+        self, split: str, *, path: str | None = None, limit: int | None = None, seed: int = 0, n: int | None = None
+    ) -> list[Example]:
         """``n`` distinct puzzles of ``split`` ('train' or 'test'), deterministic in ``seed``."""
         if split not in DEFAULT_N:
             raise ValueError(f"sudoku: split must be one of {sorted(DEFAULT_N)}, got {split!r}")
@@ -180,8 +193,10 @@ class SudokuTask(Task):
             raise ValueError("sudoku puzzles are generated; 'path' is not supported")
         count = n if n is not None else (limit if limit is not None else DEFAULT_N[split])
         if self.blanks == (6, 10) and count > CAPACITY_6_10[split]:
-            raise ValueError(f"sudoku: the {split} split holds only {CAPACITY_6_10[split]} distinct "
-                             f"puzzles with 6..10 blanks, asked for {count}")
+            raise ValueError(
+                f"sudoku: the {split} split holds only {CAPACITY_6_10[split]} distinct "
+                f"puzzles with 6..10 blanks, asked for {count}"
+            )
         grids = [g for g in all_grids() if split_of(g) == split]
         rng = random.Random(f"sudoku/{split}/{seed}")
         seen: set[str] = set()
@@ -192,16 +207,21 @@ class SudokuTask(Task):
             if puzzle is None or puzzle in seen:
                 misses += 1
                 if misses > 100 * count + 10000:
-                    raise ValueError(f"sudoku: could not generate {count} distinct {split} puzzles "
-                                     f"with blanks {self.blanks}")
+                    raise ValueError(
+                        f"sudoku: could not generate {count} distinct {split} puzzles with blanks {self.blanks}"
+                    )
                 continue
             solution = solve(puzzle)
             if solution is None:  # cannot happen: blanks were kept only while unique
                 raise RuntimeError(f"generated sudoku puzzle {puzzle} is not unique")
             seen.add(puzzle)
-            examples.append(Example(prompt=self.question(puzzle),
-                                    reference={"puzzle": puzzle, "solution": solution},
-                                    meta={"index": len(examples)}))
+            examples.append(
+                Example(
+                    prompt=self.question(puzzle),
+                    reference={"puzzle": puzzle, "solution": solution},
+                    meta={"index": len(examples)},
+                )
+            )
         return examples[:limit] if limit is not None else examples
 
     def compact_prompt(self, example: Example) -> str:
@@ -210,20 +230,28 @@ class SudokuTask(Task):
 
     @staticmethod
     def question(puzzle: str) -> str:
-        return ("Solve this 4x4 Sudoku. Each row, column and 2x2 box must contain 1, 2, 3 and 4 "
-                "exactly once. Empty cells are shown as 0. The puzzle, row by row:\n"
-                f"{format_grid(puzzle)}\n(as one string: {puzzle}). Give the completed grid as 16 "
-                "digits in <answer> </answer> tags.")
+        return (
+            "Solve this 4x4 Sudoku. Each row, column and 2x2 box must contain 1, 2, 3 and 4 "
+            "exactly once. Empty cells are shown as 0. The puzzle, row by row:\n"
+            f"{format_grid(puzzle)}\n(as one string: {puzzle}). Give the completed grid as 16 "
+            "digits in <answer> </answer> tags."
+        )
 
     def check_reference(self, reference: Any) -> dict[str, str]:
-        ok = (isinstance(reference, dict) and isinstance(reference.get("puzzle"), str)
-              and _GRID.fullmatch(reference["puzzle"]) is not None and is_valid_grid(reference.get("solution")))
+        ok = (
+            isinstance(reference, dict)
+            and isinstance(reference.get("puzzle"), str)
+            and _GRID.fullmatch(reference["puzzle"]) is not None
+            and is_valid_grid(reference.get("solution"))
+        )
         if ok:
             p, s = reference["puzzle"], reference["solution"]
             ok = all(a == "0" or a == b for a, b in zip(p, s))
         if not ok:
-            raise ValueError("sudoku: reference must be {'puzzle': 16 chars 0-4, 'solution': a valid "
-                             f"grid consistent with it}}, got {reference!r}")
+            raise ValueError(
+                "sudoku: reference must be {'puzzle': 16 chars 0-4, 'solution': a valid "
+                f"grid consistent with it}}, got {reference!r}"
+            )
         return reference
 
     def extract_answer(self, completion: str) -> str | None:

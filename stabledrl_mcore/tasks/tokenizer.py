@@ -55,8 +55,9 @@ class Tokenizer:
         return self.backend.decode(ids)
 
 
-def train_sentencepiece(texts: Iterable[str], out_dir: str, *, vocab_size: int = 64,
-                        model_type: str = "char") -> Tokenizer:
+def train_sentencepiece(
+    texts: Iterable[str], out_dir: str, *, vocab_size: int = 64, model_type: str = "char"
+) -> Tokenizer:
     """Train a sentencepiece tokenizer on ``texts`` (offline, well under a second for small data).
 
     Ids: 0 pad, 1 BOS, 2 EOS, 3 mask, then the learned pieces.
@@ -70,10 +71,22 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str, *, vocab_size: int =
             handle.write(text.replace("\n", " ") + "\n")
     prefix = os.path.join(out_dir, "tokenizer")
     spm.SentencePieceTrainer.train(
-        input=corpus, model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
-        pad_id=0, bos_id=1, eos_id=2, unk_id=4, pad_piece=PAD_TOKEN, bos_piece=BOS_TOKEN,
-        eos_piece=EOS_TOKEN, user_defined_symbols=[MASK_TOKEN], character_coverage=1.0,
-        hard_vocab_limit=False, minloglevel=2, num_threads=1,
+        input=corpus,
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=4,
+        pad_piece=PAD_TOKEN,
+        bos_piece=BOS_TOKEN,
+        eos_piece=EOS_TOKEN,
+        user_defined_symbols=[MASK_TOKEN],
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
     )
     os.remove(corpus)
     return load_tokenizer(out_dir)
@@ -100,8 +113,16 @@ def _load_sentencepiece(model_file: str) -> Tokenizer:
     mask = sp.piece_to_id(MASK_TOKEN)
     if sp.id_to_piece(mask) != MASK_TOKEN:
         raise ValueError(f"{model_file} has no {MASK_TOKEN} piece; train it with train_sentencepiece()")
-    return Tokenizer(sp, "sentencepiece", mask, sp.eos_id(), sp.pad_id(),
-                     sp.bos_id() if sp.bos_id() >= 0 else None, sp.get_piece_size(), model_file)
+    return Tokenizer(
+        sp,
+        "sentencepiece",
+        mask,
+        sp.eos_id(),
+        sp.pad_id(),
+        sp.bos_id() if sp.bos_id() >= 0 else None,
+        sp.get_piece_size(),
+        model_file,
+    )
 
 
 def _load_hf(path: str) -> Tokenizer:
@@ -119,5 +140,4 @@ def _load_hf(path: str) -> Tokenizer:
     if eos is None:
         raise ValueError(f"{path}: tokenizer has no EOS token")
     pad = tok.pad_token_id if tok.pad_token_id is not None else config.get("pad_token_id", eos)
-    return Tokenizer(tok, "hf", int(mask), int(eos), int(pad), tok.bos_token_id,
-                     len(tok), path)
+    return Tokenizer(tok, "hf", int(mask), int(eos), int(pad), tok.bos_token_id, len(tok), path)
