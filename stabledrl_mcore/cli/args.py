@@ -162,3 +162,26 @@ def run_config_from_args(args: argparse.Namespace, cls=None):
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     overrides += ["checkpoint.overwrite=true"] if args.overwrite else []
     return load_config(args.config, overrides, cls=cls or RunConfig), overrides
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a training run, ``train`` and ``sft`` alike: resume, overwrite, local ranks, print."""
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|none|PATH",
+        help="resume from the newest complete checkpoint (auto) or PATH",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a run directory that holds an earlier run (moved aside, never deleted)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead",
+    )
+    parser.add_argument("--print-config", action="store_true", help="validate and print the resolved config, then exit")

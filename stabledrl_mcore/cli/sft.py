@@ -6,7 +6,7 @@ import argparse
 
 import yaml
 
-from stabledrl_mcore.cli.args import run_config_from_args, world_size
+from stabledrl_mcore.cli.args import add_run_arguments, run_config_from_args, world_size
 from stabledrl_mcore.cli.preflight import preflight_sft
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
@@ -24,25 +24,7 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="dotted overrides, e.g. sft.data_path=data.jsonl model.checkpoint=DIR",
     )
-    parser.add_argument(
-        "--resume",
-        default=None,
-        metavar="auto|none|PATH",
-        help="resume from the newest complete checkpoint (auto) or PATH",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in a run directory that holds an earlier run (moved aside, never deleted)",
-    )
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead",
-    )
-    parser.add_argument("--print-config", action="store_true", help="validate and print the resolved config, then exit")
+    add_run_arguments(parser)
 
 
 def run_sft(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 
 import yaml
 
-from stabledrl_mcore.cli.args import add_config_args, run_config_from_args, world_size
+from stabledrl_mcore.cli.args import add_config_args, add_run_arguments, run_config_from_args, world_size
 from stabledrl_mcore.cli.preflight import preflight
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.config.schema import save_config
@@ -49,23 +49,5 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
-    parser.add_argument(
-        "--resume",
-        default=None,
-        metavar="auto|none|PATH",
-        help="resume from the newest complete checkpoint (auto) or PATH",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in a run directory that holds an earlier run (moved aside, never deleted)",
-    )
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="start N local ranks (gloo on CPU); clusters use torchrun or srun instead",
-    )
-    parser.add_argument("--print-config", action="store_true", help="validate and print the resolved config, then exit")
+    add_run_arguments(parser)
     parser.add_argument("--save-config", metavar="PATH", help="with --print-config: also write it")
