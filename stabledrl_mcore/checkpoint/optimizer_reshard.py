@@ -18,6 +18,9 @@ Not covered (refused in one line by :mod:`.optimizer_state`): a different tensor
 Megatron's precision-aware optimizer (its state is stored scaled). The param groups'
 hyper-parameters come from the old checkpoint, as on Megatron's own path (the trainer then
 applies the current config's and the LR schedule's).
+
+Built on :mod:`.optimizer_state` (the format record, the compatibility check, the torch-Adam
+adapter), which never imports or calls this module.
 """
 
 from __future__ import annotations
@@ -29,23 +32,13 @@ import torch
 from stabledrl_mcore.checkpoint.optimizer_state import (
     MAP_FIELD,
     OptimizerFormatError,
-    _all_gather,
-    _distributed_class,
-    _loaded_parts,
+    all_gather_objects,
+    distributed_parts,
     inner_optimizers,
     load_optimizer_state,
+    loaded_parts,
     prepare_for_checkpoint,
 )
-
-
-def _distributed(optimizer):
-
-    cls = _distributed_class()
-    return [
-        (index, opt)
-        for index, opt in enumerate(inner_optimizers(optimizer))
-        if isinstance(opt, cls) and not getattr(opt, "is_stub_optimizer", False)
-    ]
 
 
 def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
@@ -74,9 +67,9 @@ def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_stat
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     names = parameter_names(model_sharded_state_dict)
-    parts = _loaded_parts(optimizer, optimizer_sharded_state_dict)
+    parts = loaded_parts(optimizer, optimizer_sharded_state_dict)
     out: Dict[str, Any] = {}
-    for index, opt in _distributed(optimizer):
+    for index, opt in distributed_parts(optimizer):
         if opt.data_parallel_group.rank() != 0:  # every DP rank of a model-parallel rank has the same map
             continue
         part, buckets = parts[index], []
@@ -111,9 +104,8 @@ def _local_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_stat
 
 def bucket_map(optimizer, model_sharded_state_dict: dict, optimizer_sharded_state_dict) -> Optional[dict]:
     """Every model-parallel rank's bucket map (collective), or None if a rank cannot name a parameter."""
-
     merged: Dict[str, Any] = {}
-    for part in _all_gather(_local_map(optimizer, model_sharded_state_dict, optimizer_sharded_state_dict)):
+    for part in all_gather_objects(_local_map(optimizer, model_sharded_state_dict, optimizer_sharded_state_dict)):
         if part is None:
             return None
         merged.update(part)
@@ -145,7 +137,7 @@ def _local_plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any]
     """``(plan, problem)``: per inner optimizer, ``(model_param, {state: (key, numel, offset)}, size)``."""
     names = parameter_names(model_sharded_state_dict)
     plan: Dict[int, List[Any]] = {}
-    for index, opt in _distributed(optimizer):
+    for index, opt in distributed_parts(optimizer):
         if getattr(opt.config, "use_precision_aware_optimizer", False):
             return None, (
                 f"checkpoint {path}: the precision-aware distributed optimizer cannot be resumed "
@@ -194,9 +186,8 @@ def _local_plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any]
 
 def plan(optimizer, model_sharded_state_dict: dict, saved: Dict[str, Any], path: str):
     """What each rank reads at a layout change; raises the first rank's problem on every rank."""
-
     local, problem = _local_plan(optimizer, model_sharded_state_dict, saved, path)
-    problems = [p for p in _all_gather(problem) if p]
+    problems = [p for p in all_gather_objects(problem) if p]
     if problems:
         raise OptimizerFormatError(problems[0])
     return local
@@ -218,7 +209,7 @@ def _common_request(optimizer, saved: Dict[str, Any]) -> dict:
             }
             for group in _old_groups(saved, index)
         ]
-        for index, _ in _distributed(optimizer)
+        for index, _ in distributed_parts(optimizer)
     }
 
 
@@ -227,7 +218,7 @@ def _range_request(optimizer, local_plan) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     request: Dict[int, List[Dict[str, Any]]] = {}
-    for index, opt in _distributed(optimizer):
+    for index, opt in distributed_parts(optimizer):
         ranges = []
         for param, states, size in local_plan[index]:
             current = opt._get_main_param_and_optimizer_states(param)
@@ -289,7 +280,7 @@ def load(optimizer, local_plan, saved: Dict[str, Any], path: str) -> None:
         ranges = dist_checkpointing.load(
             {"ranges": _range_request(optimizer, local_plan)}, path, validate_access_integrity=False
         )["ranges"]
-        for index, opt in _distributed(optimizer):
+        for index, opt in distributed_parts(optimizer):
             for (param, _, _), tensors in zip(local_plan[index], ranges[index]):
                 current = opt._get_main_param_and_optimizer_states(param)
                 for name, value in tensors.items():

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -75,7 +75,7 @@ FORMAT_FILE = "optimizer_format.json"
 FORMAT_VERSION = 1
 SHARDING_TYPE = "dp_reshardable"
 READABLE_SHARDING_TYPES = ("dp_reshardable",)
-MAP_FIELD = "bucket_map"  # per-rank bucket contents, written by :mod:`.optimizer_reshard`
+MAP_FIELD = "bucket_map"  # per-rank bucket contents (:mod:`.optimizer_reshard` fills it in)
 
 
 class OptimizerFormatError(ValueError):
@@ -100,6 +100,16 @@ def is_distributed(optimizer) -> bool:
     return any(isinstance(o, cls) for o in inner_optimizers(optimizer))
 
 
+def distributed_parts(optimizer) -> List[Tuple[int, Any]]:
+    """``(index in inner_optimizers, optimizer)`` of each distributed part that holds state (no stubs)."""
+    cls = _distributed_class()
+    return [
+        (index, opt)
+        for index, opt in enumerate(inner_optimizers(optimizer))
+        if isinstance(opt, cls) and not getattr(opt, "is_stub_optimizer", False)
+    ]
+
+
 def _torch_adam_step_layout(dist_opt) -> bool:
     """Whether Megatron takes its torch-Adam ('step' per parameter) path for ``dist_opt``."""
     from megatron.core.optimizer import distrib_optimizer
@@ -119,11 +129,8 @@ def local_layout(optimizer) -> Dict[str, Any]:
     ``dp_reshardable`` state is cut along these buckets: a checkpoint loads only where
     every bucket holds the same parameters (same TP/PP, model and parameter dtype).
     """
-    cls = _distributed_class()
     layout: Dict[str, Any] = {}
-    for index, opt in enumerate(inner_optimizers(optimizer)):
-        if not isinstance(opt, cls) or getattr(opt, "is_stub_optimizer", False):
-            continue
+    for index, opt in distributed_parts(optimizer):
         buffers = []
         for numels in opt.per_bucket_numel_unpadded:
             for (param_dtype, grad_dtype), buckets in numels.items():
@@ -138,7 +145,8 @@ def local_layout(optimizer) -> Dict[str, Any]:
     return layout
 
 
-def _all_gather(obj: Any) -> List[Any]:
+def all_gather_objects(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` in rank order (collective; ``[obj]`` without torch.distributed)."""
     if not torch.distributed.is_initialized():
         return [obj]
     out: List[Any] = [None] * torch.distributed.get_world_size()
@@ -162,7 +170,7 @@ def describe(optimizer) -> Dict[str, Any]:
         }
 
     layout: Dict[str, Any] = {}
-    for part in _all_gather(local_layout(optimizer)):
+    for part in all_gather_objects(local_layout(optimizer)):
         layout.update(part)
     torch_step = any(
         _torch_adam_step_layout(o) for o in inner_optimizers(optimizer) if isinstance(o, _distributed_class())
@@ -309,7 +317,7 @@ def check_compatible(saved: Dict[str, Any], optimizer, path: str) -> None:
 
     Collective (all ranks agree before any of them enters ``dist_checkpointing.load``).
     """
-    problems = [p for p in _all_gather(_local_incompatibility(saved, optimizer, path)) if p]
+    problems = [p for p in all_gather_objects(_local_incompatibility(saved, optimizer, path)) if p]
     if problems:
         raise OptimizerFormatError(problems[0])
 
@@ -377,7 +385,7 @@ def sharded_optimizer_state(
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata_for(fmt))
 
 
-def _loaded_parts(optimizer, loaded: Any) -> List[Any]:
+def loaded_parts(optimizer, loaded: Any) -> List[Any]:
     """The loaded state of each inner optimizer, in ``inner_optimizers`` order."""
     inner = inner_optimizers(optimizer)
     if len(inner) == 1:
@@ -414,7 +422,7 @@ def load_optimizer_state(optimizer, loaded: Any) -> None:
     """``optimizer.load_state_dict(loaded)`` with the adapter (items 2 and 3, step layout)."""
     cls = _distributed_class()
     fixes = []
-    for opt, part in zip(inner_optimizers(optimizer), _loaded_parts(optimizer, loaded)):
+    for opt, part in zip(inner_optimizers(optimizer), loaded_parts(optimizer, loaded)):
         if not isinstance(opt, cls):
             continue
         step = _group_step(part)
