@@ -259,9 +259,9 @@ def get_task(name: str, *, prompt_style: str = "chat", **kwargs: Any) -> Task:
     :data:`BASE_TASK_OPTIONS`, which are applied here for every task (so they work with any
     registered factory). An option neither takes raises ``ValueError`` listing the valid ones.
     """
+    factory = _REGISTRY.get(name)  # an unknown name is reported first, as before
     if prompt_style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
-    factory = _REGISTRY.get(name)
     valid = _constructor_options(factory)
     if valid is not None:
         unknown = sorted(set(kwargs) - valid)
