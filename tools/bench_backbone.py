@@ -33,21 +33,9 @@ import torch
 def _hf_model(cfg):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.kv_channels,
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False,
-        max_position_embeddings=cfg.max_position_embeddings,
-        attention_bias=False,
-        attn_implementation="sdpa",
-    )
+    from stabledrl_mcore.checkpoint.hf_config import transformers_shape
+
+    common = transformers_shape(cfg, tied=False, attn_implementation="sdpa")
     if cfg.arch == "llada":
         return LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=False, **common))

@@ -34,6 +34,7 @@ import torch
 
 from stabledrl_mcore.algorithms.losses import sequence_policy_loss
 from stabledrl_mcore.bench.phases import fill_flat_groups, phase_jobs
+from stabledrl_mcore.checkpoint.hf_config import transformers_shape
 from stabledrl_mcore.engine.seeding import chunk_generators, derive_seed, first_chunk
 from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
 from stabledrl_mcore.rl.estimates import draw_plan, sequence_estimates
@@ -47,22 +48,7 @@ def hf_model(cfg, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     transformers.logging.set_verbosity_error()
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.kv_channels,
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False,
-        max_position_embeddings=cfg.max_position_embeddings,
-        attention_bias=False,
-        attn_implementation="sdpa",
-        initializer_range=cfg.init_std,
-    )
+    common = transformers_shape(cfg, tied=False, attn_implementation="sdpa", initializer_range=cfg.init_std)
     if cfg.arch == "llada":
         model = LlamaForCausalLM(LlamaConfig(mlp_bias=False, **common))
     elif cfg.is_moe:  # every layer sparse, the router's top-k (renormalised as ours), no aux loss

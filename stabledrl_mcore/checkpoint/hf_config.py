@@ -403,3 +403,23 @@ def dllm_to_hf_config(
     if dtype is not None:
         out["dtype" if "dtype" in out and "torch_dtype" not in out else "torch_dtype"] = dtype
     return out
+
+
+def transformers_shape(cfg: DLLMConfig, *, tied: bool, **extra: Any) -> Dict[str, Any]:
+    """The keyword arguments of a ``transformers`` Llama / Qwen3 config with the shapes of ``cfg``
+    (no attention bias), plus ``extra``: the reference models of ``verify`` and the bench baselines."""
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=tied,
+        max_position_embeddings=cfg.max_position_embeddings,
+        attention_bias=False,
+        **extra,
+    )

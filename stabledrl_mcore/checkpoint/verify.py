@@ -61,20 +61,7 @@ def public_reference(hf_dir: str) -> torch.nn.Module:
     raw = hfc.read_hf_config(hf_dir)
     cfg = hfc.hf_to_dllm_config(raw, source_dir=hf_dir)
     tied = hfc.is_tied(raw, cfg.arch)
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.kv_channels,
-        rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=tied,
-        max_position_embeddings=cfg.max_position_embeddings,
-        attention_bias=False,
-    )
+    common = hfc.transformers_shape(cfg, tied=tied)
     if cfg.is_moe:
         return _moe_reference(hf_dir, cfg, common)
     if cfg.arch == "llada":
