@@ -66,6 +66,24 @@ def test_memory_estimate_by_hand():
     assert est["dp"] == 2 and est["fits"]
 
 
+def test_head_at_tp2_counts_vocab_sharded_logits_by_hand():
+    """At TP > 1 the likelihood and the update keep the logits vocab-sharded (issue #39): the head is
+    ``b_a T_c V_p/tp`` (sharded logits) + ``(4 + b_a) (V_p/tp) K`` (the scored rows' ``[K, V_p/tp]``
+    selection and Megatron's float32 working copy) + ``3 b_a H T``; no gathered ``T_c x V`` term."""
+    tokens, head_rows, scored = 2 * 32, 2 * 16, 0.25 * 2 * 32  # T, T_c, K (micro-batch 2, S 32)
+    tp2 = estimate(tiny_spec(tp=2))
+    head = 4 * head_rows * 128 + (4 + 4) * 128 * scored + 3 * 4 * 64 * tokens  # V_p/tp = 256/2
+    assert tp2["head"] == head == 81920
+    # 250 ids padded to 256 at TP = 2 (multiple 64 x 2): the shard is 128 columns wide, padding included
+    padded_model = get_preset("llada-tiny", vocab_size=250, mask_token_id=249, make_vocab_size_divisible_by=64)
+    assert estimate(tiny_spec(tp=2, model=padded_model))["head"] == head
+    bf16 = estimate(tiny_spec(tp=2, dtype="bf16"))
+    assert bf16["head"] == 2 * head_rows * 128 + (4 + 2) * 128 * scored + 3 * 2 * 64 * tokens == 45056
+    # TP = 1 keeps the gathered logits and the float32 log-softmax (+ gradient) of the scored rows
+    tp1 = estimate(tiny_spec(model=padded_model))
+    assert tp1["head"] == 4 * head_rows * 250 + 12 * 250 * scored + 3 * 4 * 64 * tokens
+
+
 def test_tp_dp_sharding_recompute_and_kv_cache_by_hand():
     tp2 = estimate(tiny_spec(tp=2))
     assert tp2["params"] == 4 * (LAYER_MATMUL / 2 + 128) + 2 * 256 * 64 / 2 + 64

@@ -20,10 +20,14 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   counted with saved-tensor hooks and is checked against measured peaks by ``tests/test_plan.py``.
   Full recompute keeps ``b_a * H`` per token and layer, plus the larger of the LM head's tensors
   and one recomputed layer's activations (they are not alive at the same time); selective
-  recompute drops the core-attention tensors (pipelining: see below); **head**: the LM head's
-  logits ``b_a * T_c * V * (1 + 1/tp)`` (gathered over TP; ``T_c`` = the micro-batch's completion
-  positions, the only ones the head runs on), ``12 * V * f * T_s`` for the float32 log-softmax of
-  the scored rows and its gradient (``f`` = scored fraction of the ``T_s`` sequence tokens) and
+  recompute drops the core-attention tensors (pipelining: see below); **head**: at TP = 1 the LM
+  head's logits ``b_a * T_c * V`` (``T_c`` = the micro-batch's completion positions, the only ones
+  the head runs on) and ``12 * V * f * T_s`` for the float32 log-softmax of the ``K = f * T_s``
+  scored rows and its gradient (``f`` = scored fraction of the ``T_s`` sequence tokens); at TP > 1
+  the logits stay vocab-sharded (the likelihood and the update never gather them,
+  ``diffusion.likelihood.gather_log_probs``): ``b_a * T_c * V_p/tp`` and ``(4 + b_a) * (V_p/tp) * K``
+  for the scored rows' ``[K, V_p/tp]`` selection plus the float32 working copy that Megatron's
+  vocab-parallel cross-entropy turns in place into the softmax and then the gradient; both add
   ``3 * b_a * H * T`` (final norm, head input);
 - **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block: both samplers run the
@@ -295,11 +299,12 @@ def estimate(
         per_layer_kept, extra_layer = full, 0.0
     frac = _scored_fraction(spec)
     head_rows = spec.micro_batch * spec.gen_length  # the head runs on the completion's positions only
-    head = (
-        bw * head_rows * m.vocab_size * (1 + (1 / tp if tp > 1 else 0))
-        + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len
-        + 3 * bw * m.hidden_size * tokens
-    )
+    if tp > 1:  # vocab-sharded logits, Megatron's vocab-parallel cross-entropy on the K scored rows
+        width = vpad / tp  # this rank's vocabulary columns
+        logits = bw * head_rows * width + (4 + bw) * width * frac * spec.micro_batch * spec.seq_len
+    else:  # gathered logits, a float32 log-softmax of the K scored rows (+ its gradient)
+        logits = bw * head_rows * m.vocab_size + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len
+    head = logits + 3 * bw * m.hidden_size * tokens
     kv = 0.0
     block = m.block_size or 32
     if m.arch == "sdar":

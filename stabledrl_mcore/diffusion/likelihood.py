@@ -24,8 +24,15 @@ Estimates carry gradients unless called under ``torch.no_grad()``. Pass
 ``plan=`` (e.g. ``old.plan``) to replay the exact masks of an earlier call, so
 new-minus-old differences are not dominated by mask noise (antithetic
 sharing, LLaDA-1.5). ``logprob_fn(logits, targets) -> [B, S]`` replaces the
-default full-vocab ``log_softmax`` gather; when given, the model is called with
-``gather_output=False`` (a vocab-parallel ``logprob_fn`` for TP).
+default log-probs; when given, the model is called with ``gather_output=False``.
+
+Tensor parallelism: at TP > 1 (:func:`vocab_sharded_logits`) the forwards keep the LM
+head's logits vocab-sharded (``gather_output=False``, ``[B, S, V_p/tp]``) and
+:func:`gather_log_probs` takes the scored rows' log-probs with Megatron's vocab-parallel
+cross-entropy (one max and two sum all-reduces of ``[K]`` over the TP group), so no rank
+ever holds ``[B, S, V]``. At TP = 1 the model's (gathered) logits and a full-vocab
+``log_softmax`` of the scored rows are used, as they always were. The samplers
+(``sampling_*``) still gather: they draw tokens from the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 from torch import Tensor
 
 from stabledrl_mcore.diffusion.masking import MaskPlan, build_plan
+from stabledrl_mcore.models.logprobs import tensor_parallel_size, vocab_parallel_log_probs
 
 LogprobFn = Callable[[Tensor, Tensor], Tensor]
 # forward_logp(noisy [B, S], ids [B, S], scored [B, S]) -> log p(ids | noisy) [B, S], zero where not scored
@@ -75,20 +83,46 @@ def _float(logits: Tensor) -> Tensor:
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
+def vocab_sharded_logits() -> bool:
+    """Whether the likelihood / update / SFT forwards keep the logits vocab-sharded: TP > 1.
+
+    Then the model is called with ``gather_output=False`` and :func:`gather_log_probs` with
+    ``vocab_parallel=True``; at TP = 1 with the model's default (gathered) logits. Every rank
+    of a TP group gets the same answer (it is the group's size), so the collectives match.
+    """
+    return tensor_parallel_size() > 1
+
+
 def gather_log_probs(
-    logits: Tensor, targets: Tensor, scored: Optional[Tensor] = None, logprob_fn: Optional[LogprobFn] = None
+    logits: Tensor,
+    targets: Tensor,
+    scored: Optional[Tensor] = None,
+    logprob_fn: Optional[LogprobFn] = None,
+    *,
+    vocab_parallel: bool = False,
 ) -> Tensor:
     """log p(target) per position, ``[B, S]``; zero where ``scored`` is False.
 
     The default path only normalises the scored rows (memory: K x V, not B x S x V).
+    ``vocab_parallel``: ``logits`` are this rank's vocabulary shard ``[B, S, V_p/tp]``
+    (``model(..., gather_output=False)`` at TP > 1, padded columns at ``finfo.min``): the
+    scored rows ``[K, V_p/tp]`` go through Megatron's vocab-parallel cross-entropy
+    (:func:`~..models.logprobs.vocab_parallel_log_probs`, float32), a collective of the TP
+    group that every rank of it must call with the same ``scored``. ``False`` (TP = 1) is
+    the full-vocab ``log_softmax`` of the logits' own float dtype.
     """
     if logprob_fn is not None:
         lp = logprob_fn(logits, targets)
         return lp if scored is None else lp * scored.to(lp.dtype)
-    if scored is None:
+    if vocab_parallel:
+        if scored is None:
+            return vocab_parallel_log_probs(logits, targets, vocab_parallel=True)
+        vals = vocab_parallel_log_probs(logits[scored], targets[scored], vocab_parallel=True)
+    elif scored is None:
         return torch.log_softmax(_float(logits), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    rows = torch.log_softmax(_float(logits[scored]), -1)
-    vals = rows.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1)
+    else:
+        rows = torch.log_softmax(_float(logits[scored]), -1)
+        vals = rows.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(targets.shape, dtype=vals.dtype, device=vals.device)
     return out.masked_scatter(scored, vals)
 
@@ -100,13 +134,13 @@ def model_forward_logp(
     position_ids: Optional[Tensor] = None,
     logprob_fn: Optional[LogprobFn] = None,
 ) -> ForwardLogp:
-    """The plain (bidirectional or caller-masked) forward used by LLaDA-style estimators."""
+    """The plain (bidirectional or caller-masked) forward used by LLaDA-style estimators
+    (vocab-sharded logits at TP > 1, see :func:`vocab_sharded_logits`)."""
 
     def forward(noisy: Tensor, ids: Tensor, scored: Tensor) -> Tensor:
-        logits = model(
-            noisy, position_ids=position_ids, attention_mask=attention_mask, gather_output=logprob_fn is None
-        )
-        return gather_log_probs(logits, ids, scored, logprob_fn)
+        sharded = logprob_fn is not None or vocab_sharded_logits()
+        logits = model(noisy, position_ids=position_ids, attention_mask=attention_mask, gather_output=not sharded)
+        return gather_log_probs(logits, ids, scored, logprob_fn, vocab_parallel=sharded)
 
     return forward
 

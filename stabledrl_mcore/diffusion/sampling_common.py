@@ -2,7 +2,10 @@
 
 Under tensor parallelism every TP rank runs the sampler on the same inputs with
 full-vocab logits (``gather_output=True``); seed the generators identically on
-the ranks of a TP group so every rank commits the same tokens.
+the ranks of a TP group so every rank commits the same tokens. The samplers keep
+the gathered logits on purpose (they draw from the whole vocabulary, on the decoded
+block only); the likelihood, update and SFT paths do not gather (vocab-parallel
+log-probs, :mod:`.likelihood`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from stabledrl_mcore.diffusion.likelihood import (
     elbo_from_draws,
     gather_log_probs,
     resolve_mask_id,
+    vocab_sharded_logits,
 )
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, staircase_position_ids
@@ -63,7 +64,8 @@ def staircase_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobF
     """forward_logp over ``[x_t | x_0]`` with the staircase layout (one pass for all blocks).
 
     The layout is an :class:`AttentionLayout` (``noisy_len=n``, the last clean block
-    dropped), so GPU backends never build the dense ``(2n)^2`` mask.
+    dropped), so GPU backends never build the dense ``(2n)^2`` mask. At TP > 1 the logits
+    stay vocab-sharded (:func:`~.likelihood.vocab_sharded_logits`).
     """
 
     def forward(noisy: Tensor, ids: Tensor, scored: Tensor) -> Tensor:
@@ -72,10 +74,11 @@ def staircase_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobF
         x = torch.cat([noisy, ids], dim=1)[:, :keep]
         pos = staircase_position_ids(n, device=ids.device)[:, :keep]
         layout = AttentionLayout.staircase(block_size, noisy_len=n)
+        sharded = logprob_fn is not None or vocab_sharded_logits()
         logits = model(
-            x, position_ids=pos, attention_mask=layout, gather_output=logprob_fn is None, logit_positions=slice(0, n)
+            x, position_ids=pos, attention_mask=layout, gather_output=not sharded, logit_positions=slice(0, n)
         )  # the head on the scored noisy half only
-        return gather_log_probs(logits, ids, scored, logprob_fn)
+        return gather_log_probs(logits, ids, scored, logprob_fn, vocab_parallel=sharded)
 
     return forward
 
@@ -98,14 +101,15 @@ def loop_forward_logp(model, block_size: int, logprob_fn: Optional[LogprobFn] = 
             stop = e if truncate else n
             x = torch.cat([ids[:, :s], noisy[:, s:e], ids[:, e:stop]], dim=1)
             mask = block_causal_mask(stop, block_size, device=ids.device)
+            sharded = logprob_fn is not None or vocab_sharded_logits()
             logits = model(
                 x,
                 position_ids=torch.arange(stop, device=ids.device)[None],
                 attention_mask=mask,
-                gather_output=logprob_fn is None,
+                gather_output=not sharded,
                 logit_positions=slice(s, e),
             )
-            pieces.append(gather_log_probs(logits, ids[:, s:e], scored[:, s:e], logprob_fn))
+            pieces.append(gather_log_probs(logits, ids[:, s:e], scored[:, s:e], logprob_fn, vocab_parallel=sharded))
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces])
         return torch.cat([p.to(dtype) for p in pieces], dim=1)
 

@@ -16,7 +16,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 
-def _tp_size() -> int:
+def tensor_parallel_size() -> int:
+    """Ranks of Megatron's tensor-parallel group (1 before ``parallel_state`` is initialised)."""
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_tensor_model_parallel_world_size()
@@ -46,14 +47,19 @@ def vocab_parallel_log_probs(
 
     ``logits``: ``[B, S, V]`` (gathered) or ``[B, S, V/tp]`` (this rank's vocab
     shard, ``gather_output=False``). ``vocab_parallel``: whether the logits are
-    sharded; None = TP size 1 -> no, otherwise detected (:func:`_looks_sharded`).
+    sharded; None = TP size 1 -> no, otherwise detected (:func:`_looks_sharded`, one extra
+    all-reduce; the RL, likelihood and SFT paths pass ``True`` since they asked for shards).
     Differentiable in both cases; the input logits are never modified.
+
+    Padded vocabulary columns (``padded_vocab_size > vocab_size``) must score a very
+    negative value, as ``DLLMModel`` makes them (``finfo.min``): their ``exp`` is 0 in the
+    sum, so they change neither the values nor the gradients (theirs is 0).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the leading dimensions"
         )
-    tp = _tp_size()
+    tp = tensor_parallel_size()
     if vocab_parallel is None:
         vocab_parallel = tp > 1 and _looks_sharded(logits)
     if vocab_parallel and tp > 1:

@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from stabledrl_mcore.algorithms.losses import spg_select_bound
-from stabledrl_mcore.diffusion.likelihood import elbo_from_draws, eubo_from_draws, gather_log_probs
+from stabledrl_mcore.diffusion.likelihood import (
+    elbo_from_draws,
+    eubo_from_draws,
+    gather_log_probs,
+    vocab_sharded_logits,
+)
 from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.engine.pipeline import pipeline_forward, pipeline_world_size
@@ -152,7 +157,13 @@ def token_logp_inputs(
     batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int, draw: int
 ) -> Tuple[Dict[str, object], Callable[[torch.Tensor], torch.Tensor]]:
     """``(model keyword arguments, reduce)`` of :func:`token_logp`: ``reduce(logits)`` gives the
-    ``[n, S]`` token log-probs (under pipeline parallelism it runs on the last stage)."""
+    ``[n, S]`` token log-probs (under pipeline parallelism it runs on the last stage).
+
+    At TP > 1 the model is asked for vocab-sharded logits (``gather_output=False``) and
+    ``reduce`` takes the scored rows' log-probs with the vocab-parallel cross-entropy
+    (:func:`~..diffusion.likelihood.gather_log_probs`), a TP-group collective: no rank
+    gathers ``[n, S, V]``. At TP = 1 both are what they always were (gathered logits,
+    full-vocab ``log_softmax``)."""
     ids = batch.sequences[rows]
     noisy = ids.masked_fill(plan.masked[draw, rows], mask_id)
     scored = plan.scored[draw, rows]
@@ -172,9 +183,16 @@ def token_logp_inputs(
         mask = keys if pattern is None else pattern | keys
     # The head runs on the completion's positions only (prompt positions are never scored).
     p = batch.prompt_len
+    sharded = vocab_sharded_logits()
     return (
-        {"input_ids": x, "position_ids": pos, "attention_mask": mask, "logit_positions": slice(p, n)},
-        lambda logits: F.pad(gather_log_probs(logits, ids[:, p:], scored[:, p:]), (p, 0)),
+        {
+            "input_ids": x,
+            "position_ids": pos,
+            "attention_mask": mask,
+            "logit_positions": slice(p, n),
+            "gather_output": not sharded,
+        },
+        lambda logits: F.pad(gather_log_probs(logits, ids[:, p:], scored[:, p:], vocab_parallel=sharded), (p, 0)),
     )
 
 
