@@ -62,7 +62,7 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     write_marker,
 )
 from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
-from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.models import DLLMConfig, available_presets, get_preset
 from stabledrl_mcore.parallel import bootstrap
 
@@ -228,7 +228,6 @@ def hf_to_mcore(
     (e.g. a logit check) runs on the finished temporary output; if it raises,
     nothing is written. Returns ``out``.
     """
-    from megatron.core import dist_checkpointing
 
     raw = hfc.read_hf_config(hf_dir)
     expected_arch, preset = resolve_model_choice(model)
@@ -249,7 +248,6 @@ def hf_to_mcore(
     started, owns_megatron = time.time(), False
     try:
         owns_megatron = ensure_single_process()
-        bind_checkpoint_writers()  # no writer helper process may outlive a killed conversion
         entries = expanded_sharded_state_dict(build_shell(cfg, target))
         expected = {m.megatron for _, group in engine.groups() for m in group}
         tensors = {k for k, v in entries.items() if k.endswith(".weight")}
@@ -258,7 +256,7 @@ def hf_to_mcore(
         items = engine.iter_megatron(reader if allow_nonfinite else _FiniteReader(reader), target)
         for _, name, blocks in _by_group(items, len(engine.groups()), "hf-to-mcore", progress):
             attach(entries[name], blocks)
-        dist_checkpointing.save(entries, tmp)
+        save_sharded(entries, tmp)
         del entries
         copy_assets(hf_dir, os.path.join(tmp, HF_ASSETS), skip=())
         write_marker(

@@ -40,7 +40,9 @@ import numpy as np
 import torch
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.extra_state import check_model_fit, drop_absent_extra_state, stored_object_keys
 from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
+from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.common.version import __version__
 from stabledrl_mcore.models import DLLMConfig, DLLMModel, dllm_layer_spec, place_model, to_transformer_config
 from stabledrl_mcore.parallel import bootstrap
@@ -307,7 +309,7 @@ def save_model_checkpoint(
     Written atomically like a conversion (rank 0 prepares, renames and writes the
     marker); ``hf_assets``: upstream config/tokenizer directory to keep beside it.
     """
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     rank = torch.distributed.get_rank()
     box: List[Any] = [None]
@@ -321,7 +323,7 @@ def save_model_checkpoint(
     if status == "error":
         raise ConversionError(tmp)
     try:
-        dist_checkpointing.save(model.sharded_state_dict(), tmp)
+        save_sharded(model.sharded_state_dict(), tmp)
         torch.distributed.barrier()
         if rank == 0:
             if hf_assets:
@@ -501,15 +503,12 @@ def load_model_weights(model, path: str) -> None:
 
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)
-    sharded = model.sharded_state_dict()
     check_keys_present(expanded_sharded_state_dict(model), path)
+    # a TE model asks for _extra_state that a local-spec checkpoint (every conversion) lacks
+    sharded, dropped = drop_absent_extra_state(model.sharded_state_dict(), stored_object_keys(path))
     loaded = dist_checkpointing.load(sharded, path)
     # a training checkpoint also holds optimizer state in its common part: keep model keys only
     loaded = {key: value for key, value in loaded.items() if key in sharded}
     missing, unexpected = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ConversionError(
-            f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    check_model_fit(missing, unexpected, dropped, path, ConversionError)
     check_finite(model.named_parameters(), f"after loading {path}: the checkpoint is corrupt")

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from stabledrl_mcore.checkpoint import optimizer_reshard, optimizer_state
+from stabledrl_mcore.checkpoint.extra_state import check_model_fit, drop_absent_extra_state, stored_object_keys
 from stabledrl_mcore.checkpoint.integrity import (
     CheckpointError,
     check_finite,
@@ -66,6 +67,7 @@ from stabledrl_mcore.checkpoint.integrity import (
     write_checksums,
 )
 from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
+from stabledrl_mcore.checkpoint.writers import save_sharded
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
@@ -181,7 +183,6 @@ def save_checkpoint(
     file or directory copied there (e.g. ``{"hf": tokenizer_dir}``), so a checkpoint
     is self-contained for ``load_model``, ``stabledrl eval`` and ``mcore-to-hf``.
     """
-    from megatron.core import dist_checkpointing
 
     final = os.path.join(root, step_dir_name(state.step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(state.step))
@@ -207,7 +208,7 @@ def save_checkpoint(
                 fmt[optimizer_reshard.MAP_FIELD] = mapping
     for name, module in (extra_modules or {}).items():
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
-    dist_checkpointing.save(sharded, tmp)
+    save_sharded(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     save_rng_file(
         os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"), rng_state if rng_state is not None else capture_rng_state()
@@ -359,10 +360,13 @@ def load_checkpoint(
         )
     for name, module in (extra_modules or {}).items():
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
+    # a TE run resumed without TE, or the reverse: only the _extra_state both sides hold is read
+    sharded, dropped = drop_absent_extra_state(sharded, stored_object_keys(path))
     loaded = dist_checkpointing.load(sharded, path)
-    chunks[0].load_state_dict(loaded["model"])
+    check_model_fit(*chunks[0].load_state_dict(loaded["model"], strict=False), dropped, path, CheckpointError)
     for name, module in (extra_modules or {}).items():
-        module.load_state_dict({k[len(name) + 1 :]: v for k, v in loaded[name].items()})
+        fit = module.load_state_dict({k[len(name) + 1 :]: v for k, v in loaded[name].items()}, strict=False)
+        check_model_fit(*fit, [k[len(name) + 1 :] for k in dropped if k.startswith(name + ".")], path, CheckpointError)
     named = list(chunks[0].named_parameters())
     for name, module in (extra_modules or {}).items():
         named += [(f"{name}.{k}", v) for k, v in module.named_parameters()]

@@ -1,30 +1,158 @@
-"""Megatron's checkpoint writer without helper processes that outlive their trainer.
+"""Megatron's checkpoint writer with helpers that neither outlive their trainer nor hang it.
 
-``dist_checkpointing``'s ``torch_dist`` save hands each rank's write results over
-through a queue served by a ``multiprocessing.Manager``: a spawned server process
-(~250 MB, it re-imports the launching module) that lives until its creator exits
-cleanly, so a SIGKILLed trainer or converter leaves it running for ever (with the
-resource tracker it holds open). Each file is written by a forked worker, which a
-SIGKILL of its parent would leave writing as well.
+``dist_checkpointing``'s ``torch_dist`` save (``FileSystemWriterAsync``) writes each file in
+a forked worker and waits for them with ``JoinableQueue.join()``. Three ways that goes wrong:
 
-:func:`bind_checkpoint_writers` keeps the results in an in-process queue (the saves
-here are synchronous: the workers report to their own fork queue, and the results
-are read back in the same process) and makes every forked worker die with its
-parent. Call it once per process before the first save.
+- the results travel through a ``multiprocessing.Manager`` queue: a spawned server process
+  (~250 MB, it re-imports the launching module) that a SIGKILLed trainer leaves running;
+- a worker that dies before it reports (its first line reads the process memory through
+  ``psutil``, so a missing ``psutil`` kills every worker; so does the OOM killer) leaves the
+  parent in ``join()`` for ever: the run hangs with no message;
+- a SIGKILL of the parent would leave the workers writing.
+
+:func:`bind_checkpoint_writers` keeps the results in an in-process queue, makes every forked
+worker die with its parent, refuses to start without ``psutil`` (one line naming it), and
+replaces the wait by :func:`write_buckets`, which watches each worker and turns one that fails
+or dies into a :class:`CheckpointError` naming it and its file, on every rank (Megatron's own
+finalisation broadcasts the failure). Every save in :mod:`stabledrl_mcore.checkpoint` calls it.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import queue
+import signal
+from typing import Any, Dict, List
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from stabledrl_mcore.checkpoint.integrity import CheckpointError
 from stabledrl_mcore.parallel.launch import bind_forked_children
+
+POLL_SECONDS = 0.2
+"""How often the parent looks at its write workers while none has reported."""
+_LAST_FAILURE: List[str] = []
+"""This rank's last write failure (Megatron details a failure on its coordinator rank only)."""
 
 
 def bind_checkpoint_writers() -> None:
-    """No Manager server for write results; forked write workers get a parent-death SIGKILL."""
-    bind_forked_children()
+    """Bind Megatron's checkpoint writer to this process (idempotent; before a save)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        raise CheckpointError("psutil is not installed: Megatron's checkpoint writer needs it (pip install psutil)")
+    bind_forked_children()
     # None = no queue yet (Megatron would start a Manager for it); a queue already made is kept
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         filesystem_async._results_queue = queue.Queue()
+    writer = filesystem_async.FileSystemWriterAsync
+    if writer.__dict__.get("write_preloaded_data_multiproc") is not _BOUND:
+        writer.write_preloaded_data_multiproc = _BOUND
+
+
+class _NoCount:
+    """Stands in for Megatron's per-worker count queue: :func:`write_buckets` counts by itself."""
+
+    def get(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def task_done(self) -> None:
+        return None
+
+
+def _write_one(transform_list: List[Any], use_msc: bool, index: int, bucket: Any, results: Any) -> None:
+    """A forked worker: write one bucket with Megatron's own ``write_preloaded_data``, and report
+    whatever it raises (Megatron reports errors of the write itself, not of its set-up)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    try:
+        kwargs = {"use_msc": True} if use_msc else {}
+        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, results, _NoCount(), True, **kwargs)
+    except BaseException as err:  # noqa: B036 - a worker reports anything, then ends
+        results.put((index, RuntimeError(f"{type(err).__name__}: {err}")))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def write_buckets(
+    transform_list: List[Any], use_msc: bool, rank: int, buckets: List[Any], global_results_queue: Any
+) -> None:
+    """Megatron's ``write_preloaded_data_multiproc`` contract, watched: one forked worker per
+    bucket (file); puts ``{index: [WriteResult]}`` on ``global_results_queue``, or a
+    :class:`CheckpointError` as soon as one worker reports an error or is found dead without a
+    report (the others are then killed). Never waits on a worker that cannot answer."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    workers = []
+    for index, bucket in enumerate(buckets):
+        worker = ctx.Process(target=_write_one, args=(transform_list, use_msc, index, bucket, results), daemon=True)
+        worker.start()
+        workers.append(worker)
+    done: Dict[int, Any] = {}
+    error = None
+
+    def where(index: int) -> str:
+        return f"rank {rank}, writing {os.path.basename(str(buckets[index][0]))}"
+
+    while len(done) < len(workers) and error is None:
+        try:
+            index, outcome = results.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            dead = [i for i, w in enumerate(workers) if i not in done and w.exitcode is not None]
+            if not dead:
+                continue
+            try:  # one that reported just before it exited: its report is in the pipe
+                index, outcome = results.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                worker = workers[dead[0]]
+                error = CheckpointError(
+                    f"a checkpoint write worker (pid {worker.pid}, {where(dead[0])}) died with "
+                    f"{_exit_reason(worker.exitcode)} before reporting; nothing was saved"
+                )
+                break
+        if index in done:
+            continue
+        if isinstance(outcome, BaseException):
+            error = CheckpointError(f"a checkpoint write worker failed ({where(index)}): {outcome}")
+        else:
+            done[index] = outcome
+    for worker in workers:
+        if error is not None and worker.is_alive():
+            worker.kill()
+        worker.join()
+    _LAST_FAILURE[:] = [str(error)] if error is not None else []
+    global_results_queue.put(error if error is not None else done)
+
+
+_BOUND = staticmethod(write_buckets)
+
+
+def save_sharded(sharded_state_dict: Dict[str, Any], directory: str) -> None:
+    """``dist_checkpointing.save`` through the bound writer (:func:`bind_checkpoint_writers`), a
+    write failure on any rank raised on every rank as one :class:`CheckpointError` line."""
+    from megatron.core import dist_checkpointing
+
+    bind_checkpoint_writers()
+    _LAST_FAILURE.clear()
+    try:
+        dist_checkpointing.save(sharded_state_dict, directory)
+    except CheckpointException as err:
+        if _LAST_FAILURE:  # this rank's own worker
+            raise CheckpointError(f"writing checkpoint {directory} failed: {_LAST_FAILURE[0]}") from None
+        failures = getattr(err, "failures", {}) or {}
+        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        first = next((c for c in causes if isinstance(c, BaseException)), None)
+        detail = str(first) if first is not None else "another rank's write failed (its error is on rank 0)"
+        detail = detail.removeprefix("Worker failure: ")  # Megatron's wrapper of the worker's error
+        raise CheckpointError(f"writing checkpoint {directory} failed: {detail}") from None
