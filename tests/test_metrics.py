@@ -153,3 +153,34 @@ def test_wandb_fields_without_wandb_and_tensorboard_missing_are_refused_by_name(
     monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
     with pytest.raises(ConfigError, match="logging.tensorboard=true needs the tensorboard package: pip install"):
         _check_logging(load_config(None, ["logging.tensorboard=true"]))
+
+
+def test_missing_wandb_and_math_verify_are_one_line_errors_not_silence(monkeypatch, tmp_path):
+    """A bare box (the device bundle) has no wandb or math-verify: a run that asks for them is
+    refused by name before any rank starts (wandb) or at the first check (math-verify), never
+    logged nowhere or scored as zeros."""
+    import sys
+
+    import pytest
+
+    from stabledrl_mcore.cli.preflight import _check_logging
+    from stabledrl_mcore.common.errors import ConfigError, UserError
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.engine import metrics
+    from stabledrl_mcore.tasks import math_equiv
+
+    monkeypatch.setattr(metrics, "wandb_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"logging.wandb_mode=offline needs the wandb package: pip install wandb"):
+        _check_logging(load_config(None, []))
+    _check_logging(load_config(None, ["logging.wandb_mode=disabled"]))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(UserError, match=r"logging.wandb_mode=online needs the wandb package"):
+        create_logger(str(tmp_path), rank=0, wandb_mode="online", stream=io.StringIO())
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    math_equiv._math_verify.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"needs the math-verify package: pip install math-verify"):
+            math_equiv.math_equal("x^2", "x*x")
+    finally:
+        math_equiv._math_verify.cache_clear()

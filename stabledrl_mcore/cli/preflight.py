@@ -192,7 +192,8 @@ def _check_tokenizer(cfg: RunConfig) -> None:
 
 
 def _check_logging(cfg: RunConfig) -> None:
-
+    if cfg.logging.wandb_mode != "disabled" and not metrics.wandb_available():
+        raise ConfigError(metrics.WANDB_MISSING.format(mode=cfg.logging.wandb_mode))
     if cfg.logging.tensorboard and not metrics.tensorboard_available():
         raise ConfigError(
             "logging.tensorboard=true needs the tensorboard package: pip install tensorboard "

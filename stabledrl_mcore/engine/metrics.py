@@ -112,8 +112,8 @@ class MetricsLogger(NullLogger):
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
             import wandb
-        except ImportError:  # pragma: no cover - wandb is a hard dependency
-            return None
+        except ImportError:
+            raise UserError(WANDB_MISSING.format(mode=options.get("mode"))) from None
         run = wandb.init(
             dir=run_dir,
             config=config or {},
@@ -212,6 +212,16 @@ def _start_tensorboard(run_dir: str, start_step: int):
     log_dir = os.path.join(run_dir, TENSORBOARD_DIR)
     purge = (start_step + 1 if start_step else 0) if os.path.isdir(log_dir) else None
     return SummaryWriter(log_dir=log_dir, purge_step=purge)
+
+
+WANDB_MISSING = (
+    "logging.wandb_mode={mode} needs the wandb package: pip install wandb (or set logging.wandb_mode=disabled)"
+)
+
+
+def wandb_available() -> bool:
+
+    return importlib.util.find_spec("wandb") is not None
 
 
 def tensorboard_available() -> bool:

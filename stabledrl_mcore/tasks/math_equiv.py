@@ -25,6 +25,7 @@ import signal
 import threading
 from typing import Any, Callable, TypeVar
 
+from stabledrl_mcore.common.errors import UserError
 from stabledrl_mcore.tasks.extract import parse_number
 
 T = TypeVar("T")
@@ -139,7 +140,10 @@ _WARMUP = (
 @functools.lru_cache(maxsize=1)
 def _math_verify() -> tuple[Any, Any, list[Any]]:
     """Import math-verify and warm its LaTeX parser once, outside any deadline."""
-    from math_verify import LatexExtractionConfig, parse, verify
+    try:
+        from math_verify import LatexExtractionConfig, parse, verify
+    except ImportError:
+        raise UserError("the math answer checker needs the math-verify package: pip install math-verify") from None
 
     config = [LatexExtractionConfig()]
     for gold, pred in _WARMUP:  # sympy imports code paths lazily; first uses can take ~1 s
