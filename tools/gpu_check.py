@@ -1,5 +1,5 @@
-"""One prepared device check of the 8B recipes' code path (TE, flex attention, bf16, distributed
-optimizer, recompute, checkpoints, MFU): one table on stdout, one JSON file.
+"""One prepared device check of the 8B recipes' code path (TE, flex attention, the MoE layer, bf16,
+distributed optimizer, recompute, checkpoints, MFU): one table on stdout, one JSON file.
 
     python tools/gpu_check.py --json gpu_check.json          # one GPU, at most ~8 minutes on an H200
     python tools/gpu_check.py --cpu --json gpu_check.json    # the same checks shrunk, on the CPU (CI)

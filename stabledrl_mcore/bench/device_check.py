@@ -1,23 +1,34 @@
 """``tools/gpu_check.py``: the 8B recipes' device code path, checked on one accelerator.
 
-Five checks, each ``ok``, ``FAIL`` or ``skipped`` (with the reason), printed as
+Six checks, each ``ok``, ``FAIL`` or ``skipped`` (with the reason), printed as
 one table and written as one JSON:
 
 1. ``te_vs_local``: Transformer Engine spec vs local spec logits with the same
    weights (copied through a Megatron checkpoint: both specs share its keys), bf16,
-   LLaDA- and SDAR-8B-shaped layers (full width, 2 layers). Tolerance: max
-   ``|dlogit|`` <= :data:`BF16_REL_TOL` x max ``|logit|``.
+   LLaDA- and SDAR-8B-shaped layers (full width, 2 layers), and the TE model's checkpoint
+   back into a local one (bit for bit). Tolerance: max ``|dlogit|`` <= :data:`BF16_REL_TOL`
+   x max ``|logit|``.
 2. ``flex_vs_sdpa``: flex attention vs SDPA with the dense mask, staircase and
    block-causal layouts with left padding, SDAR-8B-shaped layers (GQA): logits
    (same tolerance) and one weight gradient (relative L2 <= :data:`GRAD_REL_TOL`).
 3. ``staircase_memory``: peak memory of one staircase likelihood forward +
    backward over ``[x_t | x_0]`` of 8k tokens, flex vs dense SDPA.
-4. ``train_llada`` / ``train_sdar``: three StableDRL steps of the tiny presets in
+4. ``moe_layer``: the mixture-of-experts layer at the MoE preset's width (SDAR-30B-A3B:
+   hidden 2048, 128 experts of width 768, top-8; 2 layers, bf16). With TE: the TE spec's
+   grouped-GEMM experts vs the local spec's ``SequentialMLP``, same weights through a checkpoint
+   and back (as ``te_vs_local``): logits (same tolerance) and the routers' gradients (relative
+   L2 <= :data:`GRAD_REL_TOL`) over the tokens both route alike (at least
+   :data:`MOE_ROUTED_ALIKE_MIN` of them; near-ties may fall either way in bf16). Without TE the
+   local spec alone (against Megatron's stock local layer, whose experts are the same), reported
+   ``ok`` with the grouped GEMM marked not compared. Everywhere: every expert of every layer
+   gets tokens of the check's batch (tokens per expert, min-max), every gradient is finite,
+   and one MoE layer's forward + backward is timed (ms, tokens/s).
+5. ``train_llada`` / ``train_sdar``: three StableDRL steps of the tiny presets in
    bf16 with Megatron's distributed optimizer and activation recompute, a
    checkpoint after steps 2 and 3, and a second run resumed from step 2 whose
    step 3 is compared with the first (bit for bit on CPU; reported on GPU, where
    kernels need not be deterministic).
-5. ``bench_llada`` / ``bench_sdar``: ``stabledrl bench`` (train phase) on
+6. ``bench_llada`` / ``bench_sdar``: ``stabledrl bench`` (train phase) on
    8B-shaped layers (full width, 4 layers, the recipe's likelihood, bf16), MFU against
    the device's rated dense bf16 peak (on CPU: the measured matmul rate of the model's
    dtype, see :mod:`.peak`); target :data:`MFU_TARGET`.
@@ -53,6 +64,7 @@ from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_c
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.diffusion.likelihood import gather_log_probs
 from stabledrl_mcore.models import AttentionLayout, build_model, default_device, get_preset, staircase_position_ids
+from stabledrl_mcore.models.moe import RoutingRecorder
 from stabledrl_mcore.models.specs import te_unavailable_reason
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.parallel.launch import spawn
@@ -63,6 +75,9 @@ BF16_REL_TOL = 3e-2
 """Logit agreement of two bf16 kernels: max abs difference over max abs logit."""
 GRAD_REL_TOL = 5e-2
 """Gradient agreement of two bf16 kernels: relative L2 difference of one weight's gradient."""
+MOE_ROUTED_ALIKE_MIN = 0.5
+"""Share of the tokens two bf16 MoE specs must route to the same experts in every layer (the
+others, near-ties of two experts' scores, are left out of the logit and gradient comparison)."""
 MFU_TARGET = 0.45
 """Model-FLOP utilisation the bench should reach on 8B-shaped layers (of the rated bf16 peak)."""
 
@@ -82,6 +97,9 @@ class Sizes:
     layers: int
     seq: int  # tokens of the TE / flex comparisons
     staircase_n: int  # noisy-half length of the memory check (2n tokens)
+    moe_preset: str  # the MoE layer check's preset, at ``layers`` layers
+    moe_batch: int  # rows of ``seq`` tokens the MoE layer check routes and times
+    moe_repeats: int  # timed forward + backward passes of one MoE layer
     bench_layers: int
     bench_overrides: Dict[str, List[str]]  # per arch, and "all"
     timeout_s: int
@@ -93,6 +111,9 @@ GPU = Sizes(
     layers=2,
     seq=1024,
     staircase_n=4096,
+    moe_preset="sdar-30b-a3b",
+    moe_batch=4,
+    moe_repeats=5,
     bench_layers=4,
     timeout_s=300,
     bench_overrides={
@@ -111,6 +132,9 @@ CPU = Sizes(
     layers=2,
     seq=64,
     staircase_n=128,
+    moe_preset="sdar-moe-tiny",
+    moe_batch=2,
+    moe_repeats=2,
     bench_layers=2,
     timeout_s=300,
     bench_overrides={
@@ -164,19 +188,35 @@ def _left_padded_ids(cfg, batch: int, length: int, generator: torch.Generator, d
 
 
 # ---------------------------------------------------------------------------------- checks
+def _same_weights(cfg, other: Dict[str, Any], label: str):
+    """The local spec and ``build_model(cfg, **other)``, bf16, in eval mode, with the same weights
+    (saved from the local model, loaded into the other: the specs share checkpoint keys, and
+    ``_extra_state`` only one side has is left out, see :mod:`..checkpoint.extra_state`); then
+    the other model's checkpoint back into a fresh local one, which must equal the first bit for bit."""
+
+    local = build_model(cfg, params_dtype=torch.bfloat16, use_te=False).eval()
+    twin = build_model(cfg, params_dtype=torch.bfloat16, **other).eval()
+    back = build_model(cfg, params_dtype=torch.bfloat16, use_te=False).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model_checkpoint(local, os.path.join(tmp, "ckpt"))
+        load_model_weights(twin, os.path.join(tmp, "ckpt"))
+        save_model_checkpoint(twin, os.path.join(tmp, "back"))
+        load_model_weights(back, os.path.join(tmp, "back"))
+    if not all(torch.equal(a, b) for a, b in zip(local.parameters(), back.parameters())):
+        raise AssertionError(f"{label}: local -> {other} -> local did not give the same weights back")
+    del back
+    return local, twin
+
+
 def _spec_agreement(sizes: Sizes, other: Dict[str, Any]) -> Dict[str, float]:
     """Per arch: max rel |dlogit| of the local spec vs ``build_model(**other)``, same weights
-    (saved from the local model, loaded into the other: the specs share checkpoint keys)."""
+    and the round trip back checked (:func:`_same_weights`)."""
 
     out = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for arch, preset in sizes.presets.items():
         cfg = _shaped(preset, sizes.layers)
-        local = build_model(cfg, params_dtype=torch.bfloat16, use_te=False).eval()
-        twin = build_model(cfg, params_dtype=torch.bfloat16, **other).eval()
-        with tempfile.TemporaryDirectory() as tmp:
-            save_model_checkpoint(local, os.path.join(tmp, "ckpt"))
-            load_model_weights(twin, os.path.join(tmp, "ckpt"))
+        local, twin = _same_weights(cfg, other, arch)
         ids = torch.randint(3, cfg.vocab_size - 2, (2, sizes.seq), generator=gen).to(_device())
         with torch.no_grad():
             out[arch] = _rel(twin(ids), local(ids))
@@ -318,6 +358,148 @@ def check_staircase_memory(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
         value=f"{2 * n} tokens: flex {_size(flex)}, dense {_size(dense)}"
         + (f" ({dense / flex:.1f}x)" if flex > 0 else ""),
     )
+    return out
+
+
+def _routed_forward(model, ids):
+    """``model(ids)`` with its gradients cleared, and a :class:`RoutingRecorder` of that forward
+    (counts and every layer's routing map)."""
+
+    model.zero_grad(set_to_none=True)
+    with RoutingRecorder(model, keep_maps=True) as recorder:
+        logits = model(ids)
+    return logits, recorder
+
+
+def _routed_alike(ours: RoutingRecorder, theirs: RoutingRecorder, batch: int) -> torch.Tensor:
+    """``[B, S]``: True where every layer sent the token to the same experts in both forwards."""
+
+    same = torch.stack([(a[-1] == b[-1]).all(-1) for a, b in zip(ours.maps, theirs.maps)]).all(0)
+    return same.view(-1, batch).T  # the maps' tokens are [S, B], s-major
+
+
+def _moe_layer_ms(layer, tokens: int, batch: int, repeats: int) -> float:
+    """Milliseconds of one forward + backward of the MoE layer ``layer`` (router + experts) on
+    random hidden states ``[tokens / batch, batch, H]`` (one warm-up, then the mean of ``repeats``)."""
+
+    param = layer.router.weight
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    shape = (tokens // batch, batch, layer.config.hidden_size)
+    x = torch.randn(shape, generator=gen).to(param.device, torch.bfloat16).requires_grad_()
+    grad = torch.randn(shape, generator=gen).to(param.device, torch.bfloat16)
+
+    def step():
+        output, _ = layer(x)
+        output.backward(grad)
+
+    step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    _sync()
+    layer.zero_grad(set_to_none=True)
+    return 1e3 * (time.perf_counter() - start) / repeats
+
+
+def _rate(tokens_per_s: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.1f}{unit}"
+    return f"{tokens_per_s:.0f}"
+
+
+def check_moe_layer(sizes: Sizes, cpu: bool) -> Dict[str, Any]:
+    """The mixture-of-experts layer (:class:`~stabledrl_mcore.models.moe.DLLMMoELayer`): the MoE
+    preset's width at ``sizes.layers`` layers, bf16. With TE: the TE spec (grouped-GEMM experts)
+    against the local spec (``SequentialMLP``) with the same weights through a checkpoint
+    (:func:`_same_weights`), logits and every router's gradient; without TE the same path against
+    Megatron's stock local layer (identical experts: the transfer and comparison still run, the
+    grouped GEMM is not compared). Everywhere: every expert of every layer gets tokens of the
+    check's batch, every gradient is finite, the router's and an expert weight's are non-zero,
+    and one MoE layer's forward + backward is timed on each spec."""
+
+    reason = te_unavailable_reason()
+    other = {"use_te": False, "stock_local": True} if reason else {"use_te": True}
+    cfg = _shaped(sizes.moe_preset, sizes.layers)
+    local, twin = _same_weights(cfg, other, sizes.moe_preset)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    ids = torch.randint(3, cfg.vocab_size - 2, (sizes.moe_batch, sizes.seq), generator=gen).to(_device())
+    (ours, rec), (theirs, rec_twin) = _routed_forward(local, ids), _routed_forward(twin, ids)
+    # a near-tie of two experts' router scores may fall either way under the other spec's bf16
+    # kernels: such tokens (and the loss on them) are left out of the comparison, and counted
+    alike = _routed_alike(rec, rec_twin, sizes.moe_batch).to(ours.device)
+    for logits in (ours, theirs):
+        ((logits.float().logsumexp(-1) * alike).sum() / alike.sum().clamp(min=1)).backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (local, twin)]
+
+    counts = rec.counts.cpu()  # [layers, experts], routed slots
+    tokens = sizes.moe_batch * sizes.seq
+    even = tokens * cfg.moe_router_topk / cfg.num_experts
+    routers = [n for n in grads[0] if n.endswith("router.weight")]
+    expert = next(n for n in grads[0] if ".experts." in n and "linear_fc1" in n)
+    finite = all(bool(torch.isfinite(g).all()) for run in grads for g in run.values())
+    nonzero = all(float(grads[0][n].float().norm()) != 0 for n in routers + [expert])  # NaN: not finite
+    fraction = float(alike.float().mean())
+    d_logits = _rel(theirs.detach()[alike], ours.detach()[alike]) if alike.any() else float("nan")
+    d_router = max(_rel_l2(grads[1][n], grads[0][n]) for n in routers)
+    del ours, theirs, grads
+    for model in (local, twin):
+        model.zero_grad(set_to_none=True)
+    ms = {
+        "local": _moe_layer_ms(local.decoder.layers[0].mlp, tokens, sizes.moe_batch, sizes.moe_repeats),
+        "twin": _moe_layer_ms(twin.decoder.layers[0].mlp, tokens, sizes.moe_batch, sizes.moe_repeats),
+    }
+    out: Dict[str, Any] = {
+        "preset": sizes.moe_preset,
+        "layers": sizes.layers,
+        "experts": cfg.num_experts,
+        "topk": cfg.moe_router_topk,
+        "tokens": tokens,
+        "twin": "te_grouped_gemm" if reason is None else "stock_local",
+        "tolerance_logits": BF16_REL_TOL,
+        "tolerance_grad": GRAD_REL_TOL,
+        "routed_alike": fraction,
+        "routed_alike_min": MOE_ROUTED_ALIKE_MIN,
+        "logits": d_logits,
+        "router_grad": d_router,
+        "tokens_per_expert_min": float(counts.min()),
+        "tokens_per_expert_max": float(counts.max()),
+        "tokens_per_expert_even": even,
+        "grads_finite": finite,
+        "grads_nonzero": nonzero,
+        "layer_ms": ms["twin" if reason is None else "local"],
+        "layer_ms_sequential": ms["local"],
+        "layer_tokens_per_s": tokens / (1e-3 * ms["twin" if reason is None else "local"]),
+    }
+    problems = []
+    if counts.min() < 1:
+        idle = int((counts < 1).sum())
+        problems.append(f"{idle} (layer, expert) pairs got no token of {tokens}")
+    if not finite:
+        problems.append("non-finite gradients")
+    if not nonzero:
+        problems.append("a zero router / expert gradient")
+    if not fraction >= MOE_ROUTED_ALIKE_MIN:
+        problems.append(f"only {100 * fraction:.0f}% of the tokens routed alike by {out['twin']} and local")
+    if not (d_logits <= BF16_REL_TOL and d_router <= GRAD_REL_TOL):  # NaN fails too
+        problems.append(f"{out['twin']} vs local beyond tolerance")
+    spread = f"tokens/expert {counts.min():.0f}-{counts.max():.0f} (even {even:.0f})"
+    compared = f"max rel |dlogit| {d_logits:.1e}, router grad {d_router:.1e} ({100 * fraction:.0f}% routed alike)"
+    if reason is None:
+        head = f"grouped GEMM vs sequential: {compared}; {spread}"
+        timing = f"MoE layer fwd+bwd {ms['twin']:.2f} ms grouped, {ms['local']:.2f} ms sequential"
+    else:
+        head = f"no TE: local only, grouped GEMM vs sequential not compared ({reason}); {spread}"
+        timing = f"MoE layer fwd+bwd {ms['local']:.2f} ms"
+    tail = f"{timing} ({_rate(out['layer_tokens_per_s'])} tok/s)"
+    if reason is not None:
+        tail += f"; stock-local twin {compared}"
+    out.update(
+        status="FAIL" if problems else "ok",
+        value=(f"{'; '.join(problems)}: " if problems else "") + f"{head}; {tail}",
+    )
+    del local, twin
     return out
 
 
@@ -484,6 +666,7 @@ def run_checks(*, cpu: bool, workdir: Optional[str] = None, only: Optional[List[
         "te_vs_local": lambda: check_te_vs_local(sizes),
         "flex_vs_sdpa": lambda: check_flex_vs_sdpa(sizes, cpu),
         "staircase_memory": lambda: check_staircase_memory(sizes, cpu),
+        "moe_layer": lambda: check_moe_layer(sizes, cpu),
         "train_llada": lambda: check_train("llada", sizes, workdir, cpu),
         "train_sdar": lambda: check_train("sdar", sizes, workdir, cpu),
         "bench_llada": lambda: check_bench("llada", sizes, workdir, cpu),
