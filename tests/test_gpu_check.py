@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from stabledrl_mcore.bench import device_check
+from stabledrl_mcore.bench import device_check, kernel_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +102,7 @@ def test_moe_layer_check_fails_when_an_expert_gets_no_token(only_moe_layer, monk
 
 
 def test_moe_layer_check_fails_on_a_non_finite_gradient(only_moe_layer, monkeypatch):
-    build = device_check.build_model
+    build = kernel_checks.build_model
 
     def poisoned(*args, **kwargs):  # the router's gradient becomes NaN
         model = build(*args, **kwargs)
@@ -110,7 +110,7 @@ def test_moe_layer_check_fails_on_a_non_finite_gradient(only_moe_layer, monkeypa
         router.register_hook(lambda grad: grad * float("nan"))
         return model
 
-    monkeypatch.setattr(device_check, "build_model", poisoned)
+    monkeypatch.setattr(kernel_checks, "build_model", poisoned)
     moe = only_moe_layer()
     assert moe["status"] == "FAIL" and not moe["grads_finite"], moe
     assert moe["value"].startswith("non-finite gradients"), moe["value"]
@@ -121,7 +121,7 @@ def test_moe_layer_check_fails_when_the_twin_routes_otherwise(only_moe_layer, mo
     twin whose routers send the tokens elsewhere is caught (few tokens left alike to compare)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    build = device_check.build_model
+    build = kernel_checks.build_model
 
     def misrouted(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -131,7 +131,7 @@ def test_moe_layer_check_fails_when_the_twin_routes_otherwise(only_moe_layer, mo
                 router.gating = lambda hidden, gating=gating: gating(hidden).flip(-1) * 1e3
         return model
 
-    monkeypatch.setattr(device_check, "build_model", misrouted)
+    monkeypatch.setattr(kernel_checks, "build_model", misrouted)
     moe = only_moe_layer()
     assert moe["status"] == "FAIL" and moe["routed_alike"] < 0.5, moe
     assert "routed alike by stock_local and local" in moe["value"], moe["value"]

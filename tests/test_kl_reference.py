@@ -47,7 +47,7 @@ def test_kl_term_is_the_estimator_on_the_sequence_estimates(estimator):
 
 
 def _kl_worker(run_dir):
-    from stabledrl_mcore.bench.device_check import probe_reward
+    from stabledrl_mcore.bench.workload_checks import probe_reward
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks.base import Task
@@ -112,7 +112,7 @@ def test_plan_counts_the_reference_weights():
 
 
 def _sync_worker(run_dir, steps, resume):
-    from stabledrl_mcore.bench.device_check import probe_reward
+    from stabledrl_mcore.bench.workload_checks import probe_reward
     from stabledrl_mcore.config.schema import load_config
     from stabledrl_mcore.rl.trainer import train
     from stabledrl_mcore.tasks.base import Task

@@ -213,7 +213,7 @@ def _group_worker(primaries, variants):
     step-1 checkpoint, and rank 0 exports both step-2 checkpoints with ``stabledrl convert mcore-to-hf``."""
     from megatron.core import parallel_state
 
-    from stabledrl_mcore.bench.device_check import probe_reward
+    from stabledrl_mcore.bench.workload_checks import probe_reward
     from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap
     from stabledrl_mcore.rl.trainer import train_rank

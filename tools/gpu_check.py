@@ -5,7 +5,8 @@ distributed optimizer, recompute, checkpoints, MFU): one table on stdout, one JS
     python tools/gpu_check.py --cpu --json gpu_check.json    # the same checks shrunk, on the CPU (CI)
 
 Exit status 0 when no check failed (a skipped check, e.g. TE not installed, is not a failure).
-The checks and their tolerances: ``stabledrl_mcore/bench/device_check.py``.
+The checks: ``stabledrl_mcore/bench/device_check.py`` (the list), ``kernel_checks.py``,
+``workload_checks.py``; their shapes and tolerances: ``check_sizes.py``.
 """
 
 import os
