@@ -88,14 +88,28 @@ class DLLMMoELayer(MoELayer):
     process (``tests/test_moe_rl.py``). The router, replicated on every TP rank, then sees only
     its rank's share: its gradient is scaled by TP and marked for Megatron's TP-average in
     ``finalize_model_grads`` (``average_gradients_across_tp_domain``), which makes it the sum over
-    the shares, identical on every TP rank.
+    the shares, identical on every TP rank. So are the experts' weights when every TP rank holds
+    them whole (``expert_tensor_parallel=1`` without expert parallelism): Megatron's DDP reduces
+    them as dense weights, over the data-parallel ranks only, and no dispatcher collective brings
+    the other shares' tokens to them. (With ``expert_tensor_parallel`` = TP the dispatcher gathers
+    the shares within the expert-TP group; with expert parallelism the all-to-all does.) EP = 1 with
+    1 < ``expert_tensor_parallel`` < TP is refused: neither reduction covers it.
     """
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         world = self.attn_tp_group.size()
         if world > 1 and not config.sequence_parallel:
-            for param in self.router.parameters():
+            shared = list(self.router.parameters())
+            etp = config.expert_tensor_parallel_size or world
+            if config.expert_model_parallel_size == 1 and etp == 1:
+                shared += list(self.experts.parameters())
+            elif config.expert_model_parallel_size == 1 and etp != world:
+                raise NotImplementedError(
+                    f"an MoE layer at tensor_parallel={world} without sequence parallelism needs "
+                    f"expert_tensor_parallel 1 or {world} when expert_parallel=1, got {etp}"
+                )
+            for param in shared:
                 param.average_gradients_across_tp_domain = True
                 param.register_hook(lambda grad, world=world: grad * world)
 
