@@ -39,7 +39,9 @@
 # time limit, or `scancel -b -s USR1 J`) and TERM, forwards them to srun (and srun to
 # every rank); ranks finish the step, checkpoint and exit 75 (rank 0 also leaves
 # <run_dir>/PREEMPTED); on USR1 the job then requeues itself and the next attempt
-# continues with --resume auto.
+# continues with --resume auto. Rank 0 holds <run_dir>/.lock for the whole run: a second job
+# into the run directory is refused (by the config check, before srun) naming the holder, and a
+# requeue whose earlier instance still holds it waits logging.lock_wait_s (default 300 s) first.
 
 set -euo pipefail
 
@@ -186,15 +188,17 @@ sdrl_setup() {
         "device=$STABLEDRL_DEVICE restart_count=${SLURM_RESTART_COUNT:-0}"
 }
 
-# Validate CONFIG + OVERRIDES once, before any rank starts; sets RUN_DIR and LOG_DIR
-# and records the resolved config in LOG_DIR.
+# Validate CONFIG + OVERRIDES once, before any rank starts (also: no other run holds the run
+# directory's lock; a requeue waits logging.lock_wait_s for its earlier instance); sets RUN_DIR
+# and LOG_DIR and records the resolved config in LOG_DIR.
 sdrl_resolve_config() {
     local resolved world=()
     # the job's ranks, counted here: in a container the check is one srun task (SLURM_NTASKS=1 there)
     if [[ -n "${SLURM_NTASKS:-}" ]]; then world=(--nproc "$SLURM_NTASKS"); fi
     # --resume auto as the ranks will run: a requeue's resume plan is checked here too
     resolved=$(sdrl_python -m stabledrl_mcore.cli train --config "$CONFIG" "${OVERRIDES[@]}" \
-        --resume auto --print-config "${world[@]}") || sdrl_die "invalid config $CONFIG ${OVERRIDES[*]}"
+        --resume auto --print-config "${world[@]}") ||
+        sdrl_die "preflight of $CONFIG ${OVERRIDES[*]} failed (the line above says why)"
     # logging.run_dir from the YAML (here: no Python outside a container); yaml.safe_dump quotes
     # a path with special characters in single quotes, doubling a quote inside
     RUN_DIR=$(awk '/^logging:/ {inside = 1; next} /^[^ ]/ {inside = 0}
@@ -257,6 +261,14 @@ sdrl_run_step() {
     return "$rc"
 }
 
+# sdrl_preempted_here: <run_dir>/PREEMPTED is this attempt's (rank 0 writes the job id and
+# restart count into it: stabledrl_mcore.engine.preemption.marker_record), not an earlier one's.
+sdrl_preempted_here() {
+    local marker="$RUN_DIR/PREEMPTED"
+    [[ -f "$marker" ]] && grep -Eq "\"slurm_job_id\": *\"$SLURM_JOB_ID\"" "$marker" &&
+        grep -Eq "\"slurm_restart_count\": *\"${SLURM_RESTART_COUNT:-0}\"" "$marker"
+}
+
 # sdrl_train DEFAULT_CONFIG [KEY=VALUE ...]: StableDRL training with pre-emption and requeue.
 sdrl_train() {
     CONFIG=${STABLEDRL_CONFIG:-$1}
@@ -268,10 +280,11 @@ sdrl_train() {
     fi
     sdrl_resolve_config
     local rc=0
-    rm -f "$RUN_DIR/PREEMPTED"  # rank 0 writes it after a pre-emption checkpoint (see below)
+    # An earlier PREEMPTED is not removed here: until rank 0 holds the run directory's lock it may
+    # be another run's (rank 0 removes it then). Only this attempt's marker counts (below).
     sdrl_run_step "$STABLEDRL_PYTHON" -m stabledrl_mcore.cli train --config "$CONFIG" \
         "${OVERRIDES[@]}" --resume auto || rc=$?
-    if ((rc != 0 && rc != EXIT_PREEMPTED)) && [[ -f "$RUN_DIR/PREEMPTED" ]]; then
+    if ((rc != 0 && rc != EXIT_PREEMPTED)) && sdrl_preempted_here; then
         # the checkpoint was written, but a rank did not exit 75 in time (srun --wait ended it)
         sdrl_log "status $rc, but $RUN_DIR/PREEMPTED says the ranks checkpointed: treating it as $EXIT_PREEMPTED"
         rc=$EXIT_PREEMPTED

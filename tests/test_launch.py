@@ -53,6 +53,67 @@ def test_a_returned_status_is_reported_and_only_expected_ones_pass():
         spawn(_status_worker, 1, (3,), threads=None, expected_codes=(75,))
 
 
+def _sys_exit_worker():
+    sys.exit(0)  # as user code (a custom reward function) might, on every rank
+
+
+def test_sys_exit_0_on_every_rank_is_a_failure_not_success():
+    with pytest.raises(WorkerFailed) as info:
+        spawn(_sys_exit_worker, 2, timeout=60, threads=None, grace=2)
+    err = info.value
+    assert err.first_type == "builtins.SystemExit", err.first_error
+    assert err.first_error.startswith(("rank 0: SystemExit: sys.exit(0)", "rank 1: SystemExit: sys.exit(0)"))
+    assert "before the rank's function returned" in err.first_error
+
+
+def _os_exit_worker(code, late_rank, late_s):
+    """``os._exit(code)`` on every rank, rank ``late_rank`` only after ``late_s`` s (None: never, it blocks)."""
+    if int(os.environ["RANK"]) == late_rank:
+        if late_s is None:
+            time.sleep(60)  # as if blocked in a collective with the dead rank
+        time.sleep(late_s)
+    os._exit(code)
+
+
+def test_os_exit_0_on_one_rank_is_a_failure_naming_that_rank():
+    with pytest.raises(WorkerFailed) as info:
+        spawn(_os_exit_worker, 2, (0, 0, None), timeout=60, threads=None, grace=1)
+    err = info.value
+    assert err.first_error == "rank 1 exited with status 0 before finishing (sys.exit or os._exit in user code?)"
+    assert err.exit_codes == [-signal.SIGKILL, 0] and "rank 0: stopped by the launcher after rank 1" in err.details
+
+
+def test_the_first_rank_to_die_is_named_not_the_lowest():
+    # rank 1 dies at once, rank 0 a moment later (within the grace): rank 1 is the first failure
+    with pytest.raises(WorkerFailed) as info:
+        spawn(_os_exit_worker, 2, (5, 0, 1.0), timeout=60, threads=None, grace=30)
+    assert info.value.first_error == "rank 1 exited with status 5", info.value.details
+    assert info.value.exit_codes == [5, 5]
+
+
+def _dies_in_a_collective_worker():
+    """Rank 1 ends with os._exit(0) between two all-reduces; rank 0 then fails in gloo ("Connection
+    reset by peer"), typically before the launcher has noticed rank 1's death."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    value = torch.ones(4)
+    dist.all_reduce(value)
+    if dist.get_rank() == 1:
+        os._exit(0)
+    for _ in range(3):
+        dist.all_reduce(value)
+
+
+def test_a_rank_that_fails_of_a_dead_peer_is_not_the_first():
+    with pytest.raises(WorkerFailed) as info:
+        spawn(_dies_in_a_collective_worker, 2, timeout=60, threads=None, grace=5)
+    err = info.value
+    assert err.first_error == "rank 1 exited with status 0 before finishing (sys.exit or os._exit in user code?)"
+    assert err.first_type is None and "--- rank 0 ---" in err.details, err.details
+
+
 def _preemptible_worker(out_dir):
     """Writes its pid, starts up for 1 s (a signal now is held), then waits for SIGTERM -> 75."""
     from stabledrl_mcore.parallel.launch import take_held_signals
@@ -253,3 +314,67 @@ def test_sigkill_of_the_launcher_mid_save_leaves_no_rank_or_writer_process(tmp_p
     finally:
         _stop_tree(proc, pids)
     assert not any(n.startswith("step_") for n in os.listdir(ckpt)), "a rank went on to commit a checkpoint"
+
+
+# ------------------------------------------------------ torchrun/srun: a rank's status is its process's
+SYS_EXIT_IN_SCORING = (
+    "import sys; sys.path[:0] = [{root!r}]\n"
+    "from stabledrl_mcore.cli.app import main\n"
+    "from stabledrl_mcore.rl import trainer\n"
+    "def score(*args, **kwargs):\n"
+    "    sys.exit(0)  # as a custom reward function might\n"
+    "trainer.score_rollouts = score\n"
+    "sys.exit(main({argv!r}))\n"
+)
+
+
+@pytest.mark.multiprocess
+def test_sys_exit_0_inside_the_training_loop_never_exits_0(tmp_path):
+    """One rank as torchrun/srun start it (``stabledrl train`` in its own process): sys.exit(0) in
+    the scoring phase is a one-line failure with status 1, not a successful end."""
+    argv = ["train", "--config", CONFIG, *TINY, "steps=2", f"logging.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SYS_EXIT_IN_SCORING.format(root=ROOT, argv=argv)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        _stop_tree(proc)
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stabledrl train: error: sys.exit(0) was called inside the training run"), err[-3000:]
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+class _Setup:
+    def __init__(self, preempted=False, finished=False):
+        self.preempted, self.finished = preempted, finished
+
+
+def test_a_rank_exits_0_only_once_its_loop_finished(tmp_path, monkeypatch):
+    import json
+
+    from stabledrl_mcore.common.errors import RunFailed
+    from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER, run_with_preemption_marker
+
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    run = str(tmp_path)
+    assert run_with_preemption_marker(run, lambda: _Setup(finished=True)) == 0
+    with pytest.raises(RunFailed, match=r"returned before its last step without being pre-empted"):
+        run_with_preemption_marker(run, lambda: _Setup())
+
+    def exits():
+        sys.exit(0)
+
+    with pytest.raises(RunFailed, match=r"^sys.exit\(0\) was called inside the training run"):
+        run_with_preemption_marker(run, exits)
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    assert run_with_preemption_marker(run, lambda: _Setup(preempted=True)) == EXIT_PREEMPTED
+    marker = json.loads(open(os.path.join(run, PREEMPTED_MARKER)).read())
+    assert marker["exit_status"] == 75 and marker["slurm_job_id"] == "12" and marker["slurm_restart_count"] == "3"

@@ -322,6 +322,38 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert "restart_count=1" in batch_log, batch_log
 
 
+def test_a_second_job_into_a_running_jobs_run_dir_is_refused_before_srun(cluster, tmp_path):
+    """Two sbatch of one script into one run directory, one node each: the second fails in its
+    config check naming the first (whose rank 0 holds <run_dir>/.lock); the first trains on."""
+    run_dir, one_node = tmp_path / "run", ("--nodes=1", *SBATCH_CPU[1:])
+    first, jobs = _submit(cluster, run_dir, steps=2000, sbatch=one_node), []
+    jobs.append(first)
+    try:
+        _wait(cluster, first, run_dir, lambda: _metric_steps(run_dir), "the first metrics line", 300)
+        second = _submit(cluster, run_dir, steps=2000, sbatch=one_node)
+        jobs.append(second)
+        info = _wait(
+            cluster,
+            second,
+            run_dir,
+            lambda: (lambda i: i if i.get("JobState") in FINAL_STATES else None)(_job(cluster, second)),
+            "the end",
+            240,
+        )
+        out = (tmp_path / f"run-slurm-{second}.out").read_text()
+        assert info["JobState"] == "FAILED", out
+        assert "is in use by another run" in out and f"SLURM job {first}" in out, out
+        assert "running:" not in out, "the second job started its ranks"
+        assert _job(cluster, first)["JobState"] == "RUNNING", _diagnostics(cluster, first, run_dir)
+        steps = _metric_steps(run_dir)
+        assert steps == list(range(1, len(steps) + 1)), steps
+    finally:
+        cluster.run("scancel", *jobs, check=False)
+        deadline = time.monotonic() + 120  # the cluster free again for the next test
+        while time.monotonic() < deadline and any(_job(cluster, j).get("JobState") not in FINAL_STATES for j in jobs):
+            time.sleep(0.5)
+
+
 def test_convert_job_then_the_sdar_recipe_job(cluster, tmp_path):
     """slurm/convert.sh writes the checkpoint the SDAR recipe loads; slurm/train_sdar_8b.sh then runs
     its own recipe (bf16, recompute, staircase, TP) scaled down by shape and length, 2 nodes x 2 tasks."""

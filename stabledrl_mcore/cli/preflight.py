@@ -5,7 +5,9 @@ files: the preset name, every path (``model.checkpoint``, ``model.tokenizer``,
 ``rollout.data_path``), the parallel layout against the model's own shape (from
 the preset and ``model.overrides``, or the checkpoint's config), the rows each
 rank holds against ``parallel.micro_batch_size``, the prompt format (``rollout.chat_template``
-exists and renders), and the training (and held-out) examples: they load and are not empty. It builds no model and reads only
+exists and renders), and the training (and held-out) examples: they load and are not empty; last,
+that no other run holds ``logging.run_dir``'s lock (:mod:`~stabledrl_mcore.engine.run_lock`; a SLURM
+requeue waits ``logging.lock_wait_s`` for its earlier instance). It builds no model and reads only
 config files, safetensors headers and the data, so a bad run fails in seconds
 with one line naming the field and the fix.
 """
@@ -29,6 +31,7 @@ from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine import metrics
 from stabledrl_mcore.engine.resume import check_resume
+from stabledrl_mcore.engine.run_lock import check_run_dir_unlocked
 from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError, validate_parallel_layout
 from stabledrl_mcore.sft.config import SFTConfig
@@ -105,6 +108,7 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     )
     if cfg.eval.every:
         report.eval_examples = len(_load(cfg, task, cfg.eval.split))  # a sample for generated tasks
+    check_run_dir_unlocked(cfg)  # another run in logging.run_dir (a requeue waits for its earlier instance)
     return report
 
 
@@ -265,6 +269,7 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
         rows = f"{len(data)} rows of {data.ids.shape[1]} tokens, {int(data.answer.sum())} answer tokens"
     else:
         rows = f"{data} rows"
+    check_run_dir_unlocked(cfg)
     check_resume(cfg)
     layout = f"data-parallel {data_parallel}" if world_size is not None else "world size unknown"
     return f"preflight ok: {description}; {layout}; sft data {cfg.sft.data_path}: {rows}"

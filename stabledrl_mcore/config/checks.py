@@ -190,6 +190,8 @@ def validate_logging_and_saving(lg, ck) -> None:
         )
     if any(not isinstance(t, str) or not t for t in lg.wandb_tags):
         raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
+    if lg.lock_wait_s < 0:
+        raise ConfigError(f"logging.lock_wait_s must be >= 0 seconds (0 = refuse at once), got {lg.lock_wait_s}")
     if ck.save_every_minutes < 0:
         raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
     if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:

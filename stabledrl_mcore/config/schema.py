@@ -326,6 +326,13 @@ class LoggingSection:
     """wandb tags, a list."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` (rank 0)."""
+    run_lock: bool = True
+    """Rank 0 holds an exclusive lock on ``<run_dir>/.lock`` for the whole run, so a second run into
+    the directory is refused (docs/checkpoints.md). ``false`` only for a file system without file
+    locks: nothing then refuses a second run."""
+    lock_wait_s: float = 300.0
+    """A SLURM requeue whose earlier instance (same job id) still holds the lock waits this long for
+    it to end, then is refused naming it; 0 = refuse at once. Other holders are refused at once."""
 
 
 @dataclass

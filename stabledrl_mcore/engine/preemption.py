@@ -7,10 +7,13 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
+from stabledrl_mcore.common.errors import RunFailed
+from stabledrl_mcore.engine.run_lock import launch_rank
 from stabledrl_mcore.parallel.bootstrap import any_rank
 from stabledrl_mcore.parallel.launch import take_held_signals
 
@@ -41,18 +44,56 @@ def preemption_agreed() -> bool:
 PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by a pre-emption
 
 
-def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
-    """``run()`` (a training loop returning its set-up); 0, or :data:`EXIT_PREEMPTED` with rank 0
-    leaving ``<run_dir>/PREEMPTED`` (an earlier launch's marker is removed first)."""
+def marker_record() -> dict:
+    """What rank 0 writes into ``PREEMPTED``: the status, the time, and the SLURM job and restart
+    count (so slurm/common.sh believes only its own attempt's marker, never an earlier one's)."""
+    return {
+        "exit_status": EXIT_PREEMPTED,
+        "time": time.time(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+        "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT") or "0",
+    }
 
-    marker = os.path.join(run_dir, PREEMPTED_MARKER)
-    try:
-        os.remove(marker)  # every rank may try: the first one wins
-    except FileNotFoundError:
-        pass
-    if not run().preempted:
+
+def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
+    """``run()`` (a training loop returning its set-up); 0 once it ``finished``, or
+    :data:`EXIT_PREEMPTED` with rank 0 leaving ``<run_dir>/PREEMPTED``. Rank 0 removes an
+    earlier launch's marker first (call it holding the run directory's lock:
+    :func:`~.run_lock.run_dir_lock`; other ranks touch nothing). A loop that returned neither
+    finished nor pre-empted, or ``sys.exit`` inside it (:func:`exits_are_errors`), is
+    :class:`~stabledrl_mcore.common.errors.RunFailed`: a rank never exits 0 having trained part."""
+
+    if launch_rank() == 0:
+        try:
+            os.remove(os.path.join(run_dir, PREEMPTED_MARKER))
+        except FileNotFoundError:
+            pass
+    with exits_are_errors():
+        setup = run()
+    if not setup.preempted and not setup.finished:
+        raise RunFailed(
+            "the training loop returned before its last step without being pre-empted; "
+            "the run did not finish, so this rank does not exit 0"
+        )
+    if not setup.preempted:
         return 0
     if torch.distributed.get_rank() == 0:
-        with open(marker, "w") as handle:
-            handle.write(json.dumps({"exit_status": EXIT_PREEMPTED, "time": time.time()}) + "\n")
+        with open(os.path.join(run_dir, PREEMPTED_MARKER), "w") as handle:
+            handle.write(json.dumps(marker_record()) + "\n")
     return EXIT_PREEMPTED
+
+
+@contextmanager
+def exits_are_errors(what: str = "the training run") -> Iterator[None]:
+    """``sys.exit`` / ``SystemExit`` raised inside the block (e.g. by user code such as a custom
+    reward function) becomes :class:`~stabledrl_mcore.common.errors.RunFailed`: under torchrun or
+    srun a rank's status is the process's, and ``sys.exit(0)`` there would end a run that trained
+    part or nothing "successfully"."""
+    try:
+        yield
+    except SystemExit as err:
+        raise RunFailed(
+            f"sys.exit({err.code!r}) was called inside {what} (by user code, e.g. rollout.reward_fn?); "
+            f"it stopped before its last step, so this rank fails instead of exiting "
+            f"{err.code if isinstance(err.code, int) else 0}"
+        ) from err

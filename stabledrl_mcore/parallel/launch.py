@@ -9,7 +9,10 @@ deadline passes, so a failing rank never leaves the others hanging.
 Signals and lifetime: SIGTERM/SIGUSR1 sent to the launcher are forwarded to every
 rank; each rank gets ``PR_SET_PDEATHSIG`` (Linux), so SIGKILL of the launcher
 takes its ranks with it. A rank's return value is its exit status (``fn`` may
-return e.g. 75 after a pre-emption); :func:`spawn` returns them.
+return e.g. 75 after a pre-emption); :func:`spawn` returns them. A rank is done only when ``fn``
+returned: ``sys.exit`` inside it, or a process that ends without returning (``os._exit(0)``
+included), is a failure named by rank; the first failure named is the first rank to fail in
+time, not one that failed because a peer died (gloo's ``Connection reset by peer``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -123,7 +128,11 @@ def _write_json(path: str, data: Dict[str, Any]) -> None:
 
 
 def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_pid, hold):
-    """A rank: parent-death signal and signal holding first, then unpickle and run ``fn``."""
+    """A rank: parent-death signal and signal holding first, then unpickle and run ``fn``.
+
+    Only a return from ``fn`` completes the rank: then ``rank<N>.done.json`` (its status, the
+    time) is written. An exception, ``SystemExit`` included (``sys.exit`` in user code), writes
+    ``rank<N>.error.json``; a rank that leaves neither (``os._exit``, a signal) failed too."""
     die_with_parent(parent_pid)
     if hold:
         for sig in FORWARDED_SIGNALS:
@@ -137,33 +146,38 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
         MASTER_PORT=str(port),
     )
     report = os.path.join(report_dir, f"rank{rank}")
-    code = 0
+    done: Optional[int] = None
     try:
         fn, args = pickle.loads(payload)
         if threads:
             torch.set_num_threads(threads)
-        code = _status(fn(*args))
-    except SystemExit as exit_:  # sys.exit(75) inside fn is a status like returning 75
-        code = _status(exit_.code) if isinstance(exit_.code, int) or exit_.code is None else 1
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        done = _status(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, SystemExit included
+        line = (
+            f"SystemExit: sys.exit({err.code!r}) was called before the rank's function returned "
+            f"(sys.exit in user code?); a rank is done only when its function returns"
+            if isinstance(err, SystemExit)
+            else error_line(err)
+        )
         _write_json(
             report + ".error.json",
             {
                 "time": time.time(),
                 "type": f"{type(err).__module__}.{type(err).__qualname__}",
-                "line": error_line(err),
+                "line": line,
                 "traceback": traceback.format_exc()[-20000:],
             },
         )
-        code = 1
     finally:
         if torch.distributed.is_initialized():  # only ranks that started a process group
             try:
                 destroy()
             except Exception:  # pragma: no cover - best effort clean-up
                 pass
-    _write_json(report + ".code.json", {"code": code})
-    raise SystemExit(code)
+    if done is None:
+        raise SystemExit(1)
+    _write_json(report + ".done.json", {"code": done, "time": time.time()})
+    raise SystemExit(done)
 
 
 def _status(value: Any) -> int:
@@ -207,6 +221,22 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with status {code}"
 
 
+PEER_DEATH = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|remote process exited|peer.*(closed|died|exited)"
+    r"|failed to recv|socket closed|communicator was aborted",
+    re.IGNORECASE,
+)
+"""Errors a rank raises because another rank died (gloo's ``Connection reset by peer``, NCCL's
+``remote process exited``): such a rank is never named as the first failure while another is."""
+
+
+def _finished(rank: int, code: Optional[int], done: Dict[int, Dict[str, Any]], expected: Sequence[int]) -> bool:
+    """Rank ``rank`` ended as it should: its function returned 0 or an expected status, and the
+    process exited with it."""
+    returned = done.get(rank, {}).get("code")
+    return code is not None and returned == code and (code == 0 or code in expected)
+
+
 def _failure(
     procs,
     report_dir: str,
@@ -214,16 +244,19 @@ def _failure(
     reason: Optional[str],
     stopped_by_launcher: Sequence[int],
     received: Sequence[int],
+    died: Dict[int, float],
 ) -> Optional[WorkerFailed]:
-    """The error to raise (None when every rank ended with 0 or an expected status)."""
+    """The error to raise (None when every rank returned 0 or an expected status). The first
+    failure is the earliest (by the time of its error report, or of its death as the launcher saw
+    it), a rank that failed of a peer's death (:data:`PEER_DEATH`) only when no other failed."""
     world = len(procs)
     codes = [p.exitcode for p in procs]
     errors = _read_reports(report_dir, world, "error")
-    returned = {r: rep["code"] for r, rep in _read_reports(report_dir, world, "code").items()}
+    done = _read_reports(report_dir, world, "done")
     bad = [
         r
         for r, c in enumerate(codes)
-        if r not in errors and r not in stopped_by_launcher and not (c == 0 or (c in expected and returned.get(r) == c))
+        if r not in errors and r not in stopped_by_launcher and not _finished(r, c, done, expected)
     ]
     if not errors and not bad and not reason:
         return None
@@ -231,15 +264,15 @@ def _failure(
         None,
         "".join(f" after {signal.Signals(s).name} was forwarded to the ranks" for s in sorted(set(received))),
     )
-    if errors:
-        rank = min(errors, key=lambda r: (errors[r]["time"], r))
+    failures = [(bool(PEER_DEATH.search(errors[r]["line"])), errors[r]["time"], r) for r in errors]
+    failures += [(False, done.get(r, {}).get("time", died.get(r, float("inf"))), r) for r in bad]
+    rank = min(failures)[2] if failures else None
+    if rank in errors:
         first, first_type = f"rank {rank}: {errors[rank]['line']}", errors[rank]["type"]
-    elif bad:
-        rank = bad[0]
-        how = f"returned status {codes[rank]}" if returned.get(rank) == codes[rank] else _describe_exit(codes[rank])
-        first = f"rank {rank} {how}{sent}"
+    elif rank is not None:
+        first = f"rank {rank} {_how_it_ended(codes[rank], done.get(rank))}{sent}"
     else:
-        rank, first = None, f"{reason}{sent}"
+        first = f"{reason}{sent}"
     lines = [f"{first} (exit codes {codes})"]
     for r in range(world):
         if r in errors:
@@ -251,8 +284,16 @@ def _failure(
                 + " ---"
             )
         elif r in bad:
-            lines.append(f"--- rank {r}: {_describe_exit(codes[r])} ---")
+            lines.append(f"--- rank {r}: {_how_it_ended(codes[r], done.get(r))} ---")
     return WorkerFailed(first, "\n".join(lines), first_type=first_type, exit_codes=codes)
+
+
+def _how_it_ended(code: Optional[int], done: Optional[Dict[str, Any]]) -> str:
+    if done is not None and done.get("code") == code:
+        return f"returned status {code}"
+    if code == 0:
+        return "exited with status 0 before finishing (sys.exit or os._exit in user code?)"
+    return _describe_exit(code)
 
 
 def spawn(
@@ -292,24 +333,25 @@ def spawn(
     received: List[int] = []
     previous = _forward_signals(procs, received)
     deadline, reason, stopped = time.monotonic() + timeout, None, []
+    died: Dict[int, float] = {}  # rank -> when the launcher saw it end (time.time(), as the reports)
     try:
         for proc in procs:
             proc.start()
         for sig in sorted(set(received)):  # arrived while the ranks were being started
             _send(procs, sig)
         while any(p.is_alive() for p in procs):
+            _wait_for_deaths(procs, died, 0.05)
             if _read_reports(report_dir, world_size, "error") or _unexpected_exit(procs, report_dir, expected_codes):
                 reason = "a rank failed"
                 break
             if time.monotonic() > deadline:
                 reason = f"timed out after {timeout:.0f} s"
                 break
-            time.sleep(0.05)
     finally:
         if reason == "a rank failed":  # let the other ranks report their own errors first
             grace_end = time.monotonic() + grace
             while any(p.is_alive() for p in procs) and time.monotonic() < grace_end:
-                time.sleep(0.05)
+                _wait_for_deaths(procs, died, 0.05)
         for rank, proc in enumerate(procs):
             if proc.pid is not None and proc.is_alive():
                 stopped.append(rank)
@@ -321,7 +363,7 @@ def spawn(
             shutil.rmtree(report_dir, ignore_errors=True)
     try:
         error = _failure(
-            procs, report_dir, expected_codes, None if reason == "a rank failed" else reason, stopped, received
+            procs, report_dir, expected_codes, None if reason == "a rank failed" else reason, stopped, received, died
         )
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
@@ -331,15 +373,29 @@ def spawn(
 
 
 def _unexpected_exit(procs, report_dir: str, expected: Sequence[int]) -> bool:
-    """A rank ended with a status that is neither 0 nor an expected status it returned."""
+    """A rank ended without finishing: its function did not return (``os._exit(0)`` included), or
+    returned a status that is neither 0 nor expected."""
+    done = None
     for rank, proc in enumerate(procs):
-        code = proc.exitcode
-        if code in (None, 0):
+        if proc.exitcode is None:
             continue
-        if code in expected and _read_reports(report_dir, len(procs), "code").get(rank, {}).get("code") == code:
-            continue
-        return True
+        done = done if done is not None else _read_reports(report_dir, len(procs), "done")
+        if not _finished(rank, proc.exitcode, done, expected):
+            return True
     return False
+
+
+def _wait_for_deaths(procs, died: Dict[int, float], timeout: float) -> None:
+    """Wait up to ``timeout`` s for a rank to end (woken at once when one does); note when each did."""
+    alive = [p.sentinel for r, p in enumerate(procs) if r not in died and p.pid is not None]
+    if alive:
+        mp_connection.wait(alive, timeout)
+    else:
+        time.sleep(timeout)
+    now = time.time()
+    for rank, proc in enumerate(procs):
+        if rank not in died and proc.pid is not None and proc.exitcode is not None:
+            died[rank] = now
 
 
 def _forward_signals(procs, received: List[int]):

@@ -39,6 +39,7 @@ class TrainingSetup:
     dp_size: int
     reference: Any = None  # frozen copy of the initial policy (algo.kl_coef > 0), same layout
     preempted: bool = False
+    finished: bool = False  # the loop reached its last step (only then does a rank exit 0)
 
 
 class PromptStream:

@@ -32,9 +32,15 @@ from stabledrl_mcore.engine.gradients import agree_ok, agreed_reason, grads_fini
 from stabledrl_mcore.engine.health import RunHealth
 from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
 from stabledrl_mcore.engine.model_setup import sync_reference, synced_reference
-from stabledrl_mcore.engine.preemption import install_preemption_handlers, preemption_agreed, run_with_preemption_marker
+from stabledrl_mcore.engine.preemption import (
+    exits_are_errors,
+    install_preemption_handlers,
+    preemption_agreed,
+    run_with_preemption_marker,
+)
 from stabledrl_mcore.engine.resume import prepare_start, restore_training_state
 from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.engine.run_lock import run_dir_lock
 from stabledrl_mcore.engine.save_schedule import SaveSchedule, save_training_checkpoint
 from stabledrl_mcore.engine.seeding import chunk_generators, first_chunk, phase_generator
 from stabledrl_mcore.models.placement import model_device
@@ -182,8 +188,18 @@ def train(
 
     Before anything is built, a fresh run into a used directory and a resume the current
     config cannot continue are refused (:mod:`~stabledrl_mcore.engine.run_dir`, :mod:`~stabledrl_mcore.engine.resume`).
+    Rank 0 holds the run directory's lock for the whole call, taken before anything in it is
+    moved, pruned or deleted: a second run into it is refused (:mod:`~stabledrl_mcore.engine.run_lock`).
+    ``sys.exit`` inside (e.g. in a reward function) is :class:`~stabledrl_mcore.common.errors.RunFailed`;
+    ``setup.finished`` says the loop reached its last step.
     """
-    resume = resume or cfg.checkpoint.resume
+    with run_dir_lock(cfg), exits_are_errors():
+        return _train(cfg, resume or cfg.checkpoint.resume, setup, stop_after, hooks)
+
+
+def _train(
+    cfg: RunConfig, resume: str, setup: Optional[TrainingSetup], stop_after: Optional[int], hooks
+) -> TrainingSetup:
     plan, moved_aside = prepare_start(cfg, resume)
     s = setup or build_training(cfg)
     ckpt_root = checkpoint_root(cfg)
@@ -244,6 +260,8 @@ def train(
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
                 s.preempted = True
                 break
+        else:  # no break: every step of the run ran (or none was left)
+            s.finished = True
     bar.close()
     return s
 
@@ -255,12 +273,14 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
     all, raise :class:`~stabledrl_mcore.engine.gradients.SkippedUpdatesError` (on every rank together; see
     :mod:`~stabledrl_mcore.engine.health`). Module level, so :func:`..parallel.launch.spawn` can start it on local ranks.
     After a pre-emption rank 0 leaves ``<run_dir>/PREEMPTED`` (removed when a run
-    starts), for launchers that cannot pass on the status 75 (torchrun exits 1).
+    starts), for launchers that cannot pass on the status 75 (torchrun exits 1). A loop that
+    returned before its last step, or ``sys.exit`` inside it, raises instead of returning 0.
     """
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))
-    return run_with_preemption_marker(cfg.logging.run_dir, lambda: train(cfg))
+    with run_dir_lock(cfg):  # rank 0, before the marker of an earlier launch is removed
+        return run_with_preemption_marker(cfg.logging.run_dir, lambda: train(cfg))
 
 
 def filter_phase(s: TrainingSetup, batch, timer: PhaseTimer):

@@ -146,3 +146,4 @@ class SFTSetup:
     reference: Any = None  # no KL reference in SFT (train's checkpoint code asks)
     preempted: bool = False
     stopped_early: bool = False
+    finished: bool = False  # the loop reached its last step or its stop_when (only then does a rank exit 0)

@@ -27,9 +27,15 @@ from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
 from stabledrl_mcore.engine.gradients import agree_ok, grads_finite, sync_gradients
 from stabledrl_mcore.engine.health import RunHealth
 from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
-from stabledrl_mcore.engine.preemption import install_preemption_handlers, preemption_agreed, run_with_preemption_marker
+from stabledrl_mcore.engine.preemption import (
+    exits_are_errors,
+    install_preemption_handlers,
+    preemption_agreed,
+    run_with_preemption_marker,
+)
 from stabledrl_mcore.engine.resume import prepare_start, restore_training_state
 from stabledrl_mcore.engine.run_dir import checkpoint_root
+from stabledrl_mcore.engine.run_lock import run_dir_lock
 from stabledrl_mcore.engine.save_schedule import SaveSchedule, save_training_checkpoint
 from stabledrl_mcore.engine.seeding import phase_generator
 from stabledrl_mcore.models.placement import model_device
@@ -49,8 +55,15 @@ def train_sft(
     """Run ``cfg.steps`` SFT steps. ``hooks(setup, step)`` run on every rank after each step (their
     metrics are logged with the step's); ``stop_when(metrics)`` True ends the run there with a
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
-    from DP-reduced metrics); ``stop_after`` ends early (tests)."""
+    from DP-reduced metrics); ``stop_after`` ends early (tests). Rank 0 holds the run directory's
+    lock for the whole call (:mod:`~stabledrl_mcore.engine.run_lock`); ``sys.exit`` inside is
+    :class:`~stabledrl_mcore.common.errors.RunFailed`."""
 
+    with run_dir_lock(cfg), exits_are_errors("the SFT run"):
+        return _train_sft(cfg, hooks, stop_when, stop_after)
+
+
+def _train_sft(cfg: SFTConfig, hooks: Sequence[Hook], stop_when, stop_after: Optional[int]) -> SFTSetup:
     plan, notes = prepare_start(cfg)
     s = build_sft(cfg)
     root = checkpoint_root(cfg)
@@ -95,6 +108,9 @@ def train_sft(
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
             if s.preempted or s.stopped_early:
                 break
+        else:  # no break: every step of the run ran (or none was left)
+            s.finished = True
+    s.finished = s.finished or s.stopped_early
     bar.close()
     return s
 
@@ -151,4 +167,5 @@ def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)
-    return run_with_preemption_marker(cfg.logging.run_dir, lambda: train_sft(cfg))
+    with run_dir_lock(cfg):  # rank 0, before the marker of an earlier launch is removed
+        return run_with_preemption_marker(cfg.logging.run_dir, lambda: train_sft(cfg))
