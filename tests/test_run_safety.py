@@ -3,9 +3,13 @@
 One spawned single-rank worker trains a tiny run once and then, in the same process, tries
 every fault on it (used directory, ``--overwrite``, resume from an earlier step with
 ``keep_last=1``, a changed LR, an already complete run, a corrupt shard, NaN weights, a
-crafted RNG pickle); the tests read its record. Checks that read files only run here.
+crafted RNG pickle, a crafted ``.metadata`` and ``common.pt`` with a matching manifest through
+``stabledrl train --resume`` / ``model.checkpoint`` (issue 40)); the tests read its record.
+Checks that read files only run here.
 """
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -62,6 +66,12 @@ def write_exploit(path, marker):
         pickle.dump({"python": _Exploit(marker)}, handle, protocol=2)
 
 
+def write_metadata_exploit(path, marker):
+    """A ``.metadata`` shaped like torch's (a dict of its fields) whose unpickling runs a command."""
+    with open(path, "wb") as handle:
+        pickle.dump({"state_dict_metadata": {"embedding.word_embeddings.weight": _Exploit(marker)}}, handle)
+
+
 def _steps(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         return [json.loads(line)["step"] for line in handle]
@@ -71,9 +81,21 @@ def _error(fn):
     start = time.perf_counter()
     try:
         fn()
-    except Exception as err:  # noqa: BLE001 - the record names the type
+    except BaseException as err:  # noqa: BLE001 - the record names the type (torch's CheckpointException too)
         return {"type": type(err).__name__, "message": str(err), "seconds": time.perf_counter() - start}
     return {"type": None, "message": "", "seconds": time.perf_counter() - start}
+
+
+def _stabledrl(argv):
+    """``stabledrl ARGV`` in this process: its exit status and the error lines it printed."""
+    from stabledrl_mcore import cli
+
+    err, status = io.StringIO(), {}
+    with contextlib.redirect_stderr(err):
+        outcome = _error(lambda: status.setdefault("code", cli.main(argv)))
+    outcome["code"] = status.get("code")
+    outcome["errors"] = [line for line in err.getvalue().splitlines() if ": error: " in line]
+    return outcome
 
 
 def _corrupt_tensor(ckpt, tensor, value=b"\xff" * 4000):
@@ -108,8 +130,16 @@ def _safety_worker(base, record_path):
     train(tiny_config(run))  # steps 1..3, a checkpoint each
     rec["first_steps"] = _steps(run)
     rec["first_ckpts"] = [os.path.basename(p) for p in list_checkpoints(root)]
-    # case 3: a fresh run into it is refused before anything is built
-    rec["fresh_again"] = _error(lambda: train(tiny_config(run, steps=1)))
+    # case 3: a fresh run into it is refused before anything is built (counted, not timed)
+    from stabledrl_mcore.rl import trainer as rl_trainer
+
+    real_build, builds = rl_trainer.build_training, []
+    rl_trainer.build_training = lambda *a, **k: builds.append(1) or real_build(*a, **k)
+    try:
+        rec["fresh_again"] = _error(lambda: train(tiny_config(run, steps=1)))
+    finally:
+        rl_trainer.build_training = real_build
+    rec["fresh_again"]["builds"] = len(builds)
     rec["after_refusal"] = {"steps": _steps(run), "ckpts": [os.path.basename(p) for p in list_checkpoints(root)]}
     # case 3: --overwrite moves it aside (a copy, so the run goes on below)
     over = os.path.join(base, "over")
@@ -185,6 +215,34 @@ def _safety_worker(base, record_path):
     write_checksums(rng)
     rec["rng_unsafe"] = _error(lambda: load_checkpoint(rng, s.model, optimizer=s.optimizer))
     rec["exploit_ran"] = os.path.exists(marker)
+    # issue 40: a crafted .metadata with a matching manifest, through every training-checkpoint opener
+    from stabledrl_mcore.checkpoint.mcore_io import read_checkpoint_info
+
+    evil_run = os.path.join(base, "evil_run")
+    evil = os.path.join(evil_run, "checkpoints", "step_00000004")
+    shutil.copytree(latest, evil)
+    meta_marker = os.path.join(base, "metadata_exploit_ran")
+    write_metadata_exploit(os.path.join(evil, ".metadata"), meta_marker)
+    write_checksums(evil)
+    args = ["train", "--config", CONFIG, *[f"{k}={v}" for k, v in TINY.items()], "steps=5"]
+    rec["metadata_cli_resume"] = _stabledrl([*args, f"logging.run_dir={evil_run}", "--resume", evil])
+    fresh = os.path.join(base, "fresh_run")
+    rec["metadata_cli_model_checkpoint"] = _stabledrl([*args, f"logging.run_dir={fresh}", f"model.checkpoint={evil}"])
+    rec["metadata_load"] = _error(lambda: load_checkpoint(evil, s.model, optimizer=s.optimizer))
+    rec["metadata_model_checkpoint"] = _error(lambda: load_model_weights(s.model, evil))
+    rec["metadata_info"] = _error(lambda: read_checkpoint_info(evil))
+    rec["metadata_path"] = os.path.join(evil, ".metadata")
+    rec["metadata_exploit_ran"] = os.path.exists(meta_marker)
+    # issue 40: a crafted common.pt (torch.load's weights_only refuses it): one line, not a traceback
+    common = os.path.join(scratch, "common_case", "step_00000004")
+    shutil.copytree(latest, common)
+    common_marker = os.path.join(base, "common_exploit_ran")
+    write_exploit(os.path.join(common, "common.pt"), common_marker)
+    write_checksums(common)
+    rec["common_load"] = _error(lambda: load_checkpoint(common, s.model, optimizer=s.optimizer))
+    rec["common_model_checkpoint"] = _error(lambda: load_model_weights(s.model, common))
+    rec["common_path"] = os.path.join(common, "common.pt")
+    rec["common_exploit_ran"] = os.path.exists(common_marker)
     # case 5: a NaN parameter is never committed
     with torch.no_grad():
         next(s.model.parameters()).view(-1)[0] = float("nan")
@@ -212,7 +270,7 @@ def test_fresh_run_into_a_used_run_dir_is_refused_before_building(record):
     assert err["type"] == "RunDirInUseError" and "\n" not in err["message"], err
     for needle in (os.path.join(base, "run"), "--resume auto", "--overwrite", "metrics.jsonl"):
         assert needle in err["message"], err
-    assert err["seconds"] < 2, "refused only after expensive work"
+    assert err["builds"] == 0, "refused only after the model and optimizer were built"
     assert rec["after_refusal"] == {"steps": [1, 2, 3], "ckpts": rec["first_ckpts"]}
 
 
@@ -270,6 +328,30 @@ def test_a_crafted_rng_pickle_runs_no_code(record):
     assert rec["rng_checksum"]["type"] == "CheckpointError" and "rank00000.pt" in rec["rng_checksum"]["message"]
     err = rec["rng_unsafe"]
     assert err["type"] == "CheckpointError" and "not a safe RNG state file" in err["message"], err
+
+
+@pytest.mark.multiprocess
+def test_a_crafted_metadata_or_common_state_runs_no_code(record):
+    """``stabledrl train --resume``, ``model.checkpoint``, ``load_checkpoint``, ``load_model_weights``
+    and ``read_checkpoint_info`` all refuse a ``.metadata`` that builds ``os.system``, by name."""
+    rec = record[0]
+    assert not rec["metadata_exploit_ran"], "loading the checkpoint ran code from its .metadata"
+    assert not rec["common_exploit_ran"], "loading the checkpoint ran code from its common.pt"
+    system = f"{os.system.__module__}.system"
+    refusal = f"{rec['metadata_path']}: refused to unpickle {system} (not checkpoint metadata)"
+    for key in ("metadata_cli_resume", "metadata_cli_model_checkpoint"):
+        out = rec[key]
+        assert out["type"] is None and out["code"] == 2, out  # exit status 2: a user error
+        assert len(out["errors"]) == 1 and refusal in out["errors"][0], out
+    for key in ("metadata_load", "metadata_model_checkpoint", "metadata_info"):
+        err = rec[key]
+        assert err["type"] == "CheckpointError" and refusal in err["message"], err
+        assert "not trusted" in err["message"] and "\n" not in err["message"], err
+    for key in ("common_load", "common_model_checkpoint"):
+        err = rec[key]
+        assert err["type"] == "CheckpointError", err
+        assert f"{rec['common_path']}: refused to unpickle {system}" in err["message"], err
+        assert "\n" not in err["message"], err
 
 
 # ---------------------------------------------------------------------------- file-only checks
@@ -337,9 +419,12 @@ def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeyp
     with pytest.raises(CheckpointError, match=r"says step 1000 but its directory is step_00000006"):
         plan_resume(cfg, str(wrong))
     # the CLI refuses a used run directory in one line, exit 2, before any rank starts
+    from stabledrl_mcore.rl import trainer as rl_trainer
+
     monkeypatch.setattr(preemption, "install_preemption_handlers", lambda: None)
-    start = time.perf_counter()
+    builds = []  # counted, not timed: nothing is built before the refusal
+    monkeypatch.setattr(rl_trainer, "build_training", lambda *a, **k: builds.append(1) or 1 / 0)
     code = cli.main(["train", "--config", CONFIG, f"logging.run_dir={run}", "logging.wandb_mode=disabled"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--overwrite" in err and run in err, err
-    assert time.perf_counter() - start < 5
+    assert builds == []

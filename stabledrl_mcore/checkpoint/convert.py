@@ -15,8 +15,9 @@ into its safetensors shard. Peak memory is about one copy of the weights
 and is renamed into place only when complete (and, with ``--verify``, checked), so
 an interrupted run never leaves anything that looks like a valid checkpoint; any
 failure (an error, Ctrl-C, SIGTERM) removes it, and one left by a SIGKILLed run is
-removed by the next conversion to the same target. Non-finite weights (NaN/inf)
-are refused, naming the tensor, unless ``--allow-nonfinite``.
+removed by the next conversion to the same target. Non-finite weights (NaN/inf), in
+either direction, and finite ones that a ``--dtype`` cast turns into inf are refused, naming the
+tensor and the count, unless ``--allow-nonfinite``.
 
 CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
 
@@ -61,7 +62,13 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     write_json,
     write_marker,
 )
-from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, SafetensorsWriter
+from stabledrl_mcore.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    FiniteReader,
+    SafetensorsReader,
+    SafetensorsWriter,
+    check_finite,
+)
 from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.models import DLLMConfig, available_presets, get_preset
 from stabledrl_mcore.parallel import bootstrap
@@ -71,34 +78,6 @@ HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
 
 class VerificationFailed(ConversionError):
     """``--verify``: the converted model's logits differ from the reference's beyond the tolerance."""
-
-
-def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
-    """Refuse a tensor with NaN/inf entries (one line naming it, its source and the flag)."""
-    if not tensor.is_floating_point():
-        return
-    bad = int((~torch.isfinite(tensor)).sum())
-    if bad:
-        nan = int(torch.isnan(tensor).sum())
-        raise ConversionError(
-            f"{source}: tensor {name!r} holds {nan} NaN and {bad - nan} inf value(s) "
-            f"of {tensor.numel()}; pass --allow-nonfinite to convert it anyway"
-        )
-
-
-class _FiniteReader:
-    """A :class:`SafetensorsReader` whose ``get`` refuses non-finite tensors."""
-
-    def __init__(self, reader: SafetensorsReader):
-        self._reader = reader
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-    def get(self, name: str) -> torch.Tensor:
-        tensor = self._reader.get(name)
-        check_finite(name, tensor, self._reader.root)
-        return tensor
 
 
 def _fault_injection_pause() -> None:
@@ -253,8 +232,11 @@ def hf_to_mcore(
         tensors = {k for k, v in entries.items() if k.endswith(".weight")}
         if tensors != expected:
             raise ConversionError(f"mapping table and model disagree: {sorted(tensors ^ expected)[:5]}")
-        items = engine.iter_megatron(reader if allow_nonfinite else _FiniteReader(reader), target)
+        items = engine.iter_megatron(reader if allow_nonfinite else FiniteReader(reader), target)
         for _, name, blocks in _by_group(items, len(engine.groups()), "hf-to-mcore", progress):
+            if not allow_nonfinite and dtype:  # finite in the source, but beyond the range of --dtype?
+                for block in blocks:
+                    check_finite(name, block, f"{hf_dir} cast to {HF_DTYPE_NAMES[target]}")
             attach(entries[name], blocks)
         save_sharded(entries, tmp)
         del entries
@@ -331,7 +313,10 @@ def mcore_to_hf(
             if not allow_nonfinite:
                 check_finite(name, full, ckpt)
             for hf_name, tensor in engine.to_hf(name, full):
-                writer.write(hf_name, tensor.to(target))
+                tensor = tensor.to(target)
+                if not allow_nonfinite and target != info.dtype:  # beyond the range of --dtype?
+                    check_finite(hf_name, tensor, f"{ckpt} cast to {HF_DTYPE_NAMES[target]}")
+                writer.write(hf_name, tensor)
         writer.close()
         if assets:
             copy_assets(assets, tmp)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Set, Tuple
 
+from stabledrl_mcore.checkpoint.trust import stored_objects
+
 EXTRA_STATE = "_extra_state"
 
 
 def stored_object_keys(path: str) -> Set[str]:
-    """The ``ShardedObject`` keys (without their ``/shard_...`` suffix) that checkpoint ``path`` holds."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    return {value.key for value in load_sharded_metadata(path).values() if isinstance(value, ShardedObject)}
+    """The ``ShardedObject`` keys (without their ``/shard_...`` suffix) that checkpoint ``path`` holds
+    (its ``.metadata`` read by :mod:`.trust`'s restricted unpickler)."""
+    return stored_objects(path)
 
 
 def _is_extra_state_object(entry: Any) -> bool:

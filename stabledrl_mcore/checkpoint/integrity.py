@@ -6,7 +6,10 @@
   size or a digest that differs is a :class:`CheckpointError` naming the file. The files are
   hashed in 8 MiB chunks, split over the ranks (file ``i`` by rank ``i % world``), so each
   byte is read once more at save and once at load: SHA-256 runs at about 2 GB/s per core
-  with SHA-NI, i.e. a 100 GB checkpoint on 64 ranks adds about a second.
+  with SHA-NI, i.e. a 100 GB checkpoint on 64 ranks adds about a second. Before any file is
+  hashed, every manifest entry must name a file inside the checkpoint (no absolute path, no
+  ``..``, nothing that resolves elsewhere) and the checkpoint must hold no symbolic link (file
+  or directory): each is refused by name, so a crafted manifest reads nothing outside.
 * :func:`check_finite`: a NaN or inf parameter is an error after a load and before a save
   (decided on all ranks together), so a corrupt checkpoint never trains and a diverged model
   is never committed.
@@ -130,8 +133,51 @@ def read_manifest(directory: str) -> Dict[str, Dict[str, Any]]:
         raise CheckpointError(f"{path} is unreadable ({err}); the checkpoint is corrupt") from None
 
 
+def symlinks(directory: str) -> List[str]:
+    """Every symbolic link under ``directory`` (files and directories; relative, sorted). A linked
+    directory is listed, never entered."""
+    found = []
+    for base, dirs, names in os.walk(directory):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(base, name)):
+                found.append(os.path.relpath(os.path.join(base, name), directory))
+    return sorted(found)
+
+
+def _outside(directory: str, name: Any) -> bool:
+    """True unless ``name`` is a relative path that stays inside ``directory``."""
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        return True
+    if ".." in name.replace(os.sep, "/").split("/"):
+        return True
+    root = os.path.realpath(directory)
+    return os.path.commonpath([root, os.path.realpath(os.path.join(directory, name))]) != root
+
+
+def untrusted_entries(directory: str, files: Dict[str, Any]) -> str:
+    """'' unless the manifest names a path outside ``directory`` or the directory holds a symbolic
+    link; else the one-line problem (checked before any file is opened)."""
+    links = symlinks(directory)
+    if links:
+        path = os.path.join(directory, links[0])
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        return (
+            f"{path} is a symbolic link (to {os.readlink(path)}){more}; a checkpoint holds only its own "
+            f"files, the checkpoint is not trusted"
+        )
+    outside = [name for name in sorted(files, key=str) if _outside(directory, name)]
+    if outside:
+        return (
+            f"{os.path.join(directory, CHECKSUM_FILE)} names {outside[0]!r}, a path outside the checkpoint; "
+            f"the checkpoint is not trusted"
+        )
+    return ""
+
+
 def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
     path = os.path.join(directory, name)
+    if not isinstance(expected, dict):
+        return f"{os.path.join(directory, CHECKSUM_FILE)} has a malformed entry for {name!r}"
     if not os.path.isfile(path):
         return f"{path} is missing"
     size = os.path.getsize(path)
@@ -144,9 +190,13 @@ def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
 
 def verify_checksums(directory: str) -> None:
     """Raise :class:`CheckpointError` (on every rank) unless every file of the manifest is
-    intact. Collective where distributed: each rank hashes its share of the files."""
+    intact. Collective where distributed: each rank hashes its share of the files (after every
+    rank has checked that the manifest names only files of the checkpoint, :func:`untrusted_entries`)."""
     try:
         files = read_manifest(directory)
+        local = untrusted_entries(directory, files)
+        if local:
+            raise CheckpointError(local)
         local = next((p for p in (_problem(directory, n, files[n]) for n in _my_share(sorted(files))) if p), "")
         if local:
             local = f"corrupt checkpoint: {local}; resume from an earlier checkpoint"

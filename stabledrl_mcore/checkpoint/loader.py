@@ -35,7 +35,7 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     load_model_weights,
     read_checkpoint_info,
 )
-from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader, check_finite
 from stabledrl_mcore.models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -104,9 +104,13 @@ def _global_names(model):
         yield name, param
 
 
-def load_hf_weights(model, hf_dir: str) -> None:
+LOAD_ANYWAY = "the weights are broken; load_model(..., allow_nonfinite=True) reads them anyway"
+
+
+def load_hf_weights(model, hf_dir: str, *, allow_nonfinite: bool = False) -> None:
     """Fill this rank's stage/shard of ``model`` from an upstream HF directory (any TP/PP; MoE
-    models also at any EP/ETP: a rank reads only its own experts)."""
+    models also at any EP/ETP: a rank reads only its own experts). A NaN or inf in a tensor it
+    reads is a :class:`ConversionError` naming the tensor, unless ``allow_nonfinite``."""
     from megatron.core import parallel_state as ps
 
     cfg = model.dllm_config
@@ -116,6 +120,7 @@ def load_hf_weights(model, hf_dir: str) -> None:
     engine = MappingEngine(
         table_for(cfg.arch, cfg), cfg, tied=hfc.is_tied(raw, cfg.arch), padded_vocab=model.padded_vocab_size
     )
+    get = reader.get if allow_nonfinite else FiniteReader(reader, LOAD_ANYWAY).get
     engine.check_source(reader)
     keys = set(reader.keys())
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
@@ -123,12 +128,14 @@ def load_hf_weights(model, hf_dir: str) -> None:
     with torch.no_grad():
         for name, param in _global_names(model):
             mapping = engine.mapping(name)
-            blocks = engine.to_megatron(mapping, reader.get, param.dtype, keys)
+            blocks = engine.to_megatron(mapping, get, param.dtype, keys)
             shard = engine.shard_for_rank(name, blocks, param, *(etp if ".mlp.experts." in name else tp))
             if tuple(shard.shape) != tuple(param.shape):
                 raise ConversionError(
                     f"{name}: mapped shape {list(shard.shape)} does not fit the parameter {list(param.shape)}"
                 )
+            if not allow_nonfinite:  # finite in the file, but beyond the range of the model's dtype?
+                check_finite(name, shard, f"{hf_dir} cast to {param.dtype}", LOAD_ANYWAY)
             param.copy_(shard)
 
 
@@ -145,12 +152,15 @@ def load_model(
     dtype: Union[str, torch.dtype] = torch.float32,
     arch: Optional[str] = None,
     device: Union[str, torch.device] = "cpu",
+    allow_nonfinite: bool = False,
 ) -> InspectionModel:
     """A single-process model from an HF directory (``config.json`` + safetensors) or a
     converted checkpoint (``stabledrl_model.json``), in eval mode, on ``device`` (CPU by default).
 
     ``dtype``: parameter dtype (``torch.float32`` default, or ``"bf16"``/``"fp32"``).
     ``arch``: expected ``"llada"``/``"sdar"`` (checked against an HF config).
+    ``allow_nonfinite``: load NaN/inf weights of an HF directory (refused by tensor name otherwise;
+    a converted or training checkpoint's are always refused: :func:`~.mcore_io.load_model_weights`).
     """
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -162,7 +172,7 @@ def load_model(
     ensure_single_process()
     model = build_shell(cfg, dtype)
     if is_hf_dir(path):
-        load_hf_weights(model, path)
+        load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
     else:
         load_model_weights(model, path)
     model.to(device=device).eval()

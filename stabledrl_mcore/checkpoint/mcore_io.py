@@ -42,6 +42,7 @@ import torch
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.extra_state import check_model_fit, drop_absent_extra_state, stored_object_keys
 from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
+from stabledrl_mcore.checkpoint.trust import METADATA_FILE, load_sharded, stored_tensors, verify_metadata
 from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.common.version import __version__
 from stabledrl_mcore.models import DLLMConfig, DLLMModel, dllm_layer_spec, place_model, to_transformer_config
@@ -117,6 +118,8 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
         raise ConversionError(f"checkpoint {path} is not a directory")
     assets = os.path.join(path, HF_ASSETS)
     assets = assets if os.path.isdir(assets) else None
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        verify_metadata(path)  # every consumer (convert, load_model, eval, preflight) starts here
     if is_model_checkpoint(path):
         marker = _read_json(os.path.join(path, MARKER))
         if marker.get("format") != FORMAT or marker.get("version") != FORMAT_VERSION:
@@ -127,7 +130,7 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
         return CheckpointInfo(
             path, cfg, DTYPES[marker["dtype"]], bool(marker["tied_embeddings"]), marker.get("suggested_layout"), assets
         )
-    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(os.path.join(path, ".metadata")):
+    if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(os.path.join(path, METADATA_FILE)):
         cfg = DLLMConfig.from_dict(_read_json(os.path.join(path, MODEL_CONFIG)))
         return CheckpointInfo(path, cfg, stored_dtype(path), False, None, assets)
     raise ConversionError(
@@ -137,14 +140,11 @@ def read_checkpoint_info(path: str) -> CheckpointInfo:
 
 
 def stored_dtype(path: str) -> torch.dtype:
-    from megatron.core import dist_checkpointing
-
-    meta = dist_checkpointing.load_tensors_metadata(path)
-    for key, tensor in meta.items():
+    for key, record in stored_tensors(path).items():
         if key.startswith("optimizer."):  # training checkpoints: Adam moments are fp32 whatever the model
             continue
         if key.endswith("word_embeddings.weight") or key.endswith("linear_qkv.weight"):
-            return tensor.dtype
+            return record.properties.dtype
     raise ConversionError(f"{path} holds no embedding or attention tensor")
 
 
@@ -438,10 +438,9 @@ def attach(entry: Any, blocks: List[torch.Tensor]) -> None:
 
 def check_keys_present(entries: Dict[str, Any], path: str) -> None:
     """Raise naming every requested tensor key the checkpoint does not hold."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    stored = set(stored_tensors(path))
     wanted = {
         p.key for e in entries.values() for p in (e if isinstance(e, list) else [e]) if isinstance(p, ShardedTensor)
     }
@@ -472,8 +471,6 @@ def iter_full_tensors(
 ) -> Iterator[Tuple[str, str, torch.Tensor]]:
     """``(group, megatron name, full tensor)`` read from ``path`` one group at a time (TP=1 view),
     so that only one layer is held in memory."""
-    from megatron.core import dist_checkpointing
-
     entries = expanded_sharded_state_dict(shell)
     check_keys_present(entries, path)
     for group_name, mappings in groups:
@@ -481,7 +478,7 @@ def iter_full_tensors(
         for mapping in mappings:
             entry = entries[mapping.megatron]
             sub[mapping.megatron] = [_standalone(p, dtype) for p in (entry if isinstance(entry, list) else [entry])]
-        dist_checkpointing.load(sub, path, validate_access_integrity=False)
+        load_sharded(sub, path, validate_access_integrity=False)
         for mapping in mappings:
             pieces = [
                 p.data.reshape(p.data.shape[-len(q.local_shape) :])
@@ -498,15 +495,15 @@ def load_model_weights(model, path: str) -> None:
     """Load a converted (or training) checkpoint into ``model`` at this process's TP/PP layout.
 
     Every rank calls it with its own stage of :func:`build_model`; missing tensors raise, and so
-    do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters."""
-    from megatron.core import dist_checkpointing
-
+    do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters; nothing
+    in the directory is unpickled beyond plain data (:mod:`.trust`)."""
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)
+    verify_metadata(path)
     check_keys_present(expanded_sharded_state_dict(model), path)
     # a TE model asks for _extra_state that a local-spec checkpoint (every conversion) lacks
     sharded, dropped = drop_absent_extra_state(model.sharded_state_dict(), stored_object_keys(path))
-    loaded = dist_checkpointing.load(sharded, path)
+    loaded = load_sharded(sharded, path)
     # a training checkpoint also holds optimizer state in its common part: keep model keys only
     loaded = {key: value for key, value in loaded.items() if key in sharded}
     missing, unexpected = model.load_state_dict(loaded, strict=False)

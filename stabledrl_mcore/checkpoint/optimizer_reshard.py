@@ -39,6 +39,7 @@ from stabledrl_mcore.checkpoint.optimizer_state import (
     loaded_parts,
     prepare_for_checkpoint,
 )
+from stabledrl_mcore.checkpoint.trust import load_sharded
 
 
 def parameter_names(model_sharded_state_dict: dict) -> Dict[int, str]:
@@ -265,21 +266,17 @@ def _merged_common(commons: List[dict]) -> dict:
 
 def load(optimizer, local_plan, saved: Dict[str, Any], path: str) -> None:
     """Read this rank's ranges of the old bucket tensors and the old common state into ``optimizer``."""
-    from megatron.core import dist_checkpointing
-
     prepare_for_checkpoint(optimizer)
     # requests of parts of the saved state (every rank the same objects, sub-ranges of tensors):
     # Megatron's access check (each saved shard read exactly once) does not apply
-    commons = dist_checkpointing.load(
-        {"common": _common_request(optimizer, saved)}, path, validate_access_integrity=False
-    )["common"]  # top level: str keys
+    request = {"common": _common_request(optimizer, saved)}
+    commons = load_sharded(request, path, validate_access_integrity=False)["common"]  # top level: str keys
     commons = {index: _merged_common(parts) for index, parts in commons.items()}
     inner = inner_optimizers(optimizer)
     load_optimizer_state(optimizer, commons[0] if len(inner) == 1 else commons)  # groups, step, state
     with torch.no_grad():  # fp32 main params are views of the model's parameters
-        ranges = dist_checkpointing.load(
-            {"ranges": _range_request(optimizer, local_plan)}, path, validate_access_integrity=False
-        )["ranges"]
+        request = {"ranges": _range_request(optimizer, local_plan)}
+        ranges = load_sharded(request, path, validate_access_integrity=False)["ranges"]
         for index, opt in distributed_parts(optimizer):
             for (param, _, _), tensors in zip(local_plan[index], ranges[index]):
                 current = opt._get_main_param_and_optimizer_states(param)

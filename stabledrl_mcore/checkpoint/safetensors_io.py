@@ -16,6 +16,11 @@ assembled in memory. The format is the public one: an 8-byte little-endian
 header length, a JSON header (``{name: {"dtype", "shape", "data_offsets"}}``
 plus ``"__metadata__": {"format": "pt"}``) padded with spaces to 8 bytes,
 then the raw little-endian tensor bytes.
+
+A NaN or inf read from a safetensors file is refused by name (:func:`check_finite`,
+:class:`FiniteReader`) wherever weights are read for use: the converter, :func:`~.loader.load_hf_weights`
+(``load_model``, ``model.checkpoint=<HF dir>``); each has its opt-in (``--allow-nonfinite``,
+``allow_nonfinite=True``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,19 @@ DTYPES: Dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CONVERT_ANYWAY = "pass --allow-nonfinite to convert it anyway"
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: str, hint: str = CONVERT_ANYWAY) -> None:
+    """Refuse a tensor with NaN/inf entries: one line naming it, its source, the counts and ``hint``."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        nan = int(torch.isnan(tensor).sum())
+        raise ConversionError(
+            f"{source}: tensor {name!r} holds {nan} NaN and {bad - nan} inf value(s) of {tensor.numel()}; {hint}"
+        )
 
 
 def _read_header(path: str) -> Dict[str, dict]:
@@ -140,6 +158,22 @@ class SafetensorsReader:
                 return handle.get_tensor(name)
         except Exception as err:  # noqa: BLE001 - safetensors' Rust errors name no file
             raise ConversionError(f"{path}: cannot read tensor {name!r} ({err})") from None
+
+
+class FiniteReader:
+    """A :class:`SafetensorsReader` whose ``get`` refuses non-finite tensors (:func:`check_finite`)."""
+
+    def __init__(self, reader: SafetensorsReader, hint: str = CONVERT_ANYWAY):
+        self._reader = reader
+        self._hint = hint
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self._reader.get(name)
+        check_finite(name, tensor, self._reader.root, self._hint)
+        return tensor
 
 
 # ---------------------------------------------------------------------------- writing

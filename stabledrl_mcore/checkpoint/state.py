@@ -24,12 +24,13 @@ root are kept: those are the current history (a resume moves later steps aside).
 A save refuses non-finite parameters (nothing is written); a load first verifies
 the checksums, checks ``train_state.json`` against its directory name and the
 loaded parameters for NaN/inf: each failure is a one-line :class:`CheckpointError`
-naming the file or tensor. Trust: ``.metadata`` (read by torch's
-``FileSystemReader`` with ``pickle``) is the one file whose loading can run code;
-``common.pt`` is read by Megatron with ``torch.load``'s default
-(``weights_only=True`` since torch 2.6); the RNG files with ``weights_only=True``;
-the rest is JSON, YAML (``safe_load``) and raw tensor bytes. Load checkpoints
-from trusted sources only (checksums detect corruption, not tampering).
+naming the file or tensor. Trust (:mod:`.trust`): nothing in the directory can make a load
+run code. ``.metadata`` is read with an allow-list unpickler (here, and inside Megatron's
+load), the sharded objects in ``__*.distcp`` with ``weights_only=True`` first, ``common.pt``
+with ``torch.load``'s default (``weights_only=True`` since torch 2.6; a refusal is one line),
+the RNG files with ``weights_only=True``; the rest is JSON, YAML (``safe_load``) and raw
+tensor bytes. The manifest may name only files of the checkpoint, which holds no symbolic
+links (:func:`.integrity.verify_checksums`). Checksums detect corruption, not tampering.
 
 Model and optimizer tensors are stored as sharded tensors, so a checkpoint
 written at one TP/PP/DP layout loads at another (Megatron reshards on load).
@@ -67,6 +68,7 @@ from stabledrl_mcore.checkpoint.integrity import (
     write_checksums,
 )
 from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
+from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata
 from stabledrl_mcore.checkpoint.writers import save_sharded
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -335,11 +337,10 @@ def load_checkpoint(
     restored when the world size matches the one that saved. Verifies the
     checksums first and the loaded parameters after (:class:`CheckpointError`).
     """
-    from megatron.core import dist_checkpointing
-
     path = _broadcast_str(path)
     state = read_train_state(path)
     verify_checksums(path)  # collective
+    verify_metadata(path)  # before anything unpickles it
     rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
     rng = (
         load_rng_file(rng_file) if (restore_rng and state.world_size == _world() and os.path.isfile(rng_file)) else None
@@ -362,7 +363,7 @@ def load_checkpoint(
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
     # a TE run resumed without TE, or the reverse: only the _extra_state both sides hold is read
     sharded, dropped = drop_absent_extra_state(sharded, stored_object_keys(path))
-    loaded = dist_checkpointing.load(sharded, path)
+    loaded = load_sharded(sharded, path)
     check_model_fit(*chunks[0].load_state_dict(loaded["model"], strict=False), dropped, path, CheckpointError)
     for name, module in (extra_modules or {}).items():
         fit = module.load_state_dict({k[len(name) + 1 :]: v for k, v in loaded[name].items()}, strict=False)
