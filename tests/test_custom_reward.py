@@ -1,10 +1,17 @@
 """Issue 25, custom rewards: ``rollout.reward_fn=file.py:fn`` (or ``module:fn``) replaces any task's
 reward; each call is time-limited; raising, timing-out and non-number calls score 0, are counted
 in ``reward_errors`` and shown once; bad specs are refused before any rank starts; a tiny training
-run on a parquet file with ``rollout.task=qa`` calls the function (in-process, one gloo rank)."""
+run on a parquet file with ``rollout.task=qa`` calls the function (in-process, one gloo rank).
+
+Issue 40: any exception but KeyboardInterrupt (SystemExit too) and any value that is not a finite
+float (``10**400``, NaN, a failing ``__float__``) is a counted failure in both
+``rollout.reward_isolation`` modes; ``process`` runs the function in a persistent worker process
+that a timeout kills (so a function that swallows ``BaseException`` cannot outlive its limit) and
+that a crash or a timeout replaces; pre-emption stays the trainer's (a flag no reward can swallow)."""
 
 import json
 import os
+import signal
 import textwrap
 import threading
 
@@ -54,10 +61,73 @@ REWARDS = textwrap.dedent('''
 ''')
 
 
+HOSTILE = textwrap.dedent('''
+    import os, time
+
+    def huge(completion, reference):
+        return 10**400
+
+    def not_finite(completion, reference):
+        return float("nan")
+
+    def exits(completion, reference):
+        import sys
+        sys.exit(3)
+
+    class NoFloat:
+        def __float__(self):
+            raise RuntimeError("no float here")
+
+    def bad_float(completion, reference):
+        return NoFloat()
+
+    def interrupts(completion, reference):
+        raise KeyboardInterrupt("stop")
+
+    def stubborn(completion, reference):
+        """Swallows every exception (the deadline's too) for 30 s, then scores 1."""
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                time.sleep(0.01)
+            except BaseException:
+                pass
+        return 1.0
+
+    def worker_pid(completion, reference):
+        return os.getpid()
+
+    def dies_on_a(completion, reference):
+        if completion == "a":
+            os._exit(7)
+        return 1.0
+
+    def signals_itself(completion, reference):
+        """Sends the job's pre-emption signals to its own process, swallowing whatever follows."""
+        import signal
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        except BaseException:
+            pass
+        return 1.0
+
+''')
+
+
 @pytest.fixture
 def reward_file(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(REWARDS)
+    return str(path)
+
+
+@pytest.fixture
+def hostile_file(tmp_path):
+    """Issue 40's functions: huge / non-finite values, SystemExit, deadline swallowing, crashes."""
+    path = tmp_path / "hostile_reward.py"
+    path.write_text(HOSTILE)
     return str(path)
 
 
@@ -111,13 +181,139 @@ def test_failing_calls_score_zero_are_counted_and_shown_once(reward_file, capsys
     assert "reward_errors" in err[0] and task.pop_failures() == 2 and task.pop_failures() == 0
 
 
-def test_the_time_limit_holds_off_the_main_thread_too(reward_file):
-    task = CustomRewardTask(get_task("gsm8k"), load_reward_fn(f"{reward_file}:sleeps"), spec="s", timeout_s=0.2)
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_time_limit_holds_off_the_main_thread_too(reward_file, isolation):
+    task = CustomRewardTask(
+        get_task("gsm8k"), load_reward_fn(f"{reward_file}:sleeps"), spec="s", timeout_s=0.2, isolation=isolation
+    )
     out = []
     worker = threading.Thread(target=lambda: out.append(task.reward("x", "7")))
     worker.start()
     worker.join(5)
     assert out == [0.0] and task.pop_failures() == 1
+
+
+def _task(path, name, isolation, timeout_s=10.0):
+    fn = load_reward_fn(f"{path}:{name}")
+    return CustomRewardTask(get_task("gsm8k"), fn, spec=f"r.py:{name}", timeout_s=timeout_s, isolation=isolation)
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("huge", "returned 1" + "0" * 76 + "..., too large for a float"),
+        ("not_finite", "returned nan, not a finite number"),
+        ("exits", "raised SystemExit: 3"),
+        ("bad_float", "raised RuntimeError: no float here"),
+    ],
+)
+def test_any_exception_or_non_float_value_is_a_counted_failure(hostile_file, capsys, isolation, name, shown):
+    task = _task(hostile_file, name, isolation)
+    assert [task.reward(c, "7") for c in ("a", "b")] == [0.0, 0.0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and shown in err[0] and "rollout.reward_fn=r.py:" + name in err[0], err
+    assert task.pop_failures() == 2
+    task.close()
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_keyboard_interrupt_propagates(hostile_file, isolation):
+    task = _task(hostile_file, "interrupts", isolation)
+    with pytest.raises(KeyboardInterrupt):
+        task.reward("a", "7")
+    assert task.pop_failures() == 0
+    task.close()
+
+
+def test_ctrl_c_while_waiting_for_the_worker_propagates_and_stops_it(hostile_file):
+    task = _task(hostile_file, "stubborn", "process", timeout_s=120)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            task.reward("a", "7")
+    finally:
+        timer.cancel()
+    assert task.worker.worker_pid is None and task.pop_failures() == 0
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_function_that_swallows_the_deadline_is_killed_in_process_mode(hostile_file, capsys):
+    """``stubborn`` would score 1 after 30 s; with a 0.5 s limit its worker is killed instead, the
+    next call runs in a fresh worker (and the killed one is gone)."""
+    task = _task(hostile_file, "stubborn", "process", timeout_s=0.5)
+    assert task.reward("a", "7") == 0.0 and task.pop_failures() == 1
+    assert "took longer than rollout.reward_timeout_s=0.5 s (its worker process was killed" in capsys.readouterr().err
+    probe = _task(hostile_file, "worker_pid", "process")
+    first = probe.reward("a", "7")
+    assert first == probe.reward("b", "7") != os.getpid() and probe.worker.starts == 1  # one persistent worker
+    probe.timeout_s = 1e-9  # the next call cannot answer in time: killed, then a fresh worker
+    assert probe.reward("c", "7") == 0.0 and probe.pop_failures() == 1
+    probe.timeout_s = 10.0
+    second = probe.reward("d", "7")
+    assert second != first and _gone(int(first)) and probe.worker.starts == 2
+    for t in (task, probe):
+        t.close()
+    assert _gone(int(second))
+
+
+def test_a_worker_that_dies_is_a_counted_crash_and_is_replaced(hostile_file, capsys):
+    task = _task(hostile_file, "dies_on_a", "process")
+    assert [task.reward(c, "7") for c in ("a", "b", "a", "b")] == [0.0, 1.0, 0.0, 1.0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its worker process exited (7) during the call" in err[0], err
+    assert task.pop_failures() == 2 and task.worker.starts == 3
+    task.close()
+
+
+def test_preemption_signals_stay_the_trainers(hostile_file, monkeypatch):
+    """Pre-emption is a flag its handler sets: a thread-mode reward that swallows everything
+    cannot hide it; a process-mode worker ignores the job's signals (the call still scores)."""
+    from stabledrl_mcore.engine import preemption
+
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGUSR1", "SIGTERM")}
+    monkeypatch.setattr(preemption, "_PREEMPTION", {"caught": False, "installed": False})
+    monkeypatch.setattr(preemption, "take_held_signals", lambda: False)
+    try:
+        preemption.install_preemption_handlers()
+        task = _task(hostile_file, "signals_itself", "thread")
+        assert task.reward("a", "7") == 1.0 and preemption._PREEMPTION["caught"]
+        preemption._PREEMPTION["caught"] = False
+        task = _task(hostile_file, "signals_itself", "process")
+        assert task.reward("a", "7") == 1.0 and task.pop_failures() == 0
+        assert not preemption._PREEMPTION["caught"]  # the worker's signals are its own
+        task.close()
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def test_process_isolation_needs_a_function_it_can_send(reward_file):
+    with pytest.raises(UserError, match="rollout.reward_isolation=process needs a module-level function"):
+        CustomRewardTask(get_task("gsm8k"), lambda c, r: 1.0, spec="x", isolation="process")
+    assert CustomRewardTask(get_task("gsm8k"), lambda c, r: 1.0, spec="x", isolation="thread").reward("a", "7") == 1.0
+
+
+def test_reward_isolation_takes_effect_or_is_refused_by_name(reward_file, capsys):
+    spec = f"{reward_file}:length"
+    cfg = load_config(CONFIG, [f"rollout.reward_fn={spec}", "rollout.reward_isolation=thread"])
+    assert build_task(cfg).worker is None and build_task(cfg).isolation == "thread"
+    assert build_task(load_config(CONFIG, [f"rollout.reward_fn={spec}"])).isolation == "process"
+    for override, message in (
+        ("rollout.reward_isolation=procss", "rollout.reward_isolation must be one of 'process', 'thread'"),
+        ("rollout.reward_isolation=thread", "rollout.reward_isolation=thread chooses where rollout.reward_fn runs"),
+    ):
+        assert main(["train", "--config", CONFIG, override, "--print-config"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_bad_reward_specs_are_refused_by_name_before_any_rank_starts(reward_file, tmp_path, capsys):

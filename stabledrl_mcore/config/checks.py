@@ -21,6 +21,7 @@ from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
 from stabledrl_mcore.tasks import available_tasks
+from stabledrl_mcore.tasks.custom_reward import ISOLATION as REWARD_ISOLATION
 
 
 def validate_run_config(cfg):
@@ -34,6 +35,7 @@ def validate_run_config(cfg):
     choice("algo.advantage", cfg.algo.advantage, ("center", "zscore", "leave_one_out"))
     choice("rollout.prompt_style", cfg.rollout.prompt_style, ("chat", "compact"))
     choice("rollout.cache", cfg.rollout.cache, ("none", "prefix", "dual"))
+    choice("rollout.reward_isolation", cfg.rollout.reward_isolation, REWARD_ISOLATION)
     if cfg.rollout.cache_gap_every < 0 or cfg.rollout.cache_gap_every and cfg.rollout.cache == "none":
         raise ConfigError(
             f"rollout.cache_gap_every={cfg.rollout.cache_gap_every} measures the cached "

@@ -141,6 +141,10 @@ class RolloutSection:
     ``fn(completion, reference) -> float`` instead of the task's reward (docs/data.md)."""
     reward_timeout_s: float = 10.0
     """Time limit of one ``reward_fn`` call; a call past it scores 0 and counts in ``reward_errors``."""
+    reward_isolation: str = "process"
+    """Where ``reward_fn`` runs: ``process`` (a worker process per rank, killed and restarted when a
+    call overruns its limit, so the limit always holds) or ``thread`` (in the rank itself, under a
+    ``SIGALRM`` deadline a function can outlive); see docs/data.md."""
 
     @property
     def generated_prompts(self) -> int:

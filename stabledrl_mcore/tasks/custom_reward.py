@@ -16,15 +16,34 @@ dict). The value (a finite number; ``bool`` counts as 0/1) replaces the task's r
 training (``reward_mean``, advantages); accuracy (``accuracy/<task>``) stays the task's own
 verifier. The task option ``anti_short_boxed`` still adds its bonus; options that only shape the
 task's own reward (:data:`TASK_REWARD_OPTIONS`) are refused. Each call has
-``rollout.reward_timeout_s`` seconds. A call that raises, runs out of time or returns something
-that is not a finite number scores 0, is counted in the step's ``reward_errors`` metric, and the
-first such failure of each kind is printed once per process.
+``rollout.reward_timeout_s`` seconds. A call that raises (anything: ``SystemExit`` too, only
+``KeyboardInterrupt`` propagates), runs out of time or returns something that is not a finite
+number (``10**400``, NaN, a string, ...) scores 0, is counted in the step's ``reward_errors``
+metric, and the first such failure of each kind is printed once per process. Pre-emption
+(``SIGTERM``/``SIGUSR1``, :mod:`stabledrl_mcore.engine.preemption`) is a flag the signal handler
+sets, never an exception, so no reward function can swallow it.
 
-The time limit is a ``SIGALRM`` deadline in the main thread (the training loop); off the main
-thread, or while another alarm is armed, the call runs in a helper thread that is abandoned
-(still running) when the limit passes. A function that arms its own alarm (e.g. math-verify's
-default timeouts) replaces the deadline: call ``math_verify`` with ``parsing_timeout=None`` and
-``timeout_seconds=None``, the reward's own limit covers it.
+``rollout.reward_isolation`` chooses where the calls run:
+
+* ``process`` (default): in one persistent worker process per rank
+  (:class:`~stabledrl_mcore.common.isolated_calls.IsolatedFunction`), started at the first call.
+  A call past its limit kills the worker (``SIGKILL``, its children too) and the next call starts
+  a fresh one, so the limit holds for any function: one that catches ``BaseException`` and goes
+  on, one blocked in C code, one that calls ``os._exit`` (a crash is counted like an error). The
+  cost is a pipe round trip per call (tens of microseconds) and a worker start (an interpreter
+  plus your module's imports) at the first call and after each timeout or crash; module-level
+  state of your file lives in the worker and starts over with it. The worker ignores the job's
+  signals and ends with its rank.
+* ``thread``: in the calling process. The limit is a ``SIGALRM`` deadline in the main thread
+  (the training loop); off the main thread, or while another alarm is armed, the call runs in a
+  helper thread that is abandoned (still running) when the limit passes. This cannot stop a
+  function that catches ``BaseException`` (or uses a bare ``except:``) and keeps going: the
+  deadline is re-raised every 50 ms and the call returns only when the function does. Nor can it
+  interrupt one C call that does not return to the interpreter (a catastrophic regular
+  expression, ``10**10**9``): signal handlers run between bytecodes. An abandoned helper thread
+  keeps its CPU and the GIL share it takes. A function that arms its own alarm (e.g.
+  math-verify's default timeouts) replaces the deadline: call ``math_verify`` with
+  ``parsing_timeout=None`` and ``timeout_seconds=None``, the reward's own limit covers it.
 """
 
 from __future__ import annotations
@@ -39,12 +58,16 @@ import sys
 import threading
 from typing import Any, Callable
 
-from stabledrl_mcore.common.errors import UserError, one_line
-from stabledrl_mcore.tasks.math_equiv import call_with_deadline, signals_available
+from stabledrl_mcore.common.errors import UserError
+from stabledrl_mcore.common.isolated_calls import CallFailed, IsolatedFunction, NotANumber, finite_float, raised
+from stabledrl_mcore.tasks.math_equiv import Deadline, call_with_deadline, signals_available
 from stabledrl_mcore.tasks.shaping import anti_short_boxed_bonus
 
 DEFAULT_REWARD_TIMEOUT_S = 10.0
 FIELD = "rollout.reward_fn"
+ISOLATION = ("process", "thread")
+"""Values of ``rollout.reward_isolation`` (module docstring), the default first."""
+_FILE_MODULE_PREFIX = "stabledrl_reward_"
 TASK_REWARD_OPTIONS = ("format_weight", "solved_bonus")
 """Task options that only shape the task's own reward: refused with ``rollout.reward_fn``."""
 
@@ -88,7 +111,7 @@ def _import_file(target: str, spec: str):
         raise RewardFunctionError(
             f"{FIELD}={spec}: file {path} not found (a relative path is taken from the working directory {os.getcwd()})"
         )
-    module_name = f"stabledrl_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+    module_name = f"{_FILE_MODULE_PREFIX}{hashlib.sha256(path.encode()).hexdigest()[:12]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -113,34 +136,55 @@ def _check_signature(fn: Callable, spec: str) -> None:
         pass
 
 
-class _Failure(Exception):
-    """A call that raised, timed out or returned a non-number: ``kind`` and the message to show."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
 _TIMED_OUT = object()
 
 
+def _source_files(fn: Callable) -> dict[str, str]:
+    """The reward file ``fn`` was loaded from, by its module name (a worker imports it from there)."""
+    name = getattr(fn, "__module__", None) or ""
+    module = sys.modules.get(name)
+    if name.startswith(_FILE_MODULE_PREFIX) and getattr(module, "__file__", None):
+        return {name: module.__file__}
+    return {}
+
+
 class CustomRewardTask:
-    """``task`` with its reward replaced by ``fn`` (called under a time limit, failures counted).
+    """``task`` with its reward replaced by ``fn`` (called under a time limit, in a worker process
+    or in this one as ``isolation`` says, failures counted).
 
     Every other attribute (load, prompt, extract_answer, is_correct, name, ...) is the task's own;
     setting one sets it on the task.
     """
 
     def __init__(
-        self, task: Any, fn: Callable[[str, Any], Any], *, spec: str, timeout_s: float = DEFAULT_REWARD_TIMEOUT_S
+        self,
+        task: Any,
+        fn: Callable[[str, Any], Any],
+        *,
+        spec: str,
+        timeout_s: float = DEFAULT_REWARD_TIMEOUT_S,
+        isolation: str = ISOLATION[0],
     ):
         if not timeout_s > 0:
             raise ValueError(f"rollout.reward_timeout_s must be > 0, got {timeout_s}")
+        if isolation not in ISOLATION:
+            raise ValueError(f"rollout.reward_isolation must be one of {', '.join(ISOLATION)}, got {isolation!r}")
+        worker = None
+        if isolation == "process":
+            try:
+                worker = IsolatedFunction(fn, source_files=_source_files(fn))
+            except TypeError as err:
+                raise RewardFunctionError(
+                    f"{FIELD}={spec}: {err}; rollout.reward_isolation=process needs a module-level "
+                    f"function (or set rollout.reward_isolation=thread)"
+                ) from None
         own = {
             "task": task,
             "fn": fn,
             "spec": spec,
             "timeout_s": float(timeout_s),
+            "isolation": isolation,
+            "worker": worker,
             "failures": 0,
             "total_failures": 0,
             "shown": set(),
@@ -166,7 +210,7 @@ class CustomRewardTask:
         """``fn(completion, reference)`` as a float; 0.0 (counted, first of each kind shown) on failure."""
         try:
             value = self._call(completion, reference)
-        except _Failure as failure:
+        except CallFailed as failure:
             self.failures += 1
             self.total_failures += 1
             if failure.kind not in self.shown:
@@ -191,14 +235,35 @@ class CustomRewardTask:
         count, self.failures = self.failures, 0
         return count
 
+    def close(self) -> None:
+        """Stop the worker process (``isolation="process"``; the next call starts another)."""
+        if self.worker is not None:
+            self.worker.close()
+
     def _call(self, completion: str, reference: Any) -> float:
+        """The checked value of one call; :class:`CallFailed` naming what went wrong."""
+        limit = f"took longer than rollout.reward_timeout_s={self.timeout_s:g} s"
+        if self.worker is not None:
+            try:
+                return self.worker.call((completion, reference), self.timeout_s)
+            except CallFailed as failure:
+                if failure.kind == "timeout":
+                    raise CallFailed("timeout", f"{limit} ({failure})") from None
+                raise
         box: dict[str, Any] = {}
 
-        def run() -> Any:
+        def run() -> Any:  # the value is checked inside the limit too: a __float__ is user code
             try:
-                box["value"] = self.fn(completion, reference)
-            except Exception as err:  # noqa: BLE001 - the user's code: counted and shown
-                box["error"] = err
+                value = self.fn(completion, reference)
+                box["value"] = finite_float(value)
+            except Deadline:  # the limit's own signal, for call_with_deadline
+                raise
+            except KeyboardInterrupt as err:  # re-raised by the calling thread
+                box["interrupt"] = err
+            except NotANumber as err:
+                box["failure"] = CallFailed("value", str(err))
+            except BaseException as err:  # noqa: BLE001 - the user's code, SystemExit included
+                box["failure"] = CallFailed("error", raised(err))
             return box
 
         if signals_available():
@@ -209,18 +274,12 @@ class CustomRewardTask:
             worker.join(self.timeout_s)
             timed_out = worker.is_alive()
         if timed_out:
-            raise _Failure("timeout", f"took longer than rollout.reward_timeout_s={self.timeout_s:g} s")
-        if "error" in box:
-            err = box["error"]
-            raise _Failure("error", f"raised {type(err).__name__}: {one_line(err)[:300]}")
-        value = box.get("value")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if isinstance(value, (str, bytes)) or not math.isfinite(number):
-            raise _Failure("value", f"returned {value!r}, not a finite number")
-        return number
+            raise CallFailed("timeout", limit)
+        if "interrupt" in box:
+            raise box["interrupt"]
+        if "failure" in box:
+            raise box["failure"]
+        return box["value"]
 
     def __repr__(self) -> str:
         return f"CustomRewardTask({self.task!r}, reward_fn={self.spec!r})"

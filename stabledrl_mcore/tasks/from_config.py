@@ -33,6 +33,10 @@ def build_task(cfg):
         raise ConfigError(f"rollout.reward_timeout_s must be > 0, got {r.reward_timeout_s}")
     if r.reward_timeout_s != type(r).reward_timeout_s and not r.reward_fn:
         raise ConfigError("rollout.reward_timeout_s limits rollout.reward_fn calls: set rollout.reward_fn too")
+    if r.reward_isolation != type(r).reward_isolation and not r.reward_fn:
+        raise ConfigError(
+            f"rollout.reward_isolation={r.reward_isolation} chooses where rollout.reward_fn runs: set rollout.reward_fn too"
+        )
     task = get_task(r.task, prompt_style=r.prompt_style, **options)
     task.prompt_format = rollout_prompt_format(r)  # the prompts eval and generate use too
     if r.reward_fn:
@@ -42,7 +46,13 @@ def build_task(cfg):
                 f"rollout.task_options.{shaping[0]} shapes the task's own reward, which "
                 f"rollout.reward_fn replaces: drop one of them"
             )
-        task = CustomRewardTask(task, load_reward_fn(r.reward_fn), spec=r.reward_fn, timeout_s=r.reward_timeout_s)
+        task = CustomRewardTask(
+            task,
+            load_reward_fn(r.reward_fn),
+            spec=r.reward_fn,
+            timeout_s=r.reward_timeout_s,
+            isolation=r.reward_isolation,
+        )
     return task
 
 

@@ -35,7 +35,7 @@ MAX_NESTING = 40
 DEFAULT_TIMEOUT_S = 0.5
 
 
-class _Deadline(BaseException):
+class Deadline(BaseException):
     """Raised by the alarm handler; a BaseException so library ``except Exception`` can't swallow it."""
 
 
@@ -59,38 +59,46 @@ def signals_available() -> bool:
     )
 
 
+def _inside(frame: Any, code: Any) -> bool:
+    """True if ``frame`` or one of its callers runs ``code``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def call_with_deadline(fn: Callable[[], T], seconds: float, default: T) -> T:
     """Run ``fn()`` with a SIGALRM deadline; ``default`` if it runs out.
 
     Caller must check ``signals_available()`` first. If a library swallows the
-    interrupt, the alarm re-fires every 50 ms until ``fn`` gives up.
+    interrupt, the alarm re-fires every 50 ms until ``fn`` gives up. The alarm
+    raises only inside ``fn`` (its frame is on the interrupted stack): one that
+    lands after ``fn`` returned or while its :class:`Deadline` unwinds, before
+    the timer is disarmed, is ignored, so no :class:`Deadline` ever escapes and
+    the handler is always restored (under load such a late alarm is common).
     """
     state = {"armed": True}
 
+    def run_fn() -> T:
+        return fn()
+
     def handler(signum: int, frame: Any) -> None:
-        if state["armed"]:
+        if state["armed"] and _inside(frame, run_fn.__code__):
             signal.setitimer(signal.ITIMER_REAL, 0.05)
-            raise _Deadline()
+            raise Deadline()
 
     old = signal.signal(signal.SIGALRM, handler)
     result = default
     try:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
-            result = fn()
-        except _Deadline:
-            result = default
-        finally:
-            for _ in range(100):
-                try:
-                    state["armed"] = False
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    break
-                except _Deadline:
-                    continue
-            signal.signal(signal.SIGALRM, old)
-    except _Deadline:  # fired in the tiny window between fn() and disarming
-        return default
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+        result = run_fn()
+    except Deadline:
+        result = default
+    finally:
+        state["armed"] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
     return result
 
 
