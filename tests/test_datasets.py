@@ -105,6 +105,46 @@ def test_a_bad_row_is_named_by_file_and_line_or_row(tmp_path, fmt, row, where, m
     assert str(err.value).startswith(f"{tmp_path / where}: ") and message in str(err.value), err.value
 
 
+def _latin1_parquet(path):
+    """A parquet file whose second ``q`` value holds the Latin-1 byte of 'caf\xe9' (arrow does not check)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = b"okcaf\xe9"
+    offsets = pa.py_buffer(b"".join(n.to_bytes(4, "little") for n in (0, 2, len(text))))
+    q = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(text)])
+    pq.write_table(pa.table({"q": q, "a": ["1", "2"]}), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name, content, where",
+    [
+        (
+            "train.jsonl",
+            b'{"q": "ok", "a": "1"}\n{"q": "caf\xe9", "a": "2"}\n',
+            "train.jsonl:2: not valid UTF-8 (byte offset 32",
+        ),
+        ("train.csv", b"q,a\nok,1\ncaf\xe9,2\n", "train.csv:3: not valid UTF-8 (byte offset 12"),
+        ("train.json", b'[{"q": "ok", "a": "1"},\n {"q": "caf\xe9", "a": "2"}]', "train.json:2: not valid UTF-8"),
+        ("train.parquet", None, "train.parquet row 1, column 'q': not valid UTF-8"),
+    ],
+)
+def test_bytes_that_are_not_utf8_name_the_file_and_line_and_the_fix(tmp_path, name, content, where):
+    path = tmp_path / name
+    _latin1_parquet(path) if content is None else path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        get_task("qa", prompt_key="q", answer_key="a").load("train", path=str(path))
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / where}") and len(message.splitlines()) == 1, message
+    assert "as UTF-8" in message and "b'\\xe9'" in message, message
+    cfg = load_config(
+        CONFIG, ["rollout.task=qa", f"rollout.data_path={path}", "rollout.prompt_key=q", "rollout.answer_key=a"]
+    )
+    with pytest.raises(DataError, match="not valid UTF-8"):  # before any rank starts
+        preflight(cfg)
+
+
 def test_a_missing_column_names_the_columns_the_file_has(tmp_path):
     path = _write(tmp_path / "train.parquet", ROWS, "parquet")
     with pytest.raises(DataError, match=r"train.parquet: no column\(s\) \['question'\]; its columns: q, a, extra"):
@@ -235,6 +275,6 @@ def test_qa_and_aime_verifiers_survive_hostile_completions():
     for task in tasks:
         reference = VERIFIER_CASES.get(getattr(task, "verifier_name", ""), ("7",))[0]
         for completion in hostile:
-            start = time.perf_counter()
+            start = time.process_time()  # CPU seconds, not wall-clock: load elsewhere does not count
             assert task.reward(completion, reference) in (0.0, 1.0)
-            assert time.perf_counter() - start < 1.0, (task, completion[:40])
+            assert time.process_time() - start < 10.0, (task, completion[:40])  # generous: ms when linear

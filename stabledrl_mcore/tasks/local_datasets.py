@@ -2,7 +2,8 @@
 
 :func:`load_rows` turns a path and a split into ``(where, row)`` pairs, ``where``
 naming the file and line (JSONL, CSV) or the row index (JSON, parquet, Arrow
-folders), so a bad row is reported where the user can find it. The path is
+folders), so a bad row is reported where the user can find it (bytes that are not UTF-8 too: the
+file and line, or the row and column, with how to re-encode). The path is
 
 * a file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``): the rows of the
   requested split, whatever its name;
@@ -19,6 +20,7 @@ standard library, so every value of a CSV is a string.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -127,9 +129,35 @@ def _check_required(source: Path, rows: list[tuple[str, Row]], required: tuple[s
         raise DataError(f"{where}: missing field(s) {missing}; expected {list(required)}")
 
 
+def _utf8_fix(path: Path) -> str:
+    return (
+        f"re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name} "
+        f"(-f: the encoding it was written in)"
+    )
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of ``path``; :class:`DataError` naming the line and byte offset of the first byte
+    that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        bad = data[err.start : err.end]
+        raise DataError(
+            f"{path}:{line}: not valid UTF-8 (byte offset {err.start}: {bad!r}, {err.reason}); {_utf8_fix(path)}"
+        ) from None
+
+
+def _text_lines(path: Path, newline: str | None = None) -> io.StringIO:
+    """The file's lines as ``open(path, encoding="utf-8", newline=newline)`` gives them, after a UTF-8 check."""
+    return io.StringIO(_read_utf8(path), newline=newline)
+
+
 def _jsonl_rows(path: Path) -> list[tuple[int, Row]]:
     rows = []
-    with open(path, encoding="utf-8") as handle:
+    with _text_lines(path) as handle:
         for lineno, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -145,7 +173,7 @@ def _jsonl_rows(path: Path) -> list[tuple[int, Row]]:
 
 def _json_rows(path: Path) -> list[tuple[str, Row]]:
     """A JSON array of objects, ``{"<key>": [objects]}`` with one list, or JSON lines in a .json file."""
-    text = path.read_text(encoding="utf-8")
+    text = _read_utf8(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -165,7 +193,7 @@ def _json_rows(path: Path) -> list[tuple[str, Row]]:
 
 def _csv_rows(path: Path) -> list[tuple[str, Row]]:
     rows = []
-    with open(path, encoding="utf-8", newline="") as handle:
+    with _text_lines(path, newline="") as handle:
         reader = csv.DictReader(handle)
         for index, row in enumerate(reader):
             if None in row:
@@ -185,7 +213,37 @@ def _parquet_rows(path: Path) -> list[tuple[str, Row]]:
         table = pq.read_table(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises many types for a damaged file
         raise DataError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
-    return [(f"{path} row {index}", row) for index, row in enumerate(datasets.Dataset(table))]
+    return _table_rows(str(path), datasets.Dataset(table), table)
+
+
+def _table_rows(where: str, data, table) -> list[tuple[str, Row]]:
+    """``(where row i, row)`` of a ``datasets.Dataset``; a string that is not UTF-8 names its row and column."""
+    try:
+        return [(f"{where} row {index}", row) for index, row in enumerate(data)]
+    except UnicodeDecodeError as err:
+        row, column, err = _first_bad_utf8(table) or (None, None, err)
+        cell = "" if row is None else f" row {row}, column {column!r}"
+        raise DataError(
+            f"{where}{cell}: not valid UTF-8 (byte {err.start} of the value: {err.object[err.start : err.end]!r}, "
+            f"{err.reason}); rewrite the column as UTF-8 text (e.g. decode it with its real encoding in pandas "
+            f"and save again)"
+        ) from None
+
+
+def _first_bad_utf8(table) -> tuple[int, str, UnicodeDecodeError] | None:
+    """(row, column, error) of the first string cell of a pyarrow table that is not UTF-8."""
+    import pyarrow as pa
+
+    for name in table.column_names:
+        column = table.column(name)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            continue
+        for index in range(len(column)):
+            try:
+                column[index].as_py()
+            except UnicodeDecodeError as err:
+                return index, name, err
+    return None
 
 
 def _saved_rows(path: Path, split: str) -> list[tuple[str, Row]]:
@@ -201,7 +259,7 @@ def _saved_rows(path: Path, split: str) -> list[tuple[str, Row]]:
         data, where = data[split], f"{path} [{split}]"
     else:
         where = str(path)
-    return [(f"{where} row {index}", row) for index, row in enumerate(data)]
+    return _table_rows(where, data, data.data.table)
 
 
 def text_value(row: Row, key: str) -> str:
