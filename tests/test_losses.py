@@ -22,6 +22,7 @@ from stabledrl_mcore.algorithms.losses import (
     spg_select_bound,
     token_policy_loss,
 )
+from stabledrl_mcore.algorithms.losses_common import exp_overflow_at, nonfinite_loss_cause
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise, perturb_log_ratio
 
 EPS = 0.2
@@ -374,10 +375,44 @@ def test_overflowing_unclipped_ratio_raises_instead_of_nan():
     old = torch.tensor([-200.0, 0.0, 0.0, 0.0])  # finite, but exp(200) overflows float32
     adv = torch.tensor([0.0, 1.0, -1.0, 0.0])
     gi = torch.zeros(4, dtype=torch.long)
-    with pytest.raises(FloatingPointError, match="grpo loss is non-finite"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"grpo loss is (inf|nan): ratio overflow, the largest \|log-ratio\| is 200 \(exp\(\) overflows "
+        r"above 88.72 in torch.float32\)",
+    ):
         sequence_policy_loss("grpo", logp, old, adv, gi)
     loss, _ = sequence_policy_loss("stabledrl", logp, old, adv, gi)  # self-normalised: fine
     assert math.isfinite(loss.item())
+
+
+def test_a_nonfinite_loss_names_its_cause_not_a_fixed_guess():
+    """Issue 40: a k3 KL term that overflows is not blamed on a 0.15 log-ratio; each cause by name."""
+    logp = torch.zeros(4, requires_grad=True)
+    old = torch.tensor([-0.15, 0.1, 0.0, 0.0])
+    adv = torch.tensor([0.0, 1.0, -1.0, 0.0])
+    gi = torch.zeros(4, dtype=torch.long)
+    ref = torch.tensor([100.0, 0.0, 0.0, 0.0])  # exp(ref - logp) = exp(100): inf in float32
+    with pytest.raises(FloatingPointError) as err:
+        sequence_policy_loss("grpo", logp, old, adv, gi, kl_coef=0.1, ref_logp=ref, kl_estimator="k3")
+    message = str(err.value)
+    assert (
+        message.startswith("grpo loss is inf: the KL term is inf (the policy term is ") and "overflow," not in message
+    )
+    assert "the largest |log-ratio| is 0.15, below 88.72 where exp() overflows in torch.float32" in message
+
+    lr, w, a = torch.tensor([0.1, -0.2]), torch.ones(2), torch.ones(2)
+    kw = dict(policy_value=math.nan, kl_value=None, dtype=torch.float32)
+    cases = [
+        ((torch.tensor([0.1, math.inf]), w, a), "non-finite values in the log-ratios (1 of 2 entries)"),
+        ((torch.tensor([0.1, 90.0]), w, a), "ratio overflow, the largest |log-ratio| is 90"),
+        ((lr, w, torch.tensor([math.nan, 1.0])), "non-finite values in the advantages (1 of 2 entries); the largest"),
+        ((lr, torch.tensor([1.0, math.inf]), a), "non-finite values in the importance weights (1 of 2 entries)"),
+        ((lr, w, a), "the policy term is nan although its inputs are finite; the largest |log-ratio| is 0.2"),
+    ]
+    for (log_ratio, weights, advantages), cause in cases:
+        found = nonfinite_loss_cause("x", math.nan, log_ratio=log_ratio, weights=weights, advantages=advantages, **kw)
+        assert found.startswith("x loss is nan: ") and cause in found, found
+    assert exp_overflow_at(torch.float64) == pytest.approx(709.78, abs=0.01)
 
 
 def test_registry_lists_losses_and_rejects_unknown_names():

@@ -161,3 +161,61 @@ def test_no_learning_signal_is_warned_once_and_only_without_signal(tiny_run, tmp
     tiny_run(tmp_path / "digits", steps=steps)
     assert "no learning signal" not in console.text()
     assert all(r["groups_varied"] > 0 for r in _rows(tmp_path / "digits"))
+
+
+def test_an_rl_skip_names_an_overflowing_kl_term_not_the_ratio():
+    """Issue 40: the skip reason is what happened (here the k3 KL term), with the actual largest
+    |log-ratio|, not a fixed exp()-overflow guess."""
+    from test_mask_sampling import toy_batch, toy_model
+
+    from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, draw_plan, estimate
+    from stabledrl_mcore.rl.update import loss_coefficients
+
+    batch, spec = toy_batch(n=6), LikelihoodSpec(kind="elbo", num_mc=2)
+    plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(k), micro_batch=3)
+    tok = all_token_logp(toy_model(), batch, plan, spec, micro_batch=3, mask_id=11)
+    old = estimate(tok, plan, batch, spec)
+    common = dict(plan=plan, old=old, eps=0.2, ratio_noise=None, noise_generator=None, kl_coef=0.1)
+    coef, _ = loss_coefficients(tok, batch, spec, loss="grpo", ref_tok=tok, kl_estimator="k3", **common)
+    assert coef is not None  # the same reference: finite
+    coef, metrics = loss_coefficients(tok, batch, spec, loss="grpo", ref_tok=tok + 1000.0, kl_estimator="k3", **common)
+    reason = metrics["nonfinite_reason"]
+    assert coef is None and reason.startswith("grpo loss is inf: the KL term is inf"), reason
+    assert "the largest |log-ratio| is 0, below 709.8 where exp() overflows in torch.float64" in reason, reason
+
+
+class _FakeSFT:
+    """The parts of an SFT set-up ``sft_update`` touches: one linear layer, SGD, two rows."""
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        self.model = torch.nn.Linear(2, 1)
+        self.model.dllm_config = NS(mask_token_id=0)
+        self.ddp = NS(zero_grad_buffer=lambda: None)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.scheduler = NS(step=lambda increment: None)
+        self.cfg = NS(parallel=NS(micro_batch_size=2, seed=0), sft=NS(eps=1e-3))
+        self.prompts = NS(for_step=lambda step: [0, 1])
+        self.data = NS(ids=torch.zeros(2, 3, dtype=torch.long), answer=torch.ones(2, 3, dtype=torch.bool))
+        self.dp_rank, self.dp_size, self.block_size = 0, 1, None
+
+
+@pytest.mark.parametrize(
+    "losses, reason",
+    [
+        (lambda w: (w.sum() * math.nan).expand(2), "non-finite SFT loss (the job's mean is nan)"),
+        (lambda w: torch.sqrt(w * 0.0).sum().expand(2), "non-finite gradients"),  # loss 0, gradient 0 * inf
+        (lambda w: (w.sum() * 0.0).expand(2), None),
+    ],
+)
+def test_an_sft_skip_names_the_loss_or_the_gradients(monkeypatch, losses, reason):
+    from stabledrl_mcore.sft import trainer
+
+    s = _FakeSFT()
+    monkeypatch.setattr(trainer, "sft_sequence_losses", lambda model, *a, **k: (losses(s.model.weight), None))
+    monkeypatch.setattr(trainer, "sync_gradients", lambda ddp: None)
+    monkeypatch.setattr(trainer, "_job_mean", lambda total, rows: float(total) / rows)
+    monkeypatch.setattr(s.optimizer, "step", lambda: (True, 0.0, None))
+    metrics, why = trainer.sft_update(s, 0)
+    assert why == reason and metrics["skipped_updates"] == (0.0 if reason is None else 1.0)

@@ -19,9 +19,11 @@ Conventions shared by every loss (N samples, G prompt groups in the batch,
   sizes) and handled with segment ops, never Python loops over samples.
 - Inputs are validated: all [N] and equal shapes, ``group_index`` long, and
   NaN/inf in any tensor raises ``ValueError("non-finite values in old_logp:
-  3 of 16 entries")``. If finite inputs overflow an unclipped ratio (GRPO with
-  a log-ratio > ~88 in float32), a ``FloatingPointError`` is raised instead of
-  returning a non-finite loss.
+  3 of 16 entries")``. If finite inputs still give a non-finite loss, a
+  ``FloatingPointError`` naming the cause found in its terms is raised instead
+  (``losses_common.nonfinite_loss_cause``): a ratio overflow (GRPO with a
+  log-ratio > ~88 in float32, the largest |log-ratio| given), non-finite
+  weights or advantages, the KL term (k3's exp), or the policy term itself.
 - Shared options: ``kl_coef`` (0 = off), ``ref_logp``, ``kl_estimator``
   ("k3" | "k2"): loss += kl_coef * mean_g mean_{i in g} kl_i (see
   ``losses_common.kl_estimate``); ``ratio_noise`` (a ``noise.RatioNoise``)

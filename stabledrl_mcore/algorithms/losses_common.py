@@ -189,15 +189,49 @@ def to_floats(values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(keys, stacked.cpu().tolist()))
 
 
-def raise_if_nonfinite_loss(name: str, loss_value: float, log_ratio: Tensor, dtype: torch.dtype) -> None:
-    """Finite inputs can still overflow exp() in unclipped losses; fail loudly."""
-    if not math.isfinite(loss_value):
-        worst = float(log_ratio.detach().abs().max().item()) if log_ratio.numel() else float("nan")
-        raise FloatingPointError(
-            f"{name} loss is non-finite ({loss_value}) although all inputs are finite: "
-            f"largest |log-ratio| is {worst:.4g}, which overflows exp() in {dtype}; "
-            "skip this step or use a self-normalised loss (stabledrl)"
+def exp_overflow_at(dtype: torch.dtype) -> float:
+    """The smallest x with exp(x) = inf in ``dtype`` (log of its largest finite value)."""
+    return math.log(torch.finfo(dtype).max)
+
+
+def _nonfinite_count(t: Tensor) -> int:
+    return int((~torch.isfinite(t.detach())).sum()) if t.is_floating_point() else 0
+
+
+def nonfinite_loss_cause(
+    name: str,
+    loss_value: float,
+    *,
+    policy_value: float,
+    kl_value: float | None,
+    log_ratio: Tensor,
+    weights: Tensor,
+    advantages: Tensor,
+    dtype: torch.dtype,
+) -> str:
+    """Why the loss ``name`` is ``loss_value`` (non-finite), from its terms: non-finite log-ratios,
+    a ratio whose exp() overflows ``dtype`` (with the largest |log-ratio|), non-finite advantages or
+    importance weights, a non-finite KL term, or else the policy term itself."""
+    head = f"{name} loss is {loss_value}"
+    lr = log_ratio.detach()
+    bad = _nonfinite_count(lr)
+    if bad:
+        return f"{head}: non-finite values in the log-ratios ({bad} of {lr.numel()} entries)"
+    worst = float(lr.abs().max()) if lr.numel() else 0.0
+    limit = exp_overflow_at(dtype)
+    ratios = f"the largest |log-ratio| is {worst:.4g}, below {limit:.4g} where exp() overflows in {dtype}"
+    if worst >= limit:
+        return (
+            f"{head}: ratio overflow, the largest |log-ratio| is {worst:.4g} (exp() overflows above {limit:.4g} "
+            f"in {dtype}); skip this step or use a self-normalised loss (stabledrl)"
         )
+    for what, t in (("advantages", advantages), ("importance weights", weights)):
+        bad = _nonfinite_count(t)
+        if bad:
+            return f"{head}: non-finite values in the {what} ({bad} of {t.numel()} entries); {ratios}"
+    if kl_value is not None and not math.isfinite(kl_value):
+        return f"{head}: the KL term is {kl_value} (the policy term is {policy_value}); {ratios}"
+    return f"{head}: the policy term is {policy_value} although its inputs are finite; {ratios}"
 
 
 def option_names(fn: Callable, *, configurable: bool = False) -> tuple:
@@ -242,5 +276,16 @@ def collect_metrics(
     if kl is not None:
         values["kl"] = kl.detach()
     metrics = to_floats(values)
-    raise_if_nonfinite_loss(name, metrics["loss"], log_ratio, total.dtype)
+    if not math.isfinite(metrics["loss"]):  # finite inputs can still overflow (exp of a ratio, a KL term)
+        cause = nonfinite_loss_cause(
+            name,
+            metrics["loss"],
+            policy_value=metrics["policy_loss"],
+            kl_value=metrics.get("kl"),
+            log_ratio=log_ratio,
+            weights=weights,
+            advantages=advantages,
+            dtype=total.dtype,
+        )
+        raise FloatingPointError(cause)
     return metrics

@@ -4,8 +4,8 @@ Inputs: per-token log-probs ``logp_tok`` [N, T] (carrying gradients) and
 ``old_logp_tok`` [N, T], sequence advantages [N], a ``token_mask`` [N, T]
 (bool or 0/1 float; padded entries must still hold finite values, e.g. 0)
 and ``group_index`` [N] long. Same conventions as ``losses.py``: the loss is
-minimised, NaN/inf in any input raises ``ValueError`` naming the tensor, an
-overflowing unclipped ratio raises ``FloatingPointError``.
+minimised, NaN/inf in any input raises ``ValueError`` naming the tensor, a
+non-finite loss from finite inputs raises ``FloatingPointError`` naming its cause.
 
 Metrics: ratio and clip statistics over the masked tokens; ess and
 max_weight_share over each sequence's summed token coefficients.

@@ -122,8 +122,8 @@ def loss_coefficients(
                 kl_estimator=kl_estimator,
                 **options,
             )
-    except FloatingPointError as err:  # the losses' one signal of a value that overflowed (exp of a ratio)
-        return None, {"nonfinite_reason": str(err)[:200]}
+    except FloatingPointError as err:  # the losses' one signal of a non-finite loss, with its cause
+        return None, {"nonfinite_reason": str(err)[:400]}
     if not torch.isfinite(value):
         return None, {"nonfinite_reason": f"{loss} loss is {value.item()}"}
     value.backward()

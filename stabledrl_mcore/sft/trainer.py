@@ -144,9 +144,11 @@ def sft_update(s: SFTSetup, step: int) -> Tuple[Dict[str, float], Optional[str]]
     s.scheduler.step(increment=1)
     loss = _job_mean(total, len(rows) * s.dp_size)
     lr = s.optimizer.param_groups[0]["lr"]
-    if not agree_ok(bool(torch.isfinite(total))) or not grads_finite(s.model):
+    finite_loss = agree_ok(bool(torch.isfinite(total)))  # grads_finite only then: every rank alike
+    if not finite_loss or not grads_finite(s.model):
         s.optimizer.zero_grad()
-        return {"loss": loss, "lr": lr, "skipped_updates": 1.0}, "non-finite loss or gradients"
+        reason = f"non-finite SFT loss (the job's mean is {loss})" if not finite_loss else "non-finite gradients"
+        return {"loss": loss, "lr": lr, "skipped_updates": 1.0}, reason
     _, grad_norm, _ = s.optimizer.step()
     return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm or 0.0), "skipped_updates": 0.0}, None
 
