@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from hf_fixtures import write_hf_checkpoint
@@ -243,10 +242,9 @@ def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path, hf_
 
 
 def test_nproc_with_a_bad_layout_fails_before_any_rank_starts():
-    """The process boundary is the point: one line, exit 2, seconds, no rank spawned."""
+    """The process boundary is the point: one line, exit 2, no rank spawned."""
     import psutil
 
-    start = time.monotonic()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -266,17 +264,16 @@ def test_nproc_with_a_bad_layout_fails_before_any_rank_starts():
         text=True,
     )
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)  # a generous limit (about 5 s idle), not a timing check
     finally:  # the old code spawned three ranks that ran into a time-out: stop them by PID
         if proc.poll() is None:
             for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
                 child.kill()
             proc.communicate()
-    elapsed = time.monotonic() - start
     lines = err.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
     assert "num_attention_heads (4) is not divisible by tensor_parallel (3)" in lines[0]
-    assert "rank" not in err and elapsed < 40, elapsed  # ~5 s on an idle 2-core machine; main took 68 s
+    assert "rank" not in err  # spawned ranks would report themselves (and main's ran into the 60 s limit)
 
 
 def test_shipped_recipes_are_refused_until_their_checkpoint_exists(capsys):

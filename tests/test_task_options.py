@@ -21,6 +21,9 @@ from stabledrl_mcore.tasks import (
 )
 from stabledrl_mcore.tasks import base as task_base
 
+CPU_BOUND_S = 10.0
+"""CPU seconds one hostile input may cost (generous: linear code takes milliseconds)."""
+
 MB = 1 << 20
 REASONING = (
     "First compute six times seven, which is forty two, then check it by dividing forty two by "
@@ -146,10 +149,13 @@ def test_non_str_is_scored_as_its_str_and_never_raises():
     ],
 )
 def test_hostile_input_is_linear_and_safe(text):
-    t0 = time.perf_counter()
+    """CPU seconds of this process, not wall-clock: other processes' load does not count. Linear
+    scanning of these megabyte inputs takes milliseconds; a backtracking regex takes minutes, so the
+    generous bound tells them apart under any load."""
+    t0 = time.process_time()
     value = anti_short_boxed_bonus(text)
     assert value in (0.0, 1.0)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < CPU_BOUND_S
 
 
 # ----------------------------------------------------------------- as a task option

@@ -4,7 +4,9 @@ Each reward gets ~2,000 random strings (random.Random(0)) plus crafted ones
 (megabyte strings, unbalanced / deeply nested braces and parentheses,
 ``9**9**9``, huge integers, division by zero, unicode digits, code
 snippets), each raw, boxed, in answer tags and both. Every call must return
-a float in the task's range in under 1 s, raise nothing and execute nothing,
+a float in the task's range within CPU_BOUND_S CPU seconds (not wall-clock: load from other
+processes does not count; generous, a linear verifier takes milliseconds and math-verify stops at
+its 0.5 s deadline), raise nothing and execute nothing,
 with and without the ``anti_short_boxed`` reward term (which is also fuzzed on
 its own, with the same corpus).
 Run with ``-s`` to see the size and the slowest call.
@@ -23,6 +25,7 @@ import pytest
 from stabledrl_mcore.tasks import anti_short_boxed_bonus, get_task
 
 N_RANDOM = 2000
+CPU_BOUND_S = 5.0
 MB = 1 << 20
 TOKENS = [str(d) for d in range(10)] + [
     "+",
@@ -243,20 +246,20 @@ def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
     refs = REFERENCES[name]
     task.reward("warm-up \\boxed{1}", refs[0])  # one-off imports are not a per-call cost
     slowest = (0.0, "")
-    budget_start = time.perf_counter()
+    budget_start = time.process_time()
     for i, s in enumerate(strings):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         value = task.reward(s, refs[i % len(refs)])
         task.extract_answer(s)
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         assert isinstance(value, float) and lo <= value <= hi, (value, s[:80])
-        assert dt < 1.0, f"{name}: {dt:.3f}s on {s[:80]!r}"
+        assert dt < CPU_BOUND_S, f"{name}: {dt:.3f} CPU s on {s[:80]!r}"
         if dt > slowest[0]:
             slowest = (dt, s)
-    total = time.perf_counter() - budget_start
+    total = time.process_time() - budget_start
     print(
-        f"\n[fuzz] {name} {options}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f}s, "
-        f"slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
+        f"\n[fuzz] {name} {options}: {len(strings)} strings ({N_RANDOM} random), total {total:.1f} CPU s, "
+        f"slowest {slowest[0] * 1000:.0f} CPU ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
     )
     assert not marker.exists(), "a verifier executed model output"
     assert not executed, executed
@@ -265,12 +268,12 @@ def test_verifiers_survive_hostile_input(name, options, tmp_path, monkeypatch):
 def test_anti_short_boxed_term_survives_hostile_input(tmp_path):
     slowest = (0.0, "")
     for s in corpus(str(tmp_path / "pwned_x")):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         value = anti_short_boxed_bonus(s)
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         assert value in (0.0, 1.0), s[:80]
-        assert dt < 1.0, f"{dt:.3f}s on {s[:80]!r}"
+        assert dt < CPU_BOUND_S, f"{dt:.3f} CPU s on {s[:80]!r}"
         slowest = max(slowest, (dt, s))
     print(
-        f"\n[fuzz] anti_short_boxed: slowest {slowest[0] * 1000:.0f} ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
+        f"\n[fuzz] anti_short_boxed: slowest {slowest[0] * 1000:.0f} CPU ms on {slowest[1][:60]!r} (len {len(slowest[1])})"
     )

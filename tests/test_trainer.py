@@ -228,10 +228,10 @@ def _one_rank_nan_worker(run_dir):
 
 @pytest.mark.multiprocess
 def test_a_nonfinite_loss_on_one_rank_skips_on_every_rank_without_hanging(tmp_path):
+    """A rank waiting for a collective the other rank skipped would fail at the 1-minute collective
+    timeout (``parallel.timeout_minutes``), and spawn's 150 s limit bounds the rest: no timing here."""
     run_dir = str(tmp_path / "run")
-    start = time.time()
     spawn(_one_rank_nan_worker, 2, (run_dir,), timeout=150)
-    assert time.time() - start < 120, "a rank waited for a collective the other rank skipped"
     rows = _metrics(run_dir)
     # every rank skipped the first of the 2 inner iterations together, then updated together
     assert rows[-1]["skipped_updates"] == 1.0 and rows[-1]["grad_norm"] > 0, rows[-1]
