@@ -261,10 +261,11 @@ sdrl_run_step() {
     return "$rc"
 }
 
-# sdrl_preempted_here: <run_dir>/PREEMPTED is this attempt's (rank 0 writes the job id and
-# restart count into it: stabledrl_mcore.engine.preemption.marker_record), not an earlier one's.
-sdrl_preempted_here() {
-    local marker="$RUN_DIR/PREEMPTED"
+# sdrl_marker_here NAME: <run_dir>/NAME (PREEMPTED or FINISHED) is this attempt's (rank 0 writes the
+# job id and restart count into it: stabledrl_mcore.engine.preemption.marker_record), not an
+# earlier one's.
+sdrl_marker_here() {
+    local marker="$RUN_DIR/$1"
     [[ -f "$marker" ]] && grep -Eq "\"slurm_job_id\": *\"$SLURM_JOB_ID\"" "$marker" &&
         grep -Eq "\"slurm_restart_count\": *\"${SLURM_RESTART_COUNT:-0}\"" "$marker"
 }
@@ -284,7 +285,13 @@ sdrl_train() {
     # be another run's (rank 0 removes it then). Only this attempt's marker counts (below).
     sdrl_run_step "$STABLEDRL_PYTHON" -m stabledrl_mcore.cli train --config "$CONFIG" \
         "${OVERRIDES[@]}" --resume auto || rc=$?
-    if ((rc != 0 && rc != EXIT_PREEMPTED)) && sdrl_preempted_here; then
+    if ((rc == 0)) && ! sdrl_marker_here FINISHED; then
+        # every rank exited 0, but rank 0 never recorded the loop's end: os._exit(0) in user code
+        sdrl_log "error: srun exited 0, but $RUN_DIR/FINISHED of this attempt is missing: the ranks" \
+            "exited without finishing the run (os._exit(0) in user code, e.g. rollout.reward_fn?); status 1"
+        rc=1
+    fi
+    if ((rc != 0 && rc != EXIT_PREEMPTED)) && sdrl_marker_here PREEMPTED; then
         # the checkpoint was written, but a rank did not exit 75 in time (srun --wait ended it)
         sdrl_log "status $rc, but $RUN_DIR/PREEMPTED says the ranks checkpointed: treating it as $EXIT_PREEMPTED"
         rc=$EXIT_PREEMPTED

@@ -360,12 +360,20 @@ def test_a_rank_exits_0_only_once_its_loop_finished(tmp_path, monkeypatch):
     import json
 
     from stabledrl_mcore.common.errors import RunFailed
-    from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED, PREEMPTED_MARKER, run_with_preemption_marker
+    from stabledrl_mcore.engine.preemption import (
+        EXIT_PREEMPTED,
+        FINISHED_MARKER,
+        PREEMPTED_MARKER,
+        run_with_preemption_marker,
+    )
 
     monkeypatch.setenv("SLURM_JOB_ID", "12")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
     run = str(tmp_path)
     assert run_with_preemption_marker(run, lambda: _Setup(finished=True)) == 0
+    finished = json.loads(open(os.path.join(run, FINISHED_MARKER)).read())  # what slurm/common.sh requires
+    assert finished["exit_status"] == 0 and finished["slurm_job_id"] == "12" and finished["slurm_restart_count"] == "3"
     with pytest.raises(RunFailed, match=r"returned before its last step without being pre-empted"):
         run_with_preemption_marker(run, lambda: _Setup())
 
@@ -374,7 +382,7 @@ def test_a_rank_exits_0_only_once_its_loop_finished(tmp_path, monkeypatch):
 
     with pytest.raises(RunFailed, match=r"^sys.exit\(0\) was called inside the training run"):
         run_with_preemption_marker(run, exits)
-    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    assert not os.path.exists(os.path.join(run, FINISHED_MARKER)), "a later launch kept an earlier FINISHED"
     assert run_with_preemption_marker(run, lambda: _Setup(preempted=True)) == EXIT_PREEMPTED
     marker = json.loads(open(os.path.join(run, PREEMPTED_MARKER)).read())
     assert marker["exit_status"] == 75 and marker["slurm_job_id"] == "12" and marker["slurm_restart_count"] == "3"

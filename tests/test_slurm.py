@@ -508,7 +508,8 @@ def test_submit_refuses_missing_files_before_anything_is_queued(tmp_path):
 
 # Stand-ins for SLURM's commands, for a job script run by bash outside any cluster: scontrol knows
 # two nodes; srun runs a one-task step (the config check) with SLURM_NTASKS=1, as a real srun sets
-# it for the step, and only records the ranks' step.
+# it for the step. The ranks' step is recorded and, standing in for ranks that ran the loop to its
+# end, leaves this attempt's FINISHED record; with SRUN_STANDIN_RANKS=run it runs as one rank instead.
 SCONTROL_STANDIN = """#!/bin/bash
 case "$1 $2" in
     "show hostnames") printf 'n1\\nn2\\n' ;;
@@ -521,6 +522,9 @@ one_task=""
 while [[ "$1" == -* ]]; do [[ "$1" == --ntasks=1 ]] && one_task=1; echo -n "$1 " >>"$SRUN_STUB_LOG"; shift; done
 args="$*"; echo "| ${args//$'\\n'/ }" >>"$SRUN_STUB_LOG"
 if [[ -n "$one_task" ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 exec "$@"; fi
+if [[ "${SRUN_STANDIN_RANKS:-}" == run ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@"; fi
+printf '{"exit_status": 0, "slurm_job_id": "%s", "slurm_restart_count": "0"}\\n' "$SLURM_JOB_ID" \\
+    >"$STABLEDRL_RUN_DIR/FINISHED"
 """
 
 
@@ -606,3 +610,47 @@ def test_moe_recipe_job_fits_its_default_node(tmp_path):
     assert "; world 8, data-parallel 8;" in resolved.splitlines()[-1], resolved.splitlines()[-1]
     (ranks,) = (tmp_path / "srun.log").read_text().splitlines()  # the check ran in the batch shell (no container)
     assert f"--config {recipe}" in ranks and "--resume auto" in ranks and "--print-config" not in ranks, ranks
+
+
+EXIT_ZERO_REWARD = """
+import os
+
+
+def reward(completion, reference):
+    os._exit(0)  # every rank leaves with status 0 mid-run, past every Python-level check
+"""
+
+
+@pytest.mark.parametrize("exits_early", [True, False])
+def test_ranks_that_all_exit_0_before_the_end_fail_the_job(tmp_path, exits_early):
+    """srun's status is 0 when every rank exits 0, also by ``os._exit(0)`` in a reward function
+    (which no in-process check sees): the job script then requires this attempt's
+    ``<run_dir>/FINISHED`` and exits 1 without it; a run that finished exits 0 (rank 0 wrote it)."""
+    (tmp_path / "exit_zero_reward.py").write_text(EXIT_ZERO_REWARD)
+    run_dir = tmp_path / "run"
+    reward = (
+        [f"rollout.reward_fn={tmp_path / 'exit_zero_reward.py'}:reward", "rollout.reward_isolation=thread"]
+        if exits_early
+        else []
+    )
+    proc = _run_with_standins(
+        tmp_path,
+        TRAIN_SCRIPT,
+        SLURM_JOB_ID="4444",
+        SLURM_JOB_NODELIST="n1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="1",
+        SRUN_STANDIN_RANKS="run",
+        STABLEDRL_DEVICE="cpu",
+        STABLEDRL_CONFIG=str(ROOT / "examples/configs/tiny_cpu.yaml"),
+        STABLEDRL_OVERRIDES=" ".join([TINY, "steps=1", *reward]),
+        STABLEDRL_RUN_DIR=str(run_dir),
+    )
+    if exits_early:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "FINISHED of this attempt is missing" in proc.stderr and "os._exit(0)" in proc.stderr, proc.stderr
+        assert not (run_dir / "FINISHED").exists()
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        record = json.loads((run_dir / "FINISHED").read_text())
+        assert (record["exit_status"], record["slurm_job_id"], record["slurm_restart_count"]) == (0, "4444", "0")

@@ -42,13 +42,15 @@ def preemption_agreed() -> bool:
 
 
 PREEMPTED_MARKER = "PREEMPTED"  # in the run directory: the last launch ended by a pre-emption
+FINISHED_MARKER = "FINISHED"  # in the run directory: the last launch ran its loop to the last step
 
 
-def marker_record() -> dict:
-    """What rank 0 writes into ``PREEMPTED``: the status, the time, and the SLURM job and restart
-    count (so slurm/common.sh believes only its own attempt's marker, never an earlier one's)."""
+def marker_record(exit_status: int = EXIT_PREEMPTED) -> dict:
+    """What rank 0 writes into ``PREEMPTED`` / ``FINISHED``: the status, the time, and the SLURM job
+    and restart count (so slurm/common.sh believes only its own attempt's marker, never an earlier
+    one's)."""
     return {
-        "exit_status": EXIT_PREEMPTED,
+        "exit_status": exit_status,
         "time": time.time(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
         "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT") or "0",
@@ -56,18 +58,21 @@ def marker_record() -> dict:
 
 
 def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
-    """``run()`` (a training loop returning its set-up); 0 once it ``finished``, or
-    :data:`EXIT_PREEMPTED` with rank 0 leaving ``<run_dir>/PREEMPTED``. Rank 0 removes an
-    earlier launch's marker first (call it holding the run directory's lock:
+    """``run()`` (a training loop returning its set-up); 0 once it ``finished``, with rank 0 leaving
+    ``<run_dir>/FINISHED``, or :data:`EXIT_PREEMPTED` with rank 0 leaving ``<run_dir>/PREEMPTED``.
+    A launcher that sees status 0 from every rank (srun, torchrun) cannot tell a finished run from
+    ``os._exit(0)`` in user code; ``FINISHED`` of this attempt can (slurm/common.sh requires it).
+    Rank 0 removes an earlier launch's markers first (call it holding the run directory's lock:
     :func:`~.run_lock.run_dir_lock`; other ranks touch nothing). A loop that returned neither
     finished nor pre-empted, or ``sys.exit`` inside it (:func:`exits_are_errors`), is
     :class:`~stabledrl_mcore.common.errors.RunFailed`: a rank never exits 0 having trained part."""
 
     if launch_rank() == 0:
-        try:
-            os.remove(os.path.join(run_dir, PREEMPTED_MARKER))
-        except FileNotFoundError:
-            pass
+        for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
+            try:
+                os.remove(os.path.join(run_dir, marker))
+            except FileNotFoundError:
+                pass
     with exits_are_errors():
         setup = run()
     if not setup.preempted and not setup.finished:
@@ -75,12 +80,11 @@ def run_with_preemption_marker(run_dir: str, run: Callable[[], Any]) -> int:
             "the training loop returned before its last step without being pre-empted; "
             "the run did not finish, so this rank does not exit 0"
         )
-    if not setup.preempted:
-        return 0
+    status, marker = (EXIT_PREEMPTED, PREEMPTED_MARKER) if setup.preempted else (0, FINISHED_MARKER)
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(run_dir, PREEMPTED_MARKER), "w") as handle:
-            handle.write(json.dumps(marker_record()) + "\n")
-    return EXIT_PREEMPTED
+        with open(os.path.join(run_dir, marker), "w") as handle:
+            handle.write(json.dumps(marker_record(status)) + "\n")
+    return status
 
 
 @contextmanager
