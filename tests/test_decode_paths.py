@@ -324,3 +324,22 @@ def test_the_toy_model_takes_the_same_cache_and_head_positions():
     with cache.storing():
         model(ids[:, :8], attention_mask=layout, kv_cache=cache, logit_positions=slice(0, 0))
     assert torch.allclose(model(ids[:, 8:], attention_mask=layout, kv_cache=cache), full[:, 8:])
+
+
+def test_a_stored_write_at_an_earlier_position_replaces_it_and_keeps_the_cache_length():
+    """``writing_at(s)`` inside ``storing()``: the forward's keys replace positions s..s+S-1 and
+    the cache keeps every later position (its length never shrinks to the last write)."""
+    cache = KVCache(capacity=8)
+    first = torch.arange(6.0).reshape(1, 1, 6, 1)
+    with cache.storing():
+        cache.update(1, first, -first)
+        cache.commit()
+    assert cache.length == 6
+    with cache.storing(), cache.writing_at(2):
+        keys, values = cache.update(1, torch.full((1, 1, 2, 1), 9.0), torch.full((1, 1, 2, 1), -9.0))
+        assert keys.shape[2] == 6  # attends to every cached position
+        cache.commit()
+    assert cache.length == 6
+    key, value = cache.get(1)
+    assert key.flatten().tolist() == [0.0, 1.0, 9.0, 9.0, 4.0, 5.0]
+    assert value.flatten().tolist() == [-0.0, -1.0, -9.0, -9.0, -4.0, -5.0]

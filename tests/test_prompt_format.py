@@ -9,7 +9,13 @@ import os
 import pytest
 
 from stabledrl_mcore.tasks import Example, get_task
-from stabledrl_mcore.tasks.prompts import PromptFormat, build_prompt, prompt_format, render_chat_template
+from stabledrl_mcore.tasks.prompts import (
+    PromptFormat,
+    build_prompt,
+    encode_prompts,
+    prompt_format,
+    render_chat_template,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
@@ -226,3 +232,24 @@ def test_a_bench_rollout_mode_cannot_change_the_prompts():
     for field in ("system_prompt", "prompt_template", "chat_template"):
         with pytest.raises(ConfigError, match=f"rollout.{field} is fixed"):
             parse_rollout_modes([f"m:rollout.{field}=x"])
+
+
+class _CharTokenizer:
+    """One id per character (ord), pad id 0: lengths and positions are readable by hand."""
+
+    pad_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_prompts_are_left_padded_with_a_mask_of_their_own_tokens_and_cut_from_the_left():
+    """The batch the rollout and eval decode from: every prompt ends at the last column (the
+    completion follows it), ``valid`` marks exactly its tokens, and ``max_len`` keeps the end of a
+    long prompt (where "Answer:" or the generation prompt is), not its start."""
+    ids, valid = encode_prompts(_CharTokenizer(), ["ab", "wxyz", "q"])
+    assert ids.tolist() == [[0, 0, 97, 98], [119, 120, 121, 122], [0, 0, 0, 113]]
+    assert valid.tolist() == [[False, False, True, True], [True] * 4, [False, False, False, True]]
+    ids, valid = encode_prompts(_CharTokenizer(), ["abcdef", "xy"], max_len=3)
+    assert ids.tolist() == [[100, 101, 102], [0, 120, 121]]
+    assert valid.tolist() == [[True, True, True], [False, True, True]]
