@@ -184,3 +184,18 @@ def test_missing_wandb_and_math_verify_are_one_line_errors_not_silence(monkeypat
             math_equiv.math_equal("x^2", "x*x")
     finally:
         math_equiv._math_verify.cache_clear()
+
+
+def test_a_table_goes_to_wandb_with_its_step_and_nowhere_without_wandb(tmp_path, monkeypatch):
+    import wandb
+
+    _capture_wandb_init(monkeypatch)
+    rows = [{"prompt": "p", "reward": 1.0}, {"prompt": "q", "reward": 0.0}]
+    with create_logger(str(tmp_path), rank=0, stream=io.StringIO()) as logger:
+        logger.table(4, "samples", rows)
+        (data,) = logger._wandb.logged
+    assert data["step"] == 4 and isinstance(data["samples"], wandb.Table)
+    assert data["samples"].columns == ["prompt", "reward"] and data["samples"].data == [["p", 1.0], ["q", 0.0]]
+    with create_logger(str(tmp_path / "off"), rank=0, wandb_mode="disabled", stream=io.StringIO()) as logger:
+        logger.table(4, "samples", rows)  # nothing to send it to, nothing raised
+    NullLogger().table(4, "samples", rows)

@@ -194,6 +194,10 @@ def validate_logging_and_saving(lg, ck) -> None:
         raise ConfigError(f"logging.wandb_tags must be non-empty strings, got {list(lg.wandb_tags)}")
     if lg.lock_wait_s < 0:
         raise ConfigError(f"logging.lock_wait_s must be >= 0 seconds (0 = refuse at once), got {lg.lock_wait_s}")
+    for name in ("samples_every", "samples_per_step", "samples_max_chars"):
+        if getattr(lg, name) < (0 if name == "samples_every" else 1):
+            bound = ">= 0 (0 = off)" if name == "samples_every" else ">= 1"
+            raise ConfigError(f"logging.{name} must be {bound}, got {getattr(lg, name)}")
     if ck.save_every_minutes < 0:
         raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
     if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
@@ -290,7 +294,12 @@ def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:
 
 CHAT_TEMPLATES = ("auto", "never")
 """``sft.chat_template``: render conversations with the tokenizer's template when it has one, or never."""
-RL_ONLY = ("parallel.retain_update_graph",)
+RL_ONLY = (
+    "parallel.retain_update_graph",
+    "logging.samples_every",  # sample dumps are of rollouts
+    "logging.samples_per_step",
+    "logging.samples_max_chars",
+)
 """Fields of the shared sections with no meaning for SFT (refused unless left at their default)."""
 
 

@@ -337,6 +337,13 @@ class LoggingSection:
     lock_wait_s: float = 300.0
     """A SLURM requeue whose earlier instance (same job id) still holds the lock waits this long for
     it to end, then is refused naming it; 0 = refuse at once. Other holders are refused at once."""
+    samples_every: int = 0
+    """RL only: every N steps rank 0 writes ``<run_dir>/samples/step_<N>.jsonl`` (prompt, completion,
+    reward, advantage, sequence log-ratio, group) and a wandb table when wandb is on; 0 = off."""
+    samples_per_step: int = 8
+    """Samples per dump: the first K of rank 0's share (whole prompt groups first)."""
+    samples_max_chars: int = 4000
+    """Each dumped prompt and completion is cut to this many characters (the dump stays bounded)."""
 
 
 @dataclass

@@ -51,6 +51,9 @@ class NullLogger:
     def log(self, step: int, metrics: Dict[str, Any], *, console: bool = True) -> None:
         pass
 
+    def table(self, step: int, key: str, rows: Sequence[Dict[str, Any]]) -> None:
+        """Rows of one table (e.g. sample dumps) to wandb, when it is on."""
+
     def info(self, message: str) -> None:
         pass
 
@@ -141,6 +144,15 @@ class MetricsLogger(NullLogger):
             keys = self._console_keys or [k for k in metrics if isinstance(record[k], (int, float))]
             parts = [f"step {step:>5d}"] + [_fmt(k, record[k]) for k in keys if k in record]
             self.info(" | ".join(parts))
+
+    def table(self, step: int, key: str, rows: Sequence[Dict[str, Any]]) -> None:
+        if self._wandb is None or not rows:
+            return
+        import wandb
+
+        columns = list(rows[0])
+        data = [[_jsonable(row[c]) for c in columns] for row in rows]
+        self._wandb.log({key: wandb.Table(columns=columns, data=data), "step": step})
 
     def info(self, message: str) -> None:
         tqdm.write(message, file=self._stream or sys.stdout)

@@ -7,7 +7,7 @@
   any rank starts and :func:`~..rl.trainer.train` again before it builds anything.
 * ``--overwrite`` (``checkpoint.overwrite``) moves the old run's outputs aside, never deletes:
   ``metrics.jsonl``, ``config.yaml``, ``wandb/``, ``wandb_run_id`` (the next run starts a new wandb
-  run), ``tensorboard/``, ``checkpoint_timing.json`` and a tokenizer the run trained go to
+  run), ``tensorboard/``, ``checkpoint_timing.json``, ``samples/`` and a tokenizer the run trained go to
   ``<run_dir>/attic/overwritten-<UTC>/``; the checkpoints (``step_*``, ``.tmp-step_*``,
   ``abandoned-*``) to ``<checkpoint root>/overwritten-<UTC>/``.
 * A resume from step ``k`` continues the history of ``step_k``: checkpoints of later steps at
@@ -125,7 +125,7 @@ def move_run_aside(cfg: RunConfig) -> str:
     """Move the outputs of the run in ``cfg``'s directories aside (``--overwrite``)."""
     run_dir, root, stamp = cfg.logging.run_dir, checkpoint_root(cfg), _stamp()
     attic = _unique(os.path.join(run_dir, ATTIC, f"overwritten-{stamp}"))
-    names = [METRICS_FILE, "config.yaml", "wandb", "wandb_run_id", "tensorboard", "checkpoint_timing.json"]
+    names = [METRICS_FILE, "config.yaml", "wandb", "wandb_run_id", "tensorboard", "checkpoint_timing.json", "samples"]
     if not cfg.model.tokenizer and not cfg.model.checkpoint:
         names.append("tokenizer")  # trained by that run on its task (rl/setup.resolve_tokenizer)
     for name in names:

@@ -48,6 +48,7 @@ from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
 from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
 from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
+from stabledrl_mcore.rl.sample_dump import dump_samples
 from stabledrl_mcore.rl.setup import TrainingSetup, build_training
 from stabledrl_mcore.rl.step_metrics import step_metrics
 from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
@@ -132,6 +133,7 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
             noise_generator=phase_generator(cfg.parallel.seed, step * 1000 + inner, s.dp_rank, "noise", device=device),
         )
         if inner == 0:
+            metrics["sample_log_ratio_first"] = loss_metrics.get("sample_log_ratio")  # a tensor: dumps only
             metrics["log_ratio_var_first"] = loss_metrics.get("log_ratio_var", float("nan"))
             for moment in ("log_ratio_m1", "log_ratio_m2"):  # the same keys on every rank
                 metrics[moment + "_first"] = loss_metrics.get(moment, float("nan"))
@@ -251,6 +253,7 @@ def _train(
             for hook in hooks:
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
+            dump_samples(cfg.logging, logger, batch, kept, update, s.tokenizer, step + 1)
             health.after_step(step + 1, update["update_skips"], metrics, final=step + 1 == end)
             bar.update(1)
             stop = preemption_agreed()

@@ -91,6 +91,8 @@ def loss_coefficients(
                 ref_logp_tok=None if ref_tok is None else ref_tok[0],
                 **options,
             )
+            token_log_ratio = (leaf[0].detach() - old.token_logp[0]) * region
+            sample_log_ratio = token_log_ratio.sum(-1)
         else:
             ref_logp = None if ref_tok is None else sequence_estimates(ref_tok, plan, batch, spec)
             logp, elbo = sequence_estimates_and_elbo(leaf, plan, batch, spec)
@@ -122,6 +124,7 @@ def loss_coefficients(
                 kl_estimator=kl_estimator,
                 **options,
             )
+            sample_log_ratio = elbo.detach() - old.ratio_logp
     except FloatingPointError as err:  # the losses' one signal of a non-finite loss, with its cause
         return None, {"nonfinite_reason": str(err)[:400]}
     if not torch.isfinite(value):
@@ -131,7 +134,9 @@ def loss_coefficients(
     reason = first_nonfinite([("loss gradient", coef)])
     if reason is not None:
         return None, {"nonfinite_reason": reason}
-    return coef, metrics
+    # [N] the sequence log-ratio each sample's ratio compares (before any injected noise; a
+    # tensor, so the trainer's float metrics skip it): read by the sample dumps
+    return coef, {**metrics, "sample_log_ratio": sample_log_ratio.float()}
 
 
 def accumulate_gradients(
