@@ -16,6 +16,7 @@ Exact targets (the issue's "exact likelihood"):
 """
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -250,3 +251,26 @@ def test_estimates_carry_gradients_and_logprob_hook(toy):
     torch.testing.assert_close(got.seq, ref.seq)
     plan = build_plan(comp, num_mc=1, generator=gen(), mode="full")
     assert elbo(toy, ids, comp, plan=plan).plan is plan
+
+
+def test_eubo_is_exact_where_the_releases_float32_power_underflows():
+    """SPG's EUBO term ``(1/beta) log mean_m w_m p_m^beta`` in log space: at token log-probs of
+    -120 (beta 1.5) the release's float32 ``p ** beta`` is 0, its log -inf and its gradient NaN;
+    here the value equals the float64 formula and the gradient is each draw's share / M."""
+    from stabledrl_mcore.diffusion.likelihood import eubo_from_draws
+    from stabledrl_mcore.diffusion.masking import MaskPlan
+
+    beta, logp_value = 1.5, -120.0
+    masked = torch.ones(2, 1, 3, dtype=torch.bool)
+    weight = torch.tensor([[[3.0, 3.0, 3.0]], [[1.5, 1.5, 1.5]]])
+    plan = MaskPlan(masked=masked, weight=weight, ratio=torch.ones(2, 1, 1), mode="count")
+    logp = torch.full((2, 1, 3), logp_value, requires_grad=True)
+    seq, token = eubo_from_draws(logp, plan, torch.ones(1, 3, dtype=torch.bool), beta=beta)
+    exact = (math.log((3.0 + 1.5) / 2) + beta * logp_value) / beta  # per token, in float64 by hand
+    torch.testing.assert_close(token.double(), torch.full((1, 3), exact, dtype=torch.float64), rtol=1e-6, atol=1e-4)
+    seq.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    torch.testing.assert_close(logp.grad[:, 0, 0], torch.tensor([3.0 / 4.5, 1.5 / 4.5]))
+    # the release's way, in float32: exp underflows, so the log and its gradient are lost
+    release = (weight * logp.detach().exp() ** beta).mean(0).log() / beta
+    assert torch.isinf(release).all()

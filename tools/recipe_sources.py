@@ -64,9 +64,15 @@ SHARED = {
     "optim.betas": f"{RC} `betas: [0.9, 0.99]`",
     "optim.weight_decay": f"{RC} `weight_decay: 0.1`",
     "optim.clip_grad": f"{RC} `max_grad_norm: 0.2`",
+    "optim.decay_norms_and_biases": f"{RC} `torch.optim.AdamW` over `model.parameters()`: every parameter decays "
+    "(Megatron's default exempts norms and biases)",
+    "optim.lr_step": f"{RT} `scheduler.step(training_step)` after `optimizer.step()`: updates 0 and 1 at the "
+    "full rate, update k at the rate for k - 1",
     "optim.decay_style": f"{RC} `training.utils.lr_scheduler.linear_decay`, `total_steps: 2000` (per update)",
     "optim.distributed": f"{OURS}: Megatron's ZeRO-1 (the release uses FSDP through accelerate)",
-    "checkpoint.save_every": f"{RC} `snapshot_ticks: 25`",
+    "checkpoint.save_every": f"{RC} `snapshot_ticks: 25` with `step_per_tick: 1` and {RT}'s save only at the end "
+    "of a 2-update cycle: its saves fall on updates 26, 76, 126, ..., every 50 updates = 25 rollout steps here "
+    "(saved after updates 50, 100, ...)",
     "checkpoint.keep_last": f"{OURS}",
     "checkpoint.resume": f"{OURS}: requeued SLURM jobs continue",
     "logging.run_dir": f"{OURS}",

@@ -30,6 +30,7 @@ def validate_run_config(cfg):
     choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
     choice("optim.name", cfg.optim.name, ("adam", "sgd"))
     choice("optim.decay_style", cfg.optim.decay_style, ("constant", "linear", "cosine"))
+    choice("optim.lr_step", cfg.optim.lr_step, LR_STEPS)
     choice("logging.wandb_mode", cfg.logging.wandb_mode, ("offline", "online", "disabled"))
     validate_logging_and_saving(cfg.logging, cfg.checkpoint)
     choice("algo.advantage", cfg.algo.advantage, ("center", "zscore", "leave_one_out"))
@@ -294,6 +295,9 @@ def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:
 
 CHAT_TEMPLATES = ("auto", "never")
 """``sft.chat_template``: render conversations with the tokenizer's template when it has one, or never."""
+LR_STEPS = ("before_update", "release")
+"""Values of ``optim.lr_step`` (engine/optimizer.lr_steps_before)."""
+
 RL_ONLY = (
     "parallel.retain_update_graph",
     "logging.samples_every",  # sample dumps are of rollouts
@@ -310,6 +314,7 @@ def validate_sft_config(cfg):
     choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
     choice("optim.name", cfg.optim.name, ("adam", "sgd"))
     choice("optim.decay_style", cfg.optim.decay_style, ("constant", "linear", "cosine"))
+    choice("optim.lr_step", cfg.optim.lr_step, LR_STEPS)
     choice("logging.wandb_mode", cfg.logging.wandb_mode, ("offline", "online", "disabled"))
     choice("sft.chat_template", cfg.sft.chat_template, CHAT_TEMPLATES)
     if not cfg.sft.data_path:

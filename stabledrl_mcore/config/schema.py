@@ -254,6 +254,14 @@ class OptimizerSection:
     decay_style: str = "constant"
     """``constant``, ``linear`` or ``cosine``, from ``lr`` to ``min_lr`` over all optimizer updates
     (``steps`` x ``algo.inner_iterations``; the release's ``linear_decay`` to 0 is ``linear``)."""
+    decay_norms_and_biases: bool = False
+    """Weight decay on 1-D parameters (norm weights) and biases too. False = Megatron's default,
+    which exempts them; the StableDRL release's ``torch.optim.AdamW`` decays every parameter (true)."""
+    lr_step: str = "before_update"
+    """When the schedule advances, so which rate update k (0-based) uses: ``before_update`` (the
+    schedule steps before every update: update k uses the rate at k + 1) or ``release`` (the
+    release's ``scheduler.step(training_step)`` after the update: updates 0 and 1 both use the rate
+    at 0, update k >= 1 the rate at k - 1)."""
     distributed: bool = True
     """Megatron's distributed (ZeRO-1) optimizer (GPU and CPU/gloo): each data-parallel rank keeps
     only its shard of the fp32 main weights and Adam moments. Adam only (Megatron's

@@ -32,7 +32,10 @@ def build_optimizer(cfg, model, dtype: torch.dtype, total_updates: int):
         params_dtype=dtype,
         use_distributed_optimizer=distributed,
     )
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    # {} = no parameter-group overrides: every parameter decays; None = Megatron's default, which
+    # gives 1-D parameters (norms) and biases wd_mult 0
+    overrides = {} if cfg.optim.decay_norms_and_biases else None
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], config_overrides=overrides)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr,
@@ -47,3 +50,16 @@ def build_optimizer(cfg, model, dtype: torch.dtype, total_updates: int):
         wd_incr_style="constant",
     )
     return ddp, optimizer, scheduler
+
+
+def lr_steps_before(convention: str, first_update: int, count: int = 1) -> int:
+    """How far the LR schedule advances before updates ``first_update .. first_update + count - 1``
+    (0-based, counted over the whole run) under ``optim.lr_step``: ``before_update`` one step per
+    update (update k runs at the schedule's rate for k + 1); ``release`` none before updates 0 and 1,
+    then one per update (update k >= 1 runs at the rate for k - 1, as the release's
+    ``scheduler.step(training_step)`` after each update gives)."""
+    if convention == "before_update":
+        return count
+    if convention == "release":
+        return sum(1 for k in range(first_update, first_update + count) if k >= 2)
+    raise ValueError(f"optim.lr_step must be 'before_update' or 'release', got {convention!r}")

@@ -32,6 +32,7 @@ from stabledrl_mcore.engine.gradients import agree_ok, agreed_reason, grads_fini
 from stabledrl_mcore.engine.health import RunHealth
 from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
 from stabledrl_mcore.engine.model_setup import sync_reference, synced_reference
+from stabledrl_mcore.engine.optimizer import lr_steps_before
 from stabledrl_mcore.engine.preemption import (
     exits_are_errors,
     install_preemption_handlers,
@@ -150,7 +151,7 @@ def policy_update(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int) -> D
                 )
         retained = None
         sync_gradients(s.ddp)
-        s.scheduler.step(increment=1)
+        s.scheduler.step(increment=lr_steps_before(cfg.optim.lr_step, step * a.inner_iterations + inner))
         # every rank skips together: never short-circuit one rank past grads_finite's all-reduce
         if not finite_loss or not grads_finite(s.model):
             metrics["skipped_updates"] += 1
@@ -301,7 +302,8 @@ def filter_phase(s: TrainingSetup, batch, timer: PhaseTimer):
 def no_update(s: TrainingSetup, step: int, logger) -> Dict[str, Any]:
     """A step whose every group was dropped: no optimizer update on any rank (nothing to learn;
     not a skipped update), the LR schedule advances as if the updates had run."""
-    s.scheduler.step(increment=s.cfg.algo.inner_iterations)
+    inner = s.cfg.algo.inner_iterations
+    s.scheduler.step(increment=lr_steps_before(s.cfg.optim.lr_step, step * inner, inner))
     logger.info(
         f"step {step + 1}: every group had identical rewards, so rollout.filter_uniform_groups dropped "
         f"them all: no optimizer update this step (the LR schedule advances)"

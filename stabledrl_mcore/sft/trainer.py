@@ -27,6 +27,7 @@ from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
 from stabledrl_mcore.engine.gradients import agree_ok, grads_finite, sync_gradients
 from stabledrl_mcore.engine.health import RunHealth
 from stabledrl_mcore.engine.metrics import create_logger, logger_options, progress_bar
+from stabledrl_mcore.engine.optimizer import lr_steps_before
 from stabledrl_mcore.engine.preemption import (
     exits_are_errors,
     install_preemption_handlers,
@@ -141,7 +142,7 @@ def sft_update(s: SFTSetup, step: int) -> Tuple[Dict[str, float], Optional[str]]
         (losses.sum() / len(rows)).backward()  # DDP averages over data-parallel ranks: the job's mean
         total += losses.detach().sum().double()
     sync_gradients(s.ddp)
-    s.scheduler.step(increment=1)
+    s.scheduler.step(increment=lr_steps_before(cfg.optim.lr_step, step))
     loss = _job_mean(total, len(rows) * s.dp_size)
     lr = s.optimizer.param_groups[0]["lr"]
     finite_loss = agree_ok(bool(torch.isfinite(total)))  # grads_finite only then: every rank alike
