@@ -39,8 +39,13 @@ SHARED = {
     "parallel.pipeline_parallel": f"{OURS}: TP x DP fits; PP=2 in `llada_8b_stabledrl_tp4pp2.yaml`",
     "parallel.micro_batch_size": f"{OURS}: memory per forward (does not change the update)",
     "parallel.seed": f"{RC} `seed: 113`",
-    "rollout.task": f"{RC} data loader",
+    "rollout.task": f"{RC} data loader (Countdown is scored by the release's rule only with "
+    "`task_options.reward_rule: release`; without it, d1's strict rule: every number exactly once, malformed 0)",
     "rollout.task_options.anti_short_boxed": f"{RN} `anti_short_boxed_reward`, added to every task's reward",
+    "rollout.task_options.reward_rule": "release `dataloaders/logic_puzzles.py`: `collate_fn_countdown`'s prompt, "
+    "`compute_score_countdown` (1 if the numbers used are a sub-multiset of the given ones and the value is the "
+    "target, 0.1 otherwise, 0 without an `<answer>` tag); puzzles generated here unless `rollout.data_path` names "
+    "its `countdown_cd3_test.jsonl` (`input`/`output` rows)",
     "rollout.prompts_per_step": f"{RC} `batch_size: 1` x `grad_accumulation: 4` x 8 GPUs = 32 prompts per update",
     "rollout.group_size": f"{RC} `num_generations: 8` x `repeat_times: 2`",
     "rollout.gen_length": f"{RC} `gen_length: 256`",

@@ -225,7 +225,7 @@ def _load(cfg: RunConfig, task, split: str) -> list:
     try:
         if split == "train":
             examples = load_train_examples(cfg, task, sample=_GENERATED_SAMPLE if generated else None)
-        elif generated:
+        elif generated and not cfg.eval.data_path:
             examples = task.load(split, n=min(cfg.eval.num_examples, _GENERATED_SAMPLE), seed=cfg.eval.seed)
         else:
             examples = heldout_examples(cfg, task)

@@ -14,103 +14,36 @@ Splits: a puzzle (sorted numbers, target) belongs to ``test`` iff
 ``sha256(key) % 10 == 0``, else to ``train``; the splits are disjoint by
 construction and each holds far more puzzles than any run needs.
 
-Reward (reference ``{"numbers": [...], "target": int}``): the expression is
-the ``<answer>`` tag content (else the last ``\\boxed{}``), taken left of any
+Reward (``reward_rule: strict``, the default; reference ``{"numbers": [...], "target": int}``):
+the expression is the ``<answer>`` tag content (else the last ``\\boxed{}``), taken left of any
 ``=``. 1.0 if it uses each given number exactly once and equals the target,
 0.1 if it is well formed (characters ``0-9 + - * / ( ) .`` and an AST of
 numbers, binary + - * /, unary +/- only) but wrong, 0.0 otherwise. Python's
 ``eval`` is never used; expressions over ``MAX_EXPR_CHARS`` or
 ``MAX_NODES`` nodes are malformed, and intermediate values whose numerator or
-denominator exceeds ``MAX_MAGNITUDE`` make the expression wrong.
+denominator exceeds ``MAX_MAGNITUDE`` make the expression wrong (:mod:`.arithmetic`).
+
+``reward_rule: release`` is the StableDRL release's task instead (:mod:`.countdown_release`): its
+prompt, its 1 / 0.1 / 0 rule (numbers a sub-multiset of the given ones, malformed 0.1), and its
+``input``/``output`` JSONL through ``rollout.data_path`` (generated puzzles without one).
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import random
 from fractions import Fraction
 from typing import Any
 
+from stabledrl_mcore.tasks.arithmetic import EvaluationError, MalformedExpression, evaluate_expression
 from stabledrl_mcore.tasks.base import Example, Task, register_task
+from stabledrl_mcore.tasks.countdown_release import load_release_rows, release_question, release_score
 from stabledrl_mcore.tasks.extract import tag_then_boxed
 from stabledrl_mcore.tasks.prompts import COUNTDOWN_SYSTEM_PROMPT
 
-MAX_EXPR_CHARS = 200
-MAX_NODES = 64
-MAX_MAGNITUDE = 10**12
-_ALLOWED_CHARS = frozenset("0123456789+-*/(). \t")
-_UNICODE_OPS = str.maketrans({"\u00d7": "*", "\u00b7": "*", "\u00f7": "/", "\u2212": "-", "\u2013": "-"})
-_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+REWARD_RULES = ("strict", "release")
+
 DEFAULT_N = {"train": 10000, "test": 256}
-
-
-class MalformedExpression(ValueError):
-    """The text is not an expression under the whitelist."""
-
-
-class EvaluationError(ValueError):
-    """A well-formed expression that cannot be evaluated (division by zero, too large)."""
-
-
-def parse_expression(text: str) -> ast.Expression:
-    """Parse ``text`` under the whitelist; ``MalformedExpression`` otherwise."""
-    expr = text.translate(_UNICODE_OPS).split("=", 1)[0].strip()
-    if not expr or len(expr) > MAX_EXPR_CHARS or not set(expr) <= _ALLOWED_CHARS:
-        raise MalformedExpression("empty, too long or disallowed characters")
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
-        raise MalformedExpression(f"syntax: {type(e).__name__}") from None
-    count = 0
-    for node in ast.walk(tree):
-        count += 1
-        if count > MAX_NODES:
-            raise MalformedExpression("too many nodes")
-        if isinstance(node, (ast.Expression, ast.operator, ast.unaryop)):
-            continue
-        if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS):
-            continue
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            continue
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            continue
-        raise MalformedExpression(f"disallowed node {type(node).__name__}")
-    return tree
-
-
-def _check(x: Fraction) -> Fraction:
-    if abs(x.numerator) > MAX_MAGNITUDE or x.denominator > MAX_MAGNITUDE:
-        raise EvaluationError("intermediate value too large")
-    return x
-
-
-def _eval(node: ast.AST, used: list[Fraction]) -> Fraction:
-    if isinstance(node, ast.Constant):
-        value = _check(Fraction(node.value))
-        used.append(value)
-        return value
-    if isinstance(node, ast.UnaryOp):
-        v = _eval(node.operand, used)
-        return -v if isinstance(node.op, ast.USub) else v
-    assert isinstance(node, ast.BinOp)
-    a, b = _eval(node.left, used), _eval(node.right, used)
-    if isinstance(node.op, ast.Add):
-        return _check(a + b)
-    if isinstance(node.op, ast.Sub):
-        return _check(a - b)
-    if isinstance(node.op, ast.Mult):
-        return _check(a * b)
-    if b == 0:
-        raise EvaluationError("division by zero")
-    return _check(a / b)
-
-
-def evaluate_expression(text: str) -> tuple[Fraction, list[Fraction]]:
-    """Exact value of ``text`` and the numbers it uses (raises the two errors above)."""
-    tree = parse_expression(text)
-    used: list[Fraction] = []
-    return _eval(tree.body, used), used
 
 
 def solve(numbers: list[int], target: int) -> str | None:
@@ -162,9 +95,19 @@ class CountdownTask(Task):
         return " ".join(str(n) for n in ref["numbers"]) + f" -> {ref['target']} ="
 
     def __init__(
-        self, num_counts: tuple[int, ...] = (3,), max_number: int = 99, max_target: int = 100, **options: Any
+        self,
+        num_counts: tuple[int, ...] = (3,),
+        max_number: int = 99,
+        max_target: int = 100,
+        reward_rule: str = "strict",
+        **options: Any,
     ) -> None:
         super().__init__(**options)  # the options every task takes (base.BASE_TASK_OPTIONS)
+        if reward_rule not in REWARD_RULES:
+            raise ValueError(f"reward_rule must be one of {REWARD_RULES}, got {reward_rule!r}")
+        self.reward_rule = reward_rule
+        if reward_rule == "release":  # the release's prompt is the user turn alone (countdown_release.py)
+            self.system_prompt = ""
         if not num_counts or any(k not in (2, 3, 4, 5) for k in num_counts):
             raise ValueError(f"num_counts must be a non-empty tuple of 2..5, got {num_counts!r}")
         if max_number < 1 or max_target < 1:
@@ -194,7 +137,12 @@ class CountdownTask(Task):
         if split not in DEFAULT_N:
             raise ValueError(f"countdown: split must be one of {sorted(DEFAULT_N)}, got {split!r}")
         if path is not None:
-            raise ValueError("countdown puzzles are generated; 'path' is not supported")
+            if self.reward_rule != "release":
+                raise ValueError(
+                    "countdown puzzles are generated; a data file (the release's input/output JSONL) "
+                    "needs task_options.reward_rule=release"
+                )
+            return load_release_rows(path, split, limit if limit is not None else n)
         count = n if n is not None else (limit if limit is not None else DEFAULT_N[split])
         rng = random.Random(f"countdown/{split}/{seed}")
         seen: set[tuple[tuple[int, ...], int]] = set()
@@ -214,7 +162,9 @@ class CountdownTask(Task):
             ref = {"numbers": numbers, "target": target}
             examples.append(
                 Example(
-                    prompt=self.question(numbers, target),
+                    prompt=release_question(numbers, target)
+                    if self.reward_rule == "release"
+                    else self.question(numbers, target),
                     reference=ref,
                     meta={"index": len(examples), "solution": solution},
                 )
@@ -249,6 +199,8 @@ class CountdownTask(Task):
         return tag_then_boxed(completion)
 
     def _reward(self, completion: str, reference: dict[str, Any]) -> float:
+        if self.reward_rule == "release":
+            return release_score(completion, reference)
         expr = self.extract_answer(completion)
         if expr is None:
             return 0.0

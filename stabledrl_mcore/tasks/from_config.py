@@ -59,7 +59,7 @@ def build_task(cfg):
 def load_train_examples(cfg, task, *, sample: Optional[int] = None) -> List[Example]:
     """The training examples of ``cfg`` (a generated task draws ``sample`` of them when given)."""
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
-    if cfg.rollout.task in GENERATED_TASKS:
+    if cfg.rollout.task in GENERATED_TASKS and not cfg.rollout.data_path:  # a data file is read whole
         kwargs["n"] = sample or max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
     seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
     return task.load(cfg.rollout.split, seed=seed, **kwargs)
@@ -69,7 +69,7 @@ def heldout_examples(cfg, task) -> List[Example]:
     """``eval.num_examples`` examples of ``eval.split`` (generated with ``eval.seed``, or read from
     ``eval.data_path`` / the task's default file of that split)."""
     e = cfg.eval
-    if cfg.rollout.task in GENERATED_TASKS:
-        return task.load(e.split, n=e.num_examples, seed=e.seed)
     kwargs = {"path": e.data_path} if e.data_path else {}  # held out: never the training file
+    if cfg.rollout.task in GENERATED_TASKS:  # a generated task refuses a file unless it reads one
+        return task.load(e.split, n=e.num_examples, seed=e.seed, **kwargs)
     return task.load(e.split, limit=e.num_examples, **kwargs)
