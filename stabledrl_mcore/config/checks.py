@@ -122,6 +122,16 @@ def _validate_algorithm(cfg) -> None:
         raise ConfigError(f"algo.prefix_mask_prob must be in [0, 1), got {a.prefix_mask_prob}")
     if a.prefix_mask_prob and a.likelihood == "staircase":
         raise ConfigError("algo.prefix_mask_prob is not defined for the staircase likelihood")
+    choice("algo.staircase_t", a.staircase_t, ("per_block", "per_sequence"))
+    if a.staircase_t != "per_block" and a.likelihood != "staircase":
+        raise ConfigError(
+            f"algo.staircase_t={a.staircase_t} chooses the staircase likelihood's masks: set "
+            f"algo.likelihood=staircase, or drop it"
+        )
+    if a.staircase_t == "per_sequence" and a.coupled_masks:
+        raise ConfigError(
+            "algo.staircase_t=per_sequence draws mask probabilities, not counts: set algo.coupled_masks=false"
+        )
     if a.spg_beta <= 0 or not 0.0 <= a.spg_omega <= 1.0:
         raise ConfigError(f"algo.spg_beta must be > 0 and algo.spg_omega in [0, 1], got {a.spg_beta}, {a.spg_omega}")
     if (a.spg_beta, a.spg_omega) != (1.5, 0.5) and a.likelihood != "spg":

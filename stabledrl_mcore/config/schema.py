@@ -187,6 +187,11 @@ class AlgorithmSection:
     every later position masked, earlier positions with ``prefix_mask_prob``; blocks of
     ``rollout.block_length``). ``mean_field`` always masks the whole completion, ``staircase``
     draws a count per block."""
+    staircase_t: str = "per_block"
+    """Masks of the ``staircase`` likelihood: ``per_block`` (a uniform count drawn for each block,
+    weight L_b/l_b) or ``per_sequence`` (SDAR's own training objective, ``modeling_sdar.py``: one
+    t per sequence shared by its blocks, each token masked with p = eps + (1 - eps) t, weight
+    1/p; not with ``coupled_masks``). Both unbiased; variances in docs/algorithms.md."""
     prefix_mask_prob: float = 0.0
     """Probability of masking each visible position outside the scored region (prompt; with
     ``block_random`` also the earlier completion blocks); never scored. 0.15 in d1's

@@ -260,6 +260,7 @@ def uniform_scheme(
     stratified: bool = True,
     block_size: Optional[int] = None,
     prefix_mask_prob: float = 0.0,
+    one_ratio_per_sequence: bool = False,
 ) -> MaskPlan:
     """LLaDA's count (L/l) or ratio (1/p) masks of the completion (:func:`~.masking.build_plan`)."""
     if mode not in ("count", "ratio"):
@@ -275,6 +276,7 @@ def uniform_scheme(
         block_size=block_size,
         prompt_mask_prob=_prob(prefix_mask_prob),
         prompt_region=regions.prompt,
+        one_ratio_per_sequence=one_ratio_per_sequence,
     )
 
 

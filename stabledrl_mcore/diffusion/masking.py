@@ -203,6 +203,7 @@ def build_plan(
     block_size: Optional[int] = None,
     prompt_mask_prob: float = 0.0,
     prompt_region: Optional[Tensor] = None,
+    one_ratio_per_sequence: bool = False,
 ) -> MaskPlan:
     """Draw ``num_mc`` corruptions of the completion positions (``[B, S]`` bool).
 
@@ -212,7 +213,12 @@ def build_plan(
     block-diffusion ELBO); ``coupled`` needs an even ``num_mc`` (num_mc/2 pairs,
     so cost comparisons stay fair). ``prompt_mask_prob`` additionally masks
     positions of ``prompt_region`` (default: not completion) without scoring them.
+    ``one_ratio_per_sequence`` (``"ratio"`` mode with ``block_size``) draws one t per sequence for
+    all its blocks, as SDAR's own training objective does (``modeling_sdar.py``), instead of one per
+    block; each block term stays unbiased (its mask is still Bernoulli(p) given t).
     """
+    if one_ratio_per_sequence and mode != "ratio":
+        raise ValueError(f"one_ratio_per_sequence needs mode 'ratio' (a mask probability), got {mode!r}")
     if mode not in MODES:
         raise ValueError(f"unknown mask mode {mode!r}; choose from {MODES}")
     if num_mc < 1:
@@ -236,7 +242,9 @@ def build_plan(
     elif mode == "ratio":
         if not 0.0 <= eps < 0.5:
             raise ValueError(f"eps must be in [0, 0.5), got {eps}")
-        t = stratified_uniform((n_primary, B, G), generator=generator, stratified=stratified, device=comp.device)
+        t_shape = (n_primary, B, 1) if one_ratio_per_sequence else (n_primary, B, G)
+        t = stratified_uniform(t_shape, generator=generator, stratified=stratified, device=comp.device)
+        t = t.expand(n_primary, B, G)
         # coupled: p = eps + (1 - 2 eps) t keeps both p and 1 - p >= eps (bounded weights)
         p = eps + (1.0 - (2.0 if coupled else 1.0) * eps) * t
         masked = maskable & (uniform(maskable.shape, generator, comp.device) < p.unsqueeze(-1))

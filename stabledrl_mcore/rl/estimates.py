@@ -45,6 +45,10 @@ MASK_SAMPLING = ("fresh", "replay", "per_iteration")
 ChunkGenerators = Callable[[str], Callable[[int], torch.Generator]]
 
 
+STAIRCASE_T = ("per_block", "per_sequence")
+"""Values of ``algo.staircase_t``."""
+
+
 @dataclass(frozen=True)
 class LikelihoodSpec:
     """How sequence log-likelihoods are estimated (see ``diffusion.likelihood``).
@@ -67,12 +71,15 @@ class LikelihoodSpec:
     prefix_mask_prob: float = 0.0
     post_eos: str = "visible"
     normalize_by: str = "completion"
+    staircase_t: str = "per_block"  # staircase: a count per block, or SDAR's one t per sequence
 
     def __post_init__(self):
         if self.kind not in ESTIMATORS:
             raise ValueError(f"unknown likelihood {self.kind!r}; choose from {', '.join(ESTIMATORS)}")
         if self.kind == "staircase" and not self.block_size:
             raise ValueError("the staircase likelihood needs the model's block_size (SDAR)")
+        if self.staircase_t not in STAIRCASE_T:
+            raise ValueError(f"staircase_t must be one of {STAIRCASE_T}, got {self.staircase_t!r}")
         if self.normalize_by not in ("completion", "generation"):
             raise ValueError(f"normalize_by must be completion or generation, got {self.normalize_by!r}")
 
@@ -147,6 +154,8 @@ def _scheme(spec: LikelihoodSpec):
     if spec.kind == "mean_field":
         return "full", {"prefix_mask_prob": spec.prefix_mask_prob}
     if spec.kind == "staircase":
+        if spec.staircase_t == "per_sequence":  # SDAR's objective: p = eps + (1 - eps) t, weight 1/p
+            return "uniform", {"block_size": spec.block_size, "mode": "ratio", "one_ratio_per_sequence": True}
         return "uniform", {"block_size": spec.block_size, "coupled": spec.coupled}
     if spec.scheme == "uniform":
         return "uniform", {"coupled": spec.coupled, "prefix_mask_prob": spec.prefix_mask_prob}

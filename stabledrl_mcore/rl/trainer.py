@@ -85,6 +85,7 @@ def likelihood_spec(cfg: RunConfig, model) -> LikelihoodSpec:
         prefix_mask_prob=a.prefix_mask_prob,
         post_eos=a.post_eos,
         normalize_by=a.normalize_by,
+        staircase_t=a.staircase_t,
     )
 
 
