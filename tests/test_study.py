@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -114,6 +113,9 @@ def test_tiny_study_runs_writes_its_summary_and_reuses_finished_arms(tmp_path, m
     again = run_study(opts, log=lambda m: None)
     assert started == []
     assert again["table"] == record["table"]
-    # a changed config is a different arm: it runs (here: recorded, not run)
-    run_study(StudyOptions(**{**opts.__dict__, "steps": 3}), log=lambda m: None)
-    assert sorted(os.path.basename(os.path.dirname(p)) for p in started) == ["grpo_s0", "stabledrl_s0"]
+    # more steps: a changed config, so both arms run again, continuing from their step-2 checkpoints
+    monkeypatch.undo()
+    longer = run_study(StudyOptions(**{**opts.__dict__, "steps": 3}), log=lambda m: None)
+    assert [r["steps"] for r in longer["runs"]] == [[1, 2, 3], [1, 2, 3]]
+    for arm in ("grpo_s0", "stabledrl_s0"):
+        assert "resumed from" in (regime / arm / "train.log").read_text()
