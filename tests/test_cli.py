@@ -8,7 +8,7 @@ import pytest
 
 from stabledrl_mcore.cli.app import main
 
-SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "bench", "plan")
+SUBCOMMANDS = ("train", "convert", "generate", "eval", "stress", "study", "bench", "plan")
 
 
 def run_cli(*args):

@@ -8,8 +8,8 @@ import pytest
 
 from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.experiments.plots import plot_demo_curves, plot_stress
-from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, run_side_by_side
-from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, percentile, summarise_arm
+from stabledrl_mcore.experiments.runs import eval_history, mean_of_last, percentile, run_side_by_side
+from stabledrl_mcore.experiments.stress import StressOptions, arm_overrides, summarise_arm
 from stabledrl_mcore.experiments.tiny_sudoku import (
     TinySudoku,
     answer_separator_id,

@@ -39,6 +39,7 @@ COMMANDS = (
     ("eval", "evaluate a checkpoint on a task (sharded over ranks)", "eval"),
     ("sft", "masked-diffusion SFT on JSONL/parquet conversations (LLaDA recipe, SDAR staircase)", "sft"),
     ("stress", "GRPO vs StableDRL with and without ratio noise (stability experiment)", "stress"),
+    ("study", "GRPO vs StableDRL under natural ratio noise, several seeds (instability study)", "study"),
     ("bench", "measure per-phase throughput and MFU (and a baseline, weak scaling)", "bench"),
     ("plan", "estimate per-GPU memory and throughput of a layout", "plan"),
 )

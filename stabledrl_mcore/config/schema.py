@@ -341,6 +341,11 @@ class LoggingSection:
     """wandb group (e.g. one sweep or ablation)."""
     wandb_tags: Tuple[str, ...] = ()
     """wandb tags, a list."""
+    drift_to_initial: bool = False
+    """Log ``drift_to_initial`` (k1) and ``drift_to_initial_k3`` every step: the old policy's
+    estimated log-ratio to the frozen initial policy on the step's own rollouts and masks
+    (``rl/drift.py``), one extra forward of a copy of the initial policy per step (its weights'
+    memory; the KL reference is reused when it stays the initial policy)."""
     tensorboard: bool = False
     """Also write TensorBoard scalars to ``<run_dir>/tensorboard`` (rank 0)."""
     run_lock: bool = True

@@ -9,6 +9,7 @@ own file; on any failure or interrupt the children are stopped by PID.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,10 +47,12 @@ def run_side_by_side(
     parallel: int = 2,
     poll: float = 1.0,
     command: Optional[Callable[[str], List[str]]] = None,
+    on_poll: Optional[Callable[[], None]] = None,
 ) -> List[int]:
     """Run ``command(config)`` (default :func:`train_command`) per config, ``parallel`` at a time.
 
-    Returns the exit codes. Each run's console goes to ``<its run dir>/train.log``.
+    Returns the exit codes. Each run's console goes to ``<its run dir>/train.log`` (appended:
+    a resumed run keeps its earlier lines). ``on_poll()`` runs after every poll (progress lines).
     """
     command = command or train_command
     pending = list(enumerate(config_paths))
@@ -61,13 +64,15 @@ def run_side_by_side(
         while pending or running:
             while pending and len(running) < parallel:
                 index, path = pending.pop(0)
-                log = open(os.path.join(os.path.dirname(path), "train.log"), "w")
+                log = open(os.path.join(os.path.dirname(path), "train.log"), "a")
                 logs.append(log)
                 running[index] = subprocess.Popen(command(path), stdout=log, stderr=subprocess.STDOUT, env=env)
             for index, proc in list(running.items()):
                 if proc.poll() is not None:
                     codes[index] = proc.returncode
                     del running[index]
+            if on_poll is not None:
+                on_poll()
             time.sleep(poll)
     finally:
         for proc in running.values():  # interrupted: stop what we started, by PID
@@ -93,3 +98,42 @@ def mean_of_last(values: Sequence[float], count: int) -> float:
     """Mean of the last ``count`` values (all of them when fewer)."""
     tail = list(values)[-count:]
     return sum(tail) / len(tail)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated ``q``-th percentile (numpy's default rule)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def train_summary(rows: List[Dict[str, float]], *, window: int, collapse_drop: float) -> Dict[str, object]:
+    """What every experiment reports of one run's training rows (those with ``reward_mean``):
+    the steps, reward start/end (means of the first/last ``window`` steps, at most half the run
+    each), ``collapsed`` (end < start - ``collapse_drop``), grad-norm max/p99/median over the
+    finite values, mean clip fractions, skipped updates, and the reward and grad-norm curves."""
+    train = [r for r in rows if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in train]
+    grads = [r.get("grad_norm", float("nan")) for r in train]
+    finite = [g for g in grads if math.isfinite(g)]
+    k = min(window, max(len(rewards) // 2, 1))
+    start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    mean = lambda key: sum(r.get(key, 0.0) for r in train) / max(len(train), 1)  # noqa: E731
+    return {
+        "steps": [r["step"] for r in train],
+        "max_grad_norm": max(finite, default=float("nan")),
+        "p99_grad_norm": percentile(finite, 99),
+        "median_grad_norm": percentile(finite, 50),
+        "reward_start": start,
+        "reward_end": end,
+        "reward_change": end - start,
+        "collapsed": end < start - collapse_drop,
+        "clip_frac_low": mean("clip_frac_low"),
+        "clip_frac_high": mean("clip_frac_high"),
+        "skipped_updates": sum(r.get("skipped_updates", 0.0) for r in train),
+        "reward_curve": rewards,
+        "grad_norm_curve": grads,
+    }

@@ -15,14 +15,13 @@ Outputs under ``--out``: one run directory per arm, ``stress_summary.json``
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from stabledrl_mcore.experiments.plots import plot_stress
-from stabledrl_mcore.experiments.runs import read_metrics, run_side_by_side, write_run_config
+from stabledrl_mcore.experiments.runs import read_metrics, run_side_by_side, train_summary, write_run_config
 from stabledrl_mcore.experiments.tiny_sudoku import TinySudoku, prepare_sft_checkpoint, rl_overrides
 
 ALGOS = ("grpo", "stabledrl")
@@ -54,43 +53,15 @@ def arm_overrides(algo: str, noisy: bool, opts: StressOptions) -> List[str]:
     return [f"algo.loss={algo}", *noise, f"steps={opts.steps}", "eval.every=0"]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated ``q``-th percentile (numpy's default rule)."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarise_arm(rows: List[Dict[str, float]], *, algo: str, noisy: bool, opts: StressOptions) -> Dict:
     """One ``stress_summary.json`` entry from an arm's metrics."""
-    train = [r for r in rows if "reward_mean" in r]
-    rewards = [r["reward_mean"] for r in train]
-    grads = [r.get("grad_norm", float("nan")) for r in train]
-    finite = [g for g in grads if math.isfinite(g)]
-    k = min(opts.window, max(len(rewards) // 2, 1))
-    start, end = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    mean = lambda key: sum(r.get(key, 0.0) for r in train) / max(len(train), 1)  # noqa: E731
+    summary = train_summary(rows, window=opts.window, collapse_drop=opts.collapse_drop)
     return {
         "algo": algo,
         "noise": noisy,
         "noise_kind": opts.noise if noisy else None,
         "noise_sigma": opts.sigma if noisy else 0.0,
-        "steps": [r["step"] for r in train],
-        "max_grad_norm": max(finite, default=float("nan")),
-        "p99_grad_norm": percentile(finite, 99),
-        "median_grad_norm": percentile(finite, 50),
-        "reward_start": start,
-        "reward_end": end,
-        "reward_change": end - start,
-        "collapsed": end < start - opts.collapse_drop,
-        "clip_frac_low": mean("clip_frac_low"),
-        "clip_frac_high": mean("clip_frac_high"),
-        "skipped_updates": sum(r.get("skipped_updates", 0.0) for r in train),
-        "reward_curve": rewards,
-        "grad_norm_curve": grads,
+        **summary,
     }
 
 

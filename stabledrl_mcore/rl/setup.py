@@ -38,6 +38,7 @@ class TrainingSetup:
     dp_rank: int
     dp_size: int
     reference: Any = None  # frozen copy of the initial policy (algo.kl_coef > 0), same layout
+    initial: Any = None  # frozen initial policy of the drift metric (logging.drift_to_initial)
     preempted: bool = False
     finished: bool = False  # the loop reached its last step (only then does a rank exit 0)
 
@@ -129,10 +130,25 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     if cfg.model.checkpoint:
         load_initial_weights(model, cfg.model.checkpoint)
     reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
+    initial = None  # the drift metric's frozen initial policy (logging.drift_to_initial)
+    if cfg.logging.drift_to_initial:
+        kept_initial = reference is not None and not cfg.algo.reference_sync_every
+        initial = reference if kept_initial else reference_policy(model, mcfg, dtype)
     total = max(cfg.steps * cfg.algo.inner_iterations, 1)  # the schedule counts optimizer updates
     ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, total)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
     return TrainingSetup(
-        cfg, model, ddp, optimizer, scheduler, tokenizer, task, prompts, dp_rank, dp_size, reference=reference
+        cfg,
+        model,
+        ddp,
+        optimizer,
+        scheduler,
+        tokenizer,
+        task,
+        prompts,
+        dp_rank,
+        dp_size,
+        reference=reference,
+        initial=initial,
     )

@@ -45,6 +45,7 @@ from stabledrl_mcore.engine.run_lock import run_dir_lock
 from stabledrl_mcore.engine.save_schedule import SaveSchedule, save_training_checkpoint
 from stabledrl_mcore.engine.seeding import chunk_generators, first_chunk, phase_generator
 from stabledrl_mcore.models.placement import model_device
+from stabledrl_mcore.rl.drift import drift_metrics
 from stabledrl_mcore.rl.dynamic_sampling import filter_uniform_groups
 from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, iteration_inputs, old_policy_likelihood
 from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
@@ -244,8 +245,19 @@ def _train(
             else:
                 with timer("old_logp"):
                     kept = old_logp_phase(s, kept, spec, step)
+                if s.initial is not None:  # logging.drift_to_initial, before this step's updates
+                    with timer("drift"):
+                        drift = drift_metrics(
+                            s.initial,
+                            kept,
+                            spec,
+                            micro_batch=s.cfg.parallel.micro_batch_size,
+                            mask_id=s.model.dllm_config.mask_token_id,
+                        )
                 with timer("update"):
                     update = policy_update(s, kept, spec, step)
+                if s.initial is not None:
+                    update.update(drift)
             metrics = step_metrics(s, batch, update, timer.seconds, kept=kept)
             if evaluate and is_eval_step(cfg, step + 1, cfg.steps):
                 with phase_model(s.model) as model:
