@@ -195,7 +195,7 @@ class _FakeSFT:
         self.ddp = NS(zero_grad_buffer=lambda: None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.scheduler = NS(step=lambda increment: None)
-        self.cfg = NS(parallel=NS(micro_batch_size=2, seed=0), sft=NS(eps=1e-3))
+        self.cfg = NS(parallel=NS(micro_batch_size=2, seed=0), sft=NS(eps=1e-3), optim=NS(lr_step="before_update"))
         self.prompts = NS(for_step=lambda step: [0, 1])
         self.data = NS(ids=torch.zeros(2, 3, dtype=torch.long), answer=torch.ones(2, 3, dtype=torch.bool))
         self.dp_rank, self.dp_size, self.block_size = 0, 1, None
