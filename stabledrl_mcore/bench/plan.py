@@ -35,7 +35,9 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   Gumbel/softmax work);
   under PP the transient is on *every* stage: the last stage's logits are broadcast to the others
   (full vocabulary, the samplers' ``gather_output``) and every stage runs the same sampler on them;
-- **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``;
+- **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``; none
+  with LoRA (``--lora-rank``: the reference is the base without adapters, and gradients and optimizer
+  states cover the adapters only, :func:`~..models.lora.adapter_params_per_layer`);
 - total = weights (+ reference) + gradients + optimizer + max(training peak, rollout KV cache + transient,
   likelihood broadcast) + ``overhead`` (CUDA context, communication buffers, fragmentation); training
   peak = activations + head (recompute: see above). Not modelled: the optimizer step's own temporaries
@@ -86,6 +88,7 @@ from typing import Any, Dict, List, Optional
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.models.lora import adapter_params_per_layer
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 
 GIB = 1024**3
@@ -120,6 +123,7 @@ class PlanSpec:
     num_mc: int = 2
     inner_iterations: int = 2
     reference_model: bool = False  # a frozen copy of the policy for the KL penalty (algo.kl_coef > 0)
+    lora_rank: int = 0  # model.lora.rank: only the adapters (all-linear) train; the reference is the base
     ep: int = 1  # expert parallel (MoE models)
     etp: Optional[int] = None  # expert tensor parallel (None = TP)
 
@@ -158,6 +162,8 @@ class PlanSpec:
             raise ConfigError("--gpu-memory and --gpu-tflops must be > 0, --mfu and --rollout-mfu in (0, 1]")
         if self.etp is not None and self.etp < 1:
             raise ConfigError(f"--etp must be >= 1, got {self.etp}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (0 = full-parameter training), got {self.lora_rank}")
         return self
 
 
@@ -319,14 +325,20 @@ def estimate(
         act = in_flight * per_stage_layers * per_layer_kept * tokens
         sent = in_flight * bw * m.hidden_size * tokens if not last else 0.0  # outputs kept for the backward
         stage_head = head if last else 0.0
+        lora = per_stage_layers * adapter_params_per_layer(m, tp, spec.lora_rank) if spec.lora_rank else 0.0
+        trained = lora if spec.lora_rank else params  # LoRA: gradients and optimizer states of the adapters only
         row = {
             "stage": name,
-            "params": params,
-            "weights": params * bw,
-            "reference_weights": params * bw if spec.reference_model else 0.0,
-            "gradients": params * 4.0,
+            "params": params + lora,
+            "weights": (params + lora) * bw,
+            "reference_weights": params * bw if spec.reference_model and not spec.lora_rank else 0.0,
+            "gradients": trained * 4.0,
             "expert_params": experts,
-            "optimizer": dense * opt_bytes / shard + experts * opt_bytes / expert_shard,
+            "optimizer": (
+                lora * opt_bytes / shard
+                if spec.lora_rank
+                else dense * opt_bytes / shard + experts * opt_bytes / expert_shard
+            ),
             "activations": act + sent + extra_layer,
             "head": stage_head,
             "in_flight": in_flight,

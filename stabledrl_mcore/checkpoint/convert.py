@@ -34,6 +34,7 @@ Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--toleranc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.lora_io import Adapters, base_source, write_peft_adapter
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     DTYPES,
@@ -69,6 +71,7 @@ from stabledrl_mcore.checkpoint.safetensors_io import (
     SafetensorsWriter,
     check_finite,
 )
+from stabledrl_mcore.checkpoint.state import read_lora_run
 from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.models import DLLMConfig, available_presets, get_preset
 from stabledrl_mcore.parallel import bootstrap
@@ -282,14 +285,31 @@ def mcore_to_hf(
     progress: bool = True,
     allow_nonfinite: bool = False,
     before_commit: Optional[Callable[[str], None]] = None,
+    lora_base: Optional[str] = None,
+    peft_out: Optional[str] = None,
 ) -> str:
     """Export a converted (or training) checkpoint to an upstream-format HF directory.
 
     ``hf_assets``: where ``config.json``/tokenizer/``*.py`` come from (default:
     the checkpoint's ``hf/``); without any, a template config is written.
-    ``allow_nonfinite``/``before_commit``: as in :func:`hf_to_mcore`.
+    ``allow_nonfinite``/``before_commit``: as in :func:`hf_to_mcore`. A LoRA run's checkpoint
+    (adapters only, :mod:`.lora_export`) is exported merged into its base (``lora_base`` replaces
+    the base its ``config.yaml`` names); ``peft_out`` also writes the adapter in PEFT's format.
     """
-    info = read_checkpoint_info(ckpt)
+    lora = read_lora_run(ckpt, lora_base)
+    if peft_out and lora is None:
+        raise ConversionError(f"--peft-out: {ckpt} holds no LoRA adapters (its run had model.lora.rank=0)")
+    source = None
+    if lora is not None:
+        base_info, source = base_source(lora.base, ckpt)
+        own_assets = os.path.join(ckpt, HF_ASSETS)
+        info = dataclasses.replace(
+            base_info,
+            path=ckpt,
+            hf_assets=own_assets if os.path.isdir(own_assets) else base_info.hf_assets,
+        )
+    else:
+        info = read_checkpoint_info(ckpt)
     cfg, assets = info.config, hf_assets or info.hf_assets
     base = hfc.read_hf_config(assets) if assets and os.path.isfile(os.path.join(assets, "config.json")) else None
     target = DTYPES[dtype] if dtype else info.dtype
@@ -299,14 +319,18 @@ def mcore_to_hf(
     try:
         owns_megatron = ensure_single_process()
         shell = build_shell(cfg, info.dtype)
-        tied = info.tied_embeddings and _head_still_tied(ckpt, shell, engine, info.dtype)
+        found = Adapters(ckpt, cfg, lora.settings) if lora is not None else None
+        tied = info.tied_embeddings and (lora is not None or _head_still_tied(ckpt, shell, engine, info.dtype))
         if info.tied_embeddings and not tied:
             print(
                 "stabledrl convert: warning: LM head no longer equals the embedding; exporting it untied",
                 file=sys.stderr,
             )
         writer = SafetensorsWriter(tmp, engine.hf_plan(target, omit_head=tied), max_shard_bytes)
-        items = iter_full_tensors(ckpt, shell, engine.groups(), info.dtype)
+        if source is None:
+            items = iter_full_tensors(ckpt, shell, engine.groups(), info.dtype)
+        else:  # the base, streamed; each adapted weight gets its adapter's change
+            items = ((g, name, found.merged(name, full)) for g, name, full in source(shell, engine))
         for _, name, full in _by_group(items, len(engine.groups()), "mcore-to-hf", progress):
             if tied and name == "output_layer.weight":
                 continue
@@ -324,6 +348,8 @@ def mcore_to_hf(
         write_json(os.path.join(tmp, "config.json"), config)
         if before_commit is not None:
             before_commit(tmp)
+        if peft_out:
+            write_peft_adapter(peft_out, found, base_name=os.path.abspath(lora.base), dtype=target)
         return finalize_output(tmp, out)
     finally:
         if writer is not None:

@@ -27,6 +27,8 @@ import torch
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, verify_checksums
+from stabledrl_mcore.checkpoint.integrity import check_finite as check_all_finite
 from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     build_shell,
@@ -36,7 +38,10 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     read_checkpoint_info,
 )
 from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader, check_finite
+from stabledrl_mcore.checkpoint.state import LoRARun, read_lora_run
+from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata
 from stabledrl_mcore.models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
+from stabledrl_mcore.models.lora import AdapterCheckpointView, apply_lora, merge_adapters
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -146,6 +151,39 @@ def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
     return read_checkpoint_info(path).config
 
 
+def load_weights(model, path: str, *, allow_nonfinite: bool = False) -> None:
+    """Weights from an HF directory, a converted checkpoint or a training checkpoint into ``model``
+    (any TP/PP). A LoRA run's checkpoint (adapters only) loads as its base with the adapters merged
+    in (:func:`load_lora_merged`)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
+    lora = read_lora_run(path)
+    if lora is not None:
+        load_lora_merged(model, path, lora)
+    elif is_hf_dir(path):
+        load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
+    else:
+        load_model_weights(model, path)
+
+
+def load_lora_merged(model, path: str, lora: LoRARun) -> None:
+    """The base of a LoRA checkpoint (``lora.base``), its adapters loaded from ``path`` (at any TP/PP:
+    Megatron reshards them) and folded into the weights; ``model`` is plain again afterwards."""
+    load_weights(model, lora.base)
+    apply_lora(model, lora.settings)
+    if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
+        verify_checksums(path)
+    verify_metadata(path)
+    view = AdapterCheckpointView(model)
+    sharded = view.sharded_state_dict()
+    loaded = load_sharded(sharded, path)
+    missing, unexpected = view.load_state_dict({k: v for k, v in loaded.items() if k in sharded})
+    if missing:
+        raise ConversionError(f"{path} lacks LoRA tensor(s) {missing[:5]} (saved with other model.lora.targets?)")
+    merge_adapters(model, detach=True)
+    check_all_finite(model.named_parameters(), f"after merging the LoRA adapters of {path}")
+
+
 def load_model(
     path: str,
     *,
@@ -171,10 +209,7 @@ def load_model(
         raise ConversionError(f"{path} holds a {cfg.arch} model, not {arch}")
     ensure_single_process()
     model = build_shell(cfg, dtype)
-    if is_hf_dir(path):
-        load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
-    else:
-        load_model_weights(model, path)
+    load_weights(model, path, allow_nonfinite=allow_nonfinite)
     model.to(device=device).eval()
     for param in model.parameters():
         param.requires_grad_(False)

@@ -143,7 +143,7 @@ def stored_dtype(path: str) -> torch.dtype:
     for key, record in stored_tensors(path).items():
         if key.startswith("optimizer."):  # training checkpoints: Adam moments are fp32 whatever the model
             continue
-        if key.endswith("word_embeddings.weight") or key.endswith("linear_qkv.weight"):
+        if key.endswith(("word_embeddings.weight", "linear_qkv.weight", ".lora.a")):  # .lora.a: LoRA runs
             return record.properties.dtype
     raise ConversionError(f"{path} holds no embedding or attention tensor")
 

@@ -56,8 +56,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+import yaml
 
 from stabledrl_mcore.checkpoint import optimizer_reshard, optimizer_state
+from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.extra_state import check_model_fit, drop_absent_extra_state, stored_object_keys
 from stabledrl_mcore.checkpoint.integrity import (
     CheckpointError,
@@ -70,6 +72,7 @@ from stabledrl_mcore.checkpoint.integrity import (
 from stabledrl_mcore.checkpoint.optimizer_state import OptimizerFormatError  # noqa: F401 - re-exported
 from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata
 from stabledrl_mcore.checkpoint.writers import save_sharded
+from stabledrl_mcore.models.lora import LoRASettings
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "train_state.json"
@@ -386,3 +389,46 @@ def load_checkpoint(
     if note and _rank() == 0:  # a resume at another layout says so once
         print(f"stabledrl: {note}", flush=True)
     return state
+
+
+@dataclass(frozen=True)
+class LoRARun:
+    settings: LoRASettings
+    base: str
+    """The run's ``model.checkpoint`` (the weights the adapters were trained on)."""
+
+
+def read_lora_run(ckpt: str, base: Optional[str] = None) -> Optional[LoRARun]:
+    """The LoRA settings and base of a training checkpoint (its ``config.yaml``; ``base`` replaces
+    the saved ``model.checkpoint``), None when the checkpoint holds full weights."""
+    path = os.path.join(ckpt, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as handle:
+            saved = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConversionError(f"{path} is unreadable ({err})") from None
+    model = saved.get("model") or {}
+    lora = model.get("lora") or {}
+    if not lora.get("rank"):
+        return None
+    base = base or model.get("checkpoint")
+    if not base:
+        raise ConversionError(
+            f"{ckpt} holds LoRA adapters of a randomly initialised base (model.checkpoint was None): "
+            "there is no base to merge them into"
+        )
+    if not os.path.isdir(base):
+        raise ConversionError(
+            f"{ckpt} holds LoRA adapters only; their base model.checkpoint={base} is not a directory here "
+            "(pass --lora-base DIR to name where it is now)"
+        )
+    settings = LoRASettings(
+        int(lora["rank"]),
+        float(lora.get("alpha", 16.0)),
+        float(lora.get("dropout", 0.0)),
+        tuple(lora.get("targets") or ["all-linear"]),
+        seed=int((saved.get("parallel") or {}).get("seed", 0)),
+    )
+    return LoRARun(settings, base)

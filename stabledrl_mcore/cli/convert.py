@@ -56,6 +56,16 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--ckpt", required=True, metavar="DIR")
     b.add_argument("--hf-assets", metavar="DIR", help="config/tokenizer source (default: <ckpt>/hf)")
     b.add_argument(
+        "--lora-base",
+        metavar="DIR",
+        help="a LoRA run's checkpoint: where its base is now (default: the model.checkpoint of its config.yaml)",
+    )
+    b.add_argument(
+        "--peft-out",
+        metavar="DIR",
+        help="a LoRA run's checkpoint: also write its adapter in PEFT's format (adapter_model.safetensors)",
+    )
+    b.add_argument(
         "--max-shard-size",
         type=parse_size,
         default=DEFAULT_MAX_SHARD_BYTES,
@@ -117,7 +127,13 @@ def run_convert(args: argparse.Namespace) -> int:
             )
         else:
             out = mcore_to_hf(
-                args.ckpt, args.out, hf_assets=args.hf_assets, max_shard_bytes=args.max_shard_size, **common
+                args.ckpt,
+                args.out,
+                hf_assets=args.hf_assets,
+                max_shard_bytes=args.max_shard_size,
+                lora_base=args.lora_base,
+                peft_out=args.peft_out,
+                **common,
             )
         print(f"wrote {out}")
         return 0

@@ -49,6 +49,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count a frozen reference copy of the weights (the KL penalty, algo.kl_coef > 0)",
     )
+    a(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="model.lora.rank (all-linear): train adapters only; no reference copy (default 0: full parameters)",
+    )
     a("--json", metavar="PATH", help="also write the estimates as JSON")
     a("--plot", metavar="FILE.png", help="also draw every layout's per-GPU memory by component (bar chart)")
 
@@ -84,6 +90,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         num_mc=args.num_mc,
         inner_iterations=args.inner,
         reference_model=args.reference_model,
+        lora_rank=args.lora_rank,
         ep=args.ep,
         etp=args.etp,
     ).validate()

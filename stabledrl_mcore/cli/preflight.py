@@ -26,7 +26,7 @@ from stabledrl_mcore.checkpoint import hf_config
 from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.common.errors import ConfigError, DataError
-from stabledrl_mcore.config.checks import check_layout, check_model_options, check_pipeline_options
+from stabledrl_mcore.config.checks import check_layout, check_lora_model, check_model_options, check_pipeline_options
 from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine import metrics
@@ -246,6 +246,7 @@ def preflight_sft(cfg: SFTConfig, world_size: Optional[int] = None) -> str:
     if resume not in ("none", "auto") and not os.path.isdir(resume):
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory (or use auto / none)")
     mcfg, description = model_shape(cfg)
+    check_lora_model(cfg.model.lora, mcfg, description)
     _check_tokenizer(cfg)
     _check_logging(cfg)
     p = cfg.parallel

@@ -23,10 +23,46 @@ from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
 from stabledrl_mcore.tasks import available_tasks
 from stabledrl_mcore.tasks.custom_reward import ISOLATION as REWARD_ISOLATION
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections ``model.lora.targets`` may name (PEFT's names; ``stabledrl_mcore/models/lora.py``)."""
+
+
+def validate_lora(lora) -> None:
+    """``model.lora``: rank >= 0 and, when on, alpha > 0, dropout in [0, 1), known targets."""
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank must be >= 0 (0 = off), got {lora.rank}")
+    if not lora.rank:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    names = list(LORA_TARGETS) if list(lora.targets) == ["all-linear"] else list(lora.targets)
+    unknown = [t for t in names if t not in LORA_TARGETS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ConfigError(
+            f"model.lora.targets={list(lora.targets)}: use distinct names from {list(LORA_TARGETS)} or [all-linear]"
+        )
+
+
+def check_lora_model(lora, mcfg, description: str = "the model") -> None:
+    """``model.lora`` against the model: the experts of a mixture of experts take no adapters."""
+    if lora.rank and mcfg.is_moe and set(lora.targets) & {"all-linear", "gate_proj", "up_proj", "down_proj"}:
+        raise ConfigError(
+            f"model.lora.targets={list(lora.targets)}: {description} is a mixture of experts, whose expert "
+            "MLPs take no adapters; target the attention (q_proj, k_proj, v_proj, o_proj)"
+        )
+
 
 def validate_run_config(cfg):
     """Check values that types alone cannot; raise :class:`ConfigError`."""
     choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
+    validate_lora(cfg.model.lora)
+    if cfg.model.lora.rank and cfg.algo.reference_sync_every:
+        raise ConfigError(
+            "algo.reference_sync_every > 0 with model.lora: the KL reference of a LoRA run is the frozen "
+            "base without its adapters (no copy to sync); set algo.reference_sync_every=0"
+        )
     choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
     choice("optim.name", cfg.optim.name, ("adam", "sgd"))
     choice("optim.decay_style", cfg.optim.decay_style, ("constant", "linear", "cosine"))
@@ -251,6 +287,7 @@ def check_model_options(cfg, mcfg, description: str = "the model") -> None:
             f"rollout.cache={cfg.rollout.cache} is LLaDA's prefix/dual cache; {description} "
             f"decodes with its own KV cache of finished blocks: set rollout.cache=none"
         )
+    check_lora_model(cfg.model.lora, mcfg, description)
     p = cfg.parallel
     if mcfg.is_moe and p.pipeline_parallel > 1 and (mcfg.moe_aux_loss_coeff or mcfg.moe_z_loss_coeff):
         raise ConfigError(
@@ -321,6 +358,7 @@ def validate_sft_config(cfg):
     """``stabledrl sft``'s config (:class:`~stabledrl_mcore.sft.config.SFTConfig`): its own ``sft`` section
     and the shared sections as SFT uses them (TP and DP only; RL-only fields refused by name)."""
     choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
+    validate_lora(cfg.model.lora)
     choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
     choice("optim.name", cfg.optim.name, ("adam", "sgd"))
     choice("optim.decay_style", cfg.optim.decay_style, ("constant", "linear", "cosine"))

@@ -12,13 +12,30 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.checks import validate_run_config
 from stabledrl_mcore.config.io import apply_overrides, from_dict, to_dict
+
+
+@dataclass
+class LoRASection:
+    """LoRA adapters on the Megatron linears (``stabledrl_mcore/models/lora.py``, PEFT's semantics):
+    only the adapters train, checkpoints hold only them, the KL reference is the base without them."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (every parameter trains)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is ``(alpha / rank) B A x`` (PEFT's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input in forwards that record a graph (PEFT's ``lora_dropout``)."""
+    targets: List[str] = field(default_factory=lambda: ["all-linear"])
+    """Projections that get an adapter, each its own: any of ``q_proj k_proj v_proj o_proj gate_proj
+    up_proj down_proj`` (LLaDA's ``attn_out`` / ``ff_proj`` / ``ff_out`` are ``o_proj`` / ``gate_proj``
+    / ``down_proj``), or ``[all-linear]``."""
 
 
 @dataclass
@@ -37,6 +54,8 @@ class ModelSection:
     """Parameter/compute dtype: ``fp32`` or ``bf16`` (bf16 is the GPU default in the 8B recipes)."""
     recompute: bool = False
     """Full activation recompute of every transformer layer (saves memory, costs ~30% compute)."""
+    lora: LoRASection = field(default_factory=LoRASection)
+    """LoRA instead of full-parameter training (``rank > 0``); see :class:`LoRASection`."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 
 from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.engine.pipeline import ModelWrapper, pipelined
+from stabledrl_mcore.models.lora import BaseWithoutAdapters, adapters_disabled
 from stabledrl_mcore.models.moe import RoutingRecorder, router_loss_scale, routing_recorders_paused
 from stabledrl_mcore.parallel.bootstrap import comm_device
 
@@ -126,7 +127,12 @@ def lockstep(model: Optional[torch.nn.Module], *, backward: bool = False) -> Ite
 def phase_model(model: Optional[torch.nn.Module], *, backward: bool = False):
     """The model as one phase of the RL loop runs it: split over stages under pipeline parallelism
     (:func:`~.pipeline.pipelined`), in :func:`lockstep` under expert parallelism (PP and EP are
-    not combined, see ``preflight.check_pipeline_options``)."""
+    not combined, see ``preflight.check_pipeline_options``). A LoRA model's
+    :class:`~..models.lora.BaseWithoutAdapters` runs as the base (its adapters off)."""
+    if isinstance(model, BaseWithoutAdapters):  # a LoRA model's base: the adapters off for the block
+        with adapters_disabled(model.model), lockstep(pipelined(model.model), backward=backward) as phase:
+            yield phase
+        return
     with lockstep(pipelined(model), backward=backward) as phase:
         yield phase
 

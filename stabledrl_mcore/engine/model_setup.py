@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
-from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_hf_weights, read_config
-from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
+from stabledrl_mcore.checkpoint.loader import load_weights, read_config
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.models import build_model, get_preset
+from stabledrl_mcore.models.lora import AdapterCheckpointView, BaseWithoutAdapters, LoRASettings, apply_lora, has_lora
 
 
 def model_config(cfg: RunConfig, tokenizer):
@@ -33,12 +32,42 @@ def model_config(cfg: RunConfig, tokenizer):
     return dataclasses.replace(mcfg, **overrides).validate()
 
 
+def lora_settings(cfg) -> Optional[LoRASettings]:
+    """``model.lora`` for the model layer (None when off); adapters are seeded from ``parallel.seed``."""
+    lora = cfg.model.lora
+    if not lora.rank:
+        return None
+    return LoRASettings(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), seed=cfg.parallel.seed)
+
+
+def build_policy(cfg, mcfg, dtype):
+    """This rank's stage of the trained model: built, its initial weights loaded (``model.checkpoint``)
+    and, with ``model.lora``, its adapters attached and everything else frozen (the local layer
+    spec then: Transformer Engine's fused norm+linear hides the adapter's input)."""
+    settings = lora_settings(cfg)
+    model = build_model(
+        mcfg, params_dtype=dtype, recompute=cfg.model.recompute, use_te=False if settings is not None else None
+    )
+    if cfg.model.checkpoint:
+        load_initial_weights(model, cfg.model.checkpoint)
+    if settings is not None:
+        apply_lora(model, settings)
+    return model
+
+
+def checkpointed(model):
+    """What a training checkpoint holds of ``model``: all of it, or with LoRA its adapters only."""
+    return AdapterCheckpointView(model) if has_lora(model) else model
+
+
 def reference_policy(model, mcfg, dtype):
     """A frozen copy of ``model`` as it is now (the initial policy), in the same layout and
     dtype, in eval mode: the reference of the KL penalty. A resume rebuilds it the same way
     (from ``model.checkpoint`` or the seeded initialisation) before the run's own weights load.
+    A LoRA model's reference is its frozen base without the adapters (no copy).
     """
-
+    if has_lora(model):
+        return BaseWithoutAdapters(model)
     reference = build_model(mcfg, params_dtype=dtype, device=next(model.parameters()).device)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
@@ -53,14 +82,9 @@ def sync_reference(reference, model, mixup: float) -> None:
 
 
 def load_initial_weights(model, path: str) -> None:
-    """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP)."""
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
-    if is_hf_dir(path):
-        load_hf_weights(model, path)
-    else:
-        load_model_weights(model, path)
+    """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP; a
+    LoRA run's with its adapters merged into its base: :func:`~..checkpoint.loader.load_weights`)."""
+    load_weights(model, path)
 
 
 def synced_reference(s) -> Optional[Dict[str, Any]]:

@@ -6,7 +6,7 @@ the current config are listed as dotted keys (``optim.lr: 3e-05 -> 0.001``) and 
 the LR schedule is the current config's (only its progress, ``num_steps``, comes from the
 checkpoint), as are ``steps``, ``eval.*``, ``logging.*``, ``checkpoint.*``, ``algo.*`` and
 ``rollout.*``. Refused by name: changes of :data:`FROZEN` keys (model shape and vocabulary,
-initial weights, dtype, optimizer kind) and a synced KL reference the checkpoint does not
+initial weights, dtype, LoRA adapters, optimizer kind) and a synced KL reference the checkpoint does not
 hold; the model shape is also compared field by field with ``model_config.json`` once the
 model is built (:func:`check_model_config`). A parallel layout the distributed optimizer's state
 cannot be read at (another TP size; another PP size without its bucket map) is refused from
@@ -31,6 +31,7 @@ from stabledrl_mcore.checkpoint.state import TrainState, find_latest, load_check
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.engine.model_setup import checkpointed
 from stabledrl_mcore.engine.run_dir import (
     abandon_later_steps,
     check_run_dir,
@@ -47,6 +48,7 @@ FROZEN = (
     "model.tokenizer",
     "model.dtype",
     "model.overrides",
+    "model.lora",
     "optim.name",
     "optim.distributed",
 )
@@ -243,7 +245,7 @@ def restore_training_state(s, root: str, plan: Optional[ResumePlan], *, extra_mo
         return 0, [f"no checkpoint to resume: starting at step 0 (old metrics moved to {moved})"] if moved else []
     check_model_config(plan.path, s.model.dllm_config.to_dict())
     fresh = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in s.optimizer.param_groups]
-    state = load_checkpoint(plan.path, s.model, optimizer=s.optimizer, extra_modules=extra_modules)
+    state = load_checkpoint(plan.path, checkpointed(s.model), optimizer=s.optimizer, extra_modules=extra_modules)
     for group, hyper in zip(s.optimizer.param_groups, fresh):
         group.update(hyper)  # lr bounds, betas, weight decay: the current config's
     if state.scheduler:  # the current schedule, advanced to the checkpoint's progress

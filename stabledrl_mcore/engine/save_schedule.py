@@ -25,7 +25,7 @@ import yaml
 
 from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.engine.model_setup import synced_reference
+from stabledrl_mcore.engine.model_setup import checkpointed, synced_reference
 from stabledrl_mcore.parallel.bootstrap import comm_device
 
 TIMING_FILE = "checkpoint_timing.json"
@@ -134,7 +134,7 @@ def save_training_checkpoint(s, root: str, step: int) -> str:
     return save_checkpoint(
         root,
         state,
-        s.model.sharded_state_dict,
+        checkpointed(s.model).sharded_state_dict,
         optimizer=s.optimizer,
         config_yaml=yaml.safe_dump(to_dict(s.cfg), sort_keys=False),
         keep_last=s.cfg.checkpoint.keep_last,

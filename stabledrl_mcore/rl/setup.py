@@ -15,10 +15,9 @@ import torch
 
 from stabledrl_mcore.config.checks import check_layout, check_model_options, check_pipeline_options
 from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.engine.model_setup import load_initial_weights, model_config, reference_policy
+from stabledrl_mcore.engine.model_setup import build_policy, model_config, reference_policy
 from stabledrl_mcore.engine.optimizer import build_optimizer
 from stabledrl_mcore.engine.seeding import derive_seed
-from stabledrl_mcore.models import build_model
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.from_config import build_task, load_train_examples
@@ -126,9 +125,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     check_layout(cfg, mcfg, torch.distributed.get_world_size())
     check_model_options(cfg, mcfg)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
-    if cfg.model.checkpoint:
-        load_initial_weights(model, cfg.model.checkpoint)
+    model = build_policy(cfg, mcfg, dtype)
     reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
     initial = None  # the drift metric's frozen initial policy (logging.drift_to_initial)
     if cfg.logging.drift_to_initial:

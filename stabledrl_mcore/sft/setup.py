@@ -10,10 +10,10 @@ from typing import Any, Optional
 import torch
 
 from stabledrl_mcore.common.errors import ConfigError, DataError
-from stabledrl_mcore.engine.model_setup import load_initial_weights, model_config
+from stabledrl_mcore.config.checks import check_lora_model
+from stabledrl_mcore.engine.model_setup import build_policy, model_config
 from stabledrl_mcore.engine.optimizer import build_optimizer
 from stabledrl_mcore.engine.seeding import derive_seed
-from stabledrl_mcore.models import build_model
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import SFTData, load_sft_data, tokenizer_corpus
@@ -82,9 +82,8 @@ def build_sft(cfg: SFTConfig):
         num_query_groups=mcfg.num_query_groups,
     )
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute)
-    if cfg.model.checkpoint:
-        load_initial_weights(model, cfg.model.checkpoint)
+    check_lora_model(cfg.model.lora, mcfg)
+    model = build_policy(cfg, mcfg, dtype)
     ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, max(cfg.steps, 1))
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     check_batch(cfg, dp_size)
