@@ -38,6 +38,24 @@ def test_wandb_disabled(tmp_path):
     assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["x"] == 1
 
 
+def test_the_metrics_file_is_opened_at_the_first_record(tmp_path):
+    """A logger closed before it logged anything (a run that failed before its first step) leaves
+    no metrics.jsonl: the run directory does not look like an earlier run's (engine/run_dir.py)."""
+    from stabledrl_mcore.config.schema import RunConfig
+    from stabledrl_mcore.engine.run_dir import run_in_use
+
+    cfg = RunConfig()
+    cfg.logging.run_dir = str(tmp_path)
+    with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", stream=io.StringIO()) as lg:
+        lg.info("starting")
+    assert not (tmp_path / "metrics.jsonl").exists() and run_in_use(cfg) == []
+    with create_logger(str(tmp_path), rank=0, wandb_mode="disabled", stream=io.StringIO()) as lg:
+        lg.log(1, {"x": 2})
+    [record] = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert record["step"] == 1 and record["x"] == 2
+    assert run_in_use(cfg) == [str(tmp_path / "metrics.jsonl")]
+
+
 class _FakeRun:
     def __init__(self):
         self.logged, self.metrics = [], []

@@ -13,7 +13,7 @@ Files: README.md, docs/*.md, slurm/README.md. Rules (tests/test_docs.py runs the
   ``K1,K2,..``; usage synopses too: ``[--flag X]`` brackets and ``...`` are dropped and ``a|b|c``
   takes ``a``. Lines whose first word ends with ``:`` are program output (``stabledrl train: error:``,
   ``usage:``) and skipped. ``KEY=VALUE`` overrides must name fields of the command's config class
-  (``RunConfig`` for train/bench/stress, ``SFTConfig`` for sft) and, unless a placeholder, have a
+  (``RunConfig`` for train/bench/stress/eval/generate, ``SFTConfig`` for sft) and, unless a placeholder, have a
   value of the field's type; ``--config FILE`` must exist (repo-relative), and then file plus
   overrides must pass ``load_config``.
 - **links**: every relative Markdown link or image ``[..](path)`` (and ``<img src=..>``), anchor
@@ -189,7 +189,7 @@ def config_class(command: str):
         from stabledrl_mcore.sft.config import SFTConfig
 
         return SFTConfig
-    if command in ("train", "bench", "stress"):
+    if command in ("train", "bench", "stress", "eval", "generate"):
         from stabledrl_mcore.config.schema import RunConfig
 
         return RunConfig

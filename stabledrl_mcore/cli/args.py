@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from stabledrl_mcore.common.errors import ConfigError, UserError
+from stabledrl_mcore.config.checks import check_sampler_shape
 from stabledrl_mcore.config.schema import RunConfig, load_config
 from stabledrl_mcore.engine import preemption
 from stabledrl_mcore.tasks.prompts import PromptFormat, prompt_format
@@ -88,7 +89,12 @@ def cli_tokenizer(args):
     return load_tokenizer(path)
 
 
+SAMPLING_FLAGS = ("--gen-length", "--steps", "--block-length")
+
+
 def sampling_options(args, cfg):
+    """The sampler keywords of the sampling flags for a model of config ``cfg``; the sampler's shape
+    rules (:func:`~stabledrl_mcore.config.checks.check_sampler_shape`) refused in one line naming the flags."""
     steps = args.steps or (args.gen_length if cfg.arch == "llada" else cfg.block_size)
     block = args.block_length or (min(32, args.gen_length) if cfg.arch == "llada" else None)
     if args.cache != "none" and cfg.arch != "llada":
@@ -96,6 +102,22 @@ def sampling_options(args, cfg):
             f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
             f"with its own KV cache of finished blocks (drop --cache)"
         )
+    default_block = "" if args.block_length else " (the default)"
+    try:
+        check_sampler_shape(
+            cfg.arch,
+            getattr(cfg, "block_size", None),
+            gen_length=args.gen_length,
+            steps=steps,
+            block_length=block,
+            names=SAMPLING_FLAGS,
+            sep=" ",
+            description=f"the {cfg.arch} checkpoint",
+        )
+    except ConfigError as err:
+        raise UserError(
+            str(err).replace(f"--block-length {block}", f"--block-length {block}{default_block}", 1)
+        ) from None
     return dict(
         gen_length=args.gen_length,
         steps=steps,
@@ -129,14 +151,13 @@ def refuse_existing(command: str, path: str, overwrite: bool) -> bool:
     return True
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML run config (see examples/configs/)")
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2",
-    )
+def add_config_args(
+    parser: argparse.ArgumentParser,
+    config_help: str = "YAML run config (see examples/configs/)",
+    overrides_help: str = "dotted overrides, e.g. algo.eps=0.1 parallel.tensor_parallel=2",
+) -> None:
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=overrides_help)
 
 
 def world_size(nproc: Optional[int], default: Optional[int]) -> Optional[int]:

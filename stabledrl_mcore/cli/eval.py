@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 import yaml
@@ -16,12 +17,13 @@ import yaml
 from stabledrl_mcore.checkpoint.loader import read_config
 from stabledrl_mcore.cli.args import (
     PROMPT_FLAGS,
+    add_config_args,
     add_sampling_arguments,
-    cli_prompt_format,
     cli_tokenizer,
     refuse_existing,
     sampling_options,
 )
+from stabledrl_mcore.cli.data_args import EVAL_FIELDS, command_config, command_task, names_a_task
 from stabledrl_mcore.common.errors import DataError, UserError
 from stabledrl_mcore.engine.model_setup import load_initial_weights
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks
@@ -29,7 +31,8 @@ from stabledrl_mcore.evaluation.distributed import evaluate_model
 from stabledrl_mcore.evaluation.scoring import write_jsonl
 from stabledrl_mcore.models.model import build_model
 from stabledrl_mcore.parallel import bootstrap, launch
-from stabledrl_mcore.tasks.base import GENERATED_TASKS, get_task
+from stabledrl_mcore.tasks.base import GENERATED_TASKS, available_tasks
+from stabledrl_mcore.tasks.prompts import PromptFormat
 
 
 def default_eval_out(task: str, split: str) -> str:
@@ -37,17 +40,31 @@ def default_eval_out(task: str, split: str) -> str:
     return os.path.abspath(f"eval_{task}_{split}.jsonl")
 
 
+def eval_config(args: argparse.Namespace):
+    """The run config of this eval: ``--config`` + ``rollout.*`` / ``eval.*`` overrides + the shorthand
+    flags (:mod:`~stabledrl_mcore.cli.data_args`); the same on every rank."""
+    if not names_a_task(args):
+        raise UserError(f"give --task NAME ({', '.join(available_tasks())}) or --config FILE (its rollout.task)")
+    return command_config(args, "eval", EVAL_FIELDS, EVAL_FLAGS)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Distributed evaluation (``--nproc`` local ranks, or under torchrun/srun).
 
-    The output file is chosen (and an existing one refused without ``--overwrite``) here,
-    before any rank loads the model."""
-    args.out = args.out or default_eval_out(args.task, args.split)
+    The output file is chosen (and an existing one refused without ``--overwrite``) here, and the
+    sampler's shape checked against the checkpoint's config, before any rank loads the model."""
+    cfg = eval_config(args)
+    args.out = args.out or default_eval_out(cfg.rollout.task, cfg.eval.split)
     args.summary = args.summary or summary_path(args.out)
     _check_sampling_flags(args)
     if refuse_existing("eval", args.out, args.overwrite) or refuse_existing("eval", args.summary, args.overwrite):
         return 2
-    _note_training_prompts(args, cli_prompt_format(args))  # once per job: here, not in every rank
+    _check_ckpt(args)
+    command_task(cfg, args, EVAL_FLAGS)  # the task and prompt options (its data: _eval_inputs)
+    sampling_options(args, read_config(args.ckpt))  # the sampler's shape rules, one line each
+    r = cfg.rollout
+    used = PromptFormat(r.system_prompt, r.prompt_template, r.chat_template)
+    _note_training_prompts(args, used, r.task)  # once per job: here, not in every rank
     options = {key: value for key, value in vars(args).items() if key != "handler"}
     if args.check:
         return _check_eval(args)
@@ -62,19 +79,27 @@ def _check_eval(args: argparse.Namespace) -> int:
     """``eval --check``: every input a rank would read (task, data, prompt format, checkpoint
     config, sampling flags, output files), checked in this one process; no model is built."""
 
-    task, examples = _eval_inputs(args)
-    cfg = read_config(args.ckpt)
-    sampling_options(args, cfg)
+    cfg, task, examples = _eval_inputs(args)
+    mcfg = read_config(args.ckpt)
+    sampling_options(args, mcfg)
     print(
-        f"eval inputs ok: {len(examples)} {task.name}/{args.split} examples x {args.n} samples, {cfg.arch} "
+        f"eval inputs ok: {len(examples)} {task.name}/{cfg.eval.split} examples x {args.n} samples, {mcfg.arch} "
         f"checkpoint {args.ckpt} -> {args.out}, {args.summary}"
     )
     return 0
 
 
-def _note_training_prompts(args: argparse.Namespace, fmt) -> None:
-    """A training checkpoint whose run configured other prompts than this eval uses: say so
-    (once, rank 0), naming the flags that reproduce the training prompts."""
+def _quote(value: str) -> str:
+    """``value`` single-quoted for a POSIX shell (as typed after a flag)."""
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def _note_training_prompts(args: argparse.Namespace, fmt, task: Optional[str] = None) -> None:
+    """A training checkpoint whose run configured other prompts than this eval uses (``fmt``, a
+    :class:`~stabledrl_mcore.tasks.prompts.PromptFormat`; ``task``: default ``args.task``): say so
+    (once, rank 0), naming what to type to evaluate with them: the flags with their values, the
+    flags to drop (a default: the task's own system prompt, the bare question, the tokenizer's
+    template), or the training config itself."""
 
     path = os.path.join(args.ckpt, "config.yaml")
     if not os.path.isfile(path) or os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) not in ("", "0"):
@@ -93,12 +118,18 @@ def _note_training_prompts(args: argparse.Namespace, fmt) -> None:
         "--prompt-template": fmt.template,
         "--chat-template": fmt.chat_template,
     }
-    differ = [f"{flag} {trained[flag]!r}" for flag in PROMPT_FLAGS if trained[flag] != used[flag]]
-    if rollout.get("task") == args.task and differ:
-        print(
-            f"stabledrl eval: note: {path} trained with other prompts; to evaluate with them pass {' '.join(differ)}",
-            file=sys.stderr,
-        )
+    differ = [flag for flag in PROMPT_FLAGS if trained[flag] != used[flag]]
+    if rollout.get("task") != (task or args.task) or not differ:
+        return
+    defaults = (None, "{question}")
+    add = [f"{flag} {_quote(str(trained[flag]))}" for flag in differ if trained[flag] not in defaults]
+    drop = [flag for flag in differ if trained[flag] in defaults]
+    fixes = (["pass " + " ".join(add)] if add else []) + (["drop " + " ".join(drop)] if drop else [])
+    print(
+        f"stabledrl eval: note: {path} trained with other prompts; to evaluate with them "
+        f"{' and '.join(fixes)} (or pass --config {_quote(path)} and no prompt flags)",
+        file=sys.stderr,
+    )
 
 
 def summary_path(out: str) -> str:
@@ -128,37 +159,39 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
         raise UserError(str(err) if "--k" in str(err) else f"--k {args.k}: give integers like 1,4,8") from None
 
 
-def _eval_inputs(args: argparse.Namespace):
-    """``(task, examples)`` of an eval, checked before any model is loaded; none is an error."""
-
+def _check_ckpt(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.ckpt):
         raise FileNotFoundError(f"--ckpt {args.ckpt}: no such checkpoint directory")
+
+
+def _eval_inputs(args: argparse.Namespace):
+    """``(config, task, examples)`` of an eval, checked before any model is loaded; none is an error.
+
+    The task is built as ``train`` builds it (``rollout.task``, ``task_options``, ``prompt_key`` /
+    ``answer_key``, ``reward_fn``, the prompt fields); the examples are those of ``eval.split``
+    (``--split``) from ``eval.data_path`` (``--data-path``) or the task's own data."""
+
+    _check_ckpt(args)
+    cfg = eval_config(args)
+    task = command_task(cfg, args, EVAL_FLAGS)
+    load_kwargs = {"limit": args.limit, "seed": args.seed}
+    if cfg.eval.data_path:
+        load_kwargs["path"] = cfg.eval.data_path
+    if cfg.rollout.task in GENERATED_TASKS:
+        load_kwargs["n"] = args.limit or 500
     try:
-        task = get_task(args.task, prompt_style=args.prompt_style)
-        if args.prompt_style == "compact" and any(
-            getattr(args, f[2:].replace("-", "_")) is not None for f in PROMPT_FLAGS
-        ):
-            raise UserError(
-                f"{'/'.join(PROMPT_FLAGS)} need --prompt-style chat (compact prompts are the bare question)"
-            )
-        task.prompt_format = cli_prompt_format(args)  # the same rendering as training
-        load_kwargs = {"limit": args.limit, "seed": args.seed}
-        if args.data_path:
-            load_kwargs["path"] = args.data_path
-        if args.task in GENERATED_TASKS:
-            load_kwargs["n"] = args.limit or 500
-        examples = task.load(args.split, **load_kwargs)
+        examples = task.load(cfg.eval.split, **load_kwargs)
     except (DataError, FileNotFoundError):
         raise
-    except ValueError as err:  # an unknown task, split or option
-        raise UserError(f"--task {args.task}: {err}") from None
+    except ValueError as err:  # an unknown split or a path a generated task cannot read
+        raise UserError(f"rollout.task={cfg.rollout.task}: {err}") from None
     if not examples:
-        source = args.data_path or f"the {args.split} split"
+        source = cfg.eval.data_path or f"the {cfg.eval.split} split"
         raise DataError(
-            f"--task {args.task}: {source} holds no examples to evaluate"
+            f"rollout.task={cfg.rollout.task}: {source} holds no examples to evaluate"
             + (f" with --limit {args.limit}" if args.limit is not None else "")
         )
-    return task, examples
+    return cfg, task, examples
 
 
 def _eval_rank(options: dict) -> int:
@@ -166,7 +199,7 @@ def _eval_rank(options: dict) -> int:
     args = argparse.Namespace(**options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    task, examples = _eval_inputs(args)
+    run, task, examples = _eval_inputs(args)
     cfg = read_config(args.ckpt)
     bootstrap.initialize(
         args.tp,
@@ -194,27 +227,43 @@ def _eval_rank(options: dict) -> int:
         **sampling_options(args, cfg),
     )
     if bootstrap.is_main_rank():
-        out = args.out or default_eval_out(args.task, args.split)
+        out = args.out or default_eval_out(run.rollout.task, run.eval.split)
         write_jsonl(out, result.records)
         summary = args.summary or summary_path(out)
-        write_summary(summary, args, result)
+        write_summary(summary, args, result, run)
         print(
-            f"{args.task}/{args.split}: accuracy {result.accuracy:.4f} "
+            f"{run.rollout.task}/{run.eval.split}: accuracy {result.accuracy:.4f} "
             f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}"
         )
         print(" ".join(f"{name} {value:.4f}" for name, value in result.metrics.items()) + f" -> {summary}")
     return 0
 
 
-def write_summary(path: str, args: argparse.Namespace, result) -> None:
-    """The run's figures and settings as one JSON object (atomically)."""
+def write_summary(path: str, args: argparse.Namespace, result, cfg=None) -> None:
+    """The run's figures and settings as one JSON object (atomically); ``cfg``: the eval's run
+    config (:func:`eval_config`), whose task, data and prompt fields are recorded."""
 
+    cfg = cfg or eval_config(args)
+    r = cfg.rollout
     settings = {
-        key: getattr(args, key)
+        "task": r.task,
+        "split": cfg.eval.split,
+        "data_path": cfg.eval.data_path,
+        "task_options": dict(r.task_options),
+        "prompt_key": r.prompt_key,
+        "answer_key": r.answer_key,
+        "reward_fn": r.reward_fn,
+        "system_prompt": r.system_prompt,
+        "prompt_template": r.prompt_template,
+        "chat_template": r.chat_template,
+        "prompt_style": r.prompt_style,
+        "config": args.config,
+        "overrides": list(args.overrides or []),
+    }
+    settings.update(
+        (key, getattr(args, key))
         for key in (
             "ckpt",
-            "task",
-            "split",
             "limit",
             "n",
             "k",
@@ -226,12 +275,8 @@ def write_summary(path: str, args: argparse.Namespace, result) -> None:
             "cache",
             "seed",
             "batch_size",
-            "system_prompt",
-            "prompt_template",
-            "chat_template",
-            "prompt_style",
         )
-    }
+    )
     body = {
         "accuracy": result.accuracy,
         "mean_reward": result.mean_reward,
@@ -247,13 +292,51 @@ def write_summary(path: str, args: argparse.Namespace, result) -> None:
     os.replace(path + ".tmp", path)
 
 
+EVAL_FLAGS = (
+    "--task",
+    "--split",
+    "--data-path",
+    "--prompt-style",
+    "--system-prompt",
+    "--prompt-template",
+    "--chat-template",
+    "--gen-length",
+    "--steps",
+    "--block-length",
+    "--temperature",
+    "--threshold",
+    "--cache",
+    "--ckpt",
+    "--tokenizer",
+    "--seed",
+    "--limit",
+    "--batch-size",
+    "--tp",
+    "--threads",
+)
+"""The flags a hint of eval may name (tests/test_eval_options.py checks each against the parser)."""
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
-    parser.add_argument("--task", required=True, help="gsm8k, math500, countdown or sudoku")
-    parser.add_argument("--split", default="test")
+    add_config_args(
+        parser,
+        "a run config whose task, data and prompt fields to use (e.g. a training run's config.yaml)",
+        "rollout.* / eval.* overrides as in train, e.g. rollout.prompt_key=question rollout.task_options.verifier=numeric",
+    )
+    parser.add_argument(
+        "--task",
+        default=None,
+        help=f"the task (rollout.task): {', '.join(available_tasks())}",
+    )
+    parser.add_argument("--split", default=None, help="the split (eval.split; default test)")
     parser.add_argument("--limit", type=int, default=None, help="first N examples")
-    parser.add_argument("--data-path", metavar="PATH", help="local data file/root (GSM8K, MATH500)")
-    parser.add_argument("--prompt-style", default="chat", choices=("chat", "compact"))
+    parser.add_argument(
+        "--data-path", metavar="PATH", help="local data file/root to evaluate on (eval.data_path; docs/data.md)"
+    )
+    parser.add_argument(
+        "--prompt-style", default=None, choices=("chat", "compact"), help="rollout.prompt_style (default chat)"
+    )
     parser.add_argument(
         "--out", metavar="FILE", help="per-example JSONL with the exact prompts (default: ./eval_<task>_<split>.jsonl)"
     )

@@ -275,9 +275,74 @@ def check_pipeline_options(cfg) -> None:
         )
 
 
+ROLLOUT_SHAPE_NAMES = ("rollout.gen_length", "rollout.steps", "rollout.block_length")
+"""How :func:`check_sampler_shape` names the rollout's sampler fields (``train``; eval names its flags)."""
+
+
+def _divisors_near(n: int, near: int, count: int = 3) -> str:
+    divisors = sorted((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), d))
+    return " or ".join(str(d) for d in sorted(divisors[:count]))
+
+
+def check_sampler_shape(
+    arch: str,
+    block_size: Optional[int],
+    *,
+    gen_length: int,
+    steps: int,
+    block_length: Optional[int],
+    names: Sequence[str] = ROLLOUT_SHAPE_NAMES,
+    sep: str = "=",
+    description: str = "the model",
+) -> None:
+    """The shape rules of the samplers (``diffusion/sampling_llada.py``, ``sampling_sdar.py``) and of
+    the staircase likelihood, refused in one line before any rank starts (train's preflight, every
+    rank's set-up, ``eval`` and ``generate``). ``names``: how the three values are written (the
+    config fields, or the flags ``--gen-length`` ...; ``sep`` joins a name and its value).
+
+    * every value >= 1;
+    * LLaDA: ``gen_length`` is a whole number of blocks of ``block_length``, and ``steps`` (over
+      the whole completion) a multiple of that number of blocks (each block takes ``steps / blocks``);
+    * SDAR: ``block_length`` (None = the model's) is the model's own ``block_size``: the model was
+      trained, decodes its KV cache and is scored by the staircase likelihood in those blocks.
+    """
+    g, s, b = names
+
+    def show(name, value):
+        return f"{name}{sep}{value}"
+
+    for name, value in zip(names, (gen_length, steps, block_length)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{show(name, value)}: must be >= 1")
+    if arch == "sdar":
+        if block_length is not None and block_size and block_length != block_size:
+            raise ConfigError(
+                f"{show(b, block_length)}: {description} is SDAR with blocks of {block_size} tokens "
+                f"(it decodes, caches and is scored in those blocks): set {show(b, block_size)}"
+            )
+        return
+    if block_length is None:
+        return
+    if gen_length % block_length:
+        raise ConfigError(
+            f"{show(g, gen_length)} is not a whole number of blocks of {show(b, block_length)} "
+            f"(LLaDA decodes block by block): set {b} to a divisor of {gen_length}, e.g. "
+            f"{_divisors_near(gen_length, block_length)}"
+        )
+    blocks = gen_length // block_length
+    if steps % blocks:
+        low = max(blocks, steps // blocks * blocks)
+        raise ConfigError(
+            f"{show(s, steps)} is not a multiple of the number of blocks, {gen_length} / {block_length} = "
+            f"{blocks} (each block takes the same number of steps): set {s} to a multiple of {blocks}, e.g. "
+            f"{low} or {low + blocks}"
+        )
+
+
 def check_model_options(cfg, mcfg, description: str = "the model") -> None:
-    """Settings the model ``mcfg`` cannot honour (staircase without blocks, LLaDA's caches on SDAR,
-    mixture-of-experts router losses under PP), refused by name (preflight and every rank)."""
+    """Settings the model ``mcfg`` cannot honour (the sampler's shape, :func:`check_sampler_shape`;
+    staircase without blocks, LLaDA's caches on SDAR, mixture-of-experts router losses under PP),
+    refused by name (preflight and every rank)."""
     if cfg.algo.likelihood == "staircase" and not mcfg.block_size:
         raise ConfigError(
             f"algo.likelihood=staircase needs a block-diffusion (SDAR) model; {description} has no block_size"
@@ -295,6 +360,15 @@ def check_model_options(cfg, mcfg, description: str = "the model") -> None:
             f"{p.pipeline_parallel}: Megatron's schedules would sum the router losses over "
             f"micro-batches where the PP=1 update averages them; set them to 0 or PP to 1"
         )
+    r = cfg.rollout
+    check_sampler_shape(
+        mcfg.arch,
+        mcfg.block_size,
+        gen_length=r.gen_length,
+        steps=r.steps,
+        block_length=r.block_length,
+        description=description,
+    )
 
 
 def check_layout(cfg, mcfg, world_size: Optional[int]) -> Optional[int]:

@@ -108,11 +108,13 @@ class RolloutSection:
     group_size: int = 8
     """Completions per prompt (G)."""
     gen_length: int = 64
-    """New tokens per completion."""
+    """New tokens per completion (LLaDA: a whole number of ``block_length`` blocks)."""
     steps: int = 32
-    """Diffusion denoising steps per completion."""
+    """Diffusion denoising steps: LLaDA over the whole completion (a multiple of the number of
+    blocks, ``gen_length / block_length``), SDAR per block."""
     block_length: int = 32
-    """Semi-autoregressive block length (LLaDA) / decoding block (SDAR uses the model's block size)."""
+    """Semi-autoregressive block length (LLaDA, divides ``gen_length``); SDAR: the model's own
+    ``block_size`` (4 for SDAR-8B), checked at preflight."""
     temperature: float = 0.9
     """Gumbel sampling temperature; 0 = greedy."""
     threshold: Optional[float] = None

@@ -91,7 +91,8 @@ class MetricsLogger(NullLogger):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, jsonl_name)
-        self._jsonl = open(self.path, "a", buffering=1)
+        self._jsonl: Optional[TextIO] = None  # opened at the first record: a run that fails before
+        # its first step leaves no metrics file, so the next fresh run does not take it for a used run
         self._stream = stream  # None: sys.stdout as it is when a line is written
         self._console_keys = tuple(console_keys)
         self._start = time.time()
@@ -132,6 +133,8 @@ class MetricsLogger(NullLogger):
     def log(self, step: int, metrics: Dict[str, Any], *, console: bool = True) -> None:
         record = {"step": step, "time": round(time.time() - self._start, 3)}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
+        if self._jsonl is None:
+            self._jsonl = open(self.path, "a", buffering=1)
         self._jsonl.write(json.dumps(record) + "\n")
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._wandb is not None:
@@ -164,7 +167,7 @@ class MetricsLogger(NullLogger):
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
-        if not self._jsonl.closed:
+        if self._jsonl is not None and not self._jsonl.closed:
             self._jsonl.close()
 
 

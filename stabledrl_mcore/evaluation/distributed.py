@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.engine.expert import finish_forwards
@@ -74,7 +75,8 @@ def evaluate_model(
     Each record holds the exact ``prompt`` the model saw (``task.prompt``) and the ``question``;
     with ``n > 1`` also ``samples`` (every sample's completion, extracted answer, reward,
     correct) and the example's own ``pass@k`` / ``maj@k`` / ``mean@k`` (``ks``: default
-    :func:`~stabledrl_mcore.evaluation.at_k.default_ks`); the top-level fields are those of the first sample."""
+    :func:`~stabledrl_mcore.evaluation.at_k.default_ks`); the top-level fields are those of the first sample.
+    ``progress``: one bar over rank 0's examples for the whole evaluation (the samplers show none)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ks = check_ks(ks, n) if ks is not None else default_ks(n)
@@ -84,14 +86,25 @@ def evaluate_model(
         block_length=block_length,
         temperature=temperature,
         threshold=threshold,
-        progress=progress,
+        progress=False,  # one bar for the whole evaluation (below), none per decoded batch
         cache=cache,
     )
     group, rank, world = _dp_group()
     if n == 1 and temperature == 0:
-        records = _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling)
-    else:
-        records = _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling)
+        total = len(shard_indices(len(examples), rank, world))
+    else:  # this rank's chunks (see _sampled_records)
+        per_chunk = max(1, micro_batch // n)
+        chunks = -(-len(examples) // per_chunk)
+        total = sum(min(per_chunk, len(examples) - c * per_chunk) for c in shard_indices(chunks, rank, world))
+    desc = "eval" if world == 1 else f"eval (rank 0's {total} of {len(examples)})"
+    shown = progress and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+    with tqdm(total=total, desc=desc, unit="example", disable=not shown, dynamic_ncols=True) as bar:
+        if n == 1 and temperature == 0:
+            records = _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar)
+        else:
+            records = _sampled_records(
+                model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar
+            )
     finish_forwards(model)  # expert parallelism: peers may still run forwards (see parallel.expert)
     if world > 1:
         gathered: List[Any] = [None] * world
@@ -110,7 +123,7 @@ def evaluate_model(
     )
 
 
-def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling):
+def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar=None):
     """One completion per example, batches of ``micro_batch`` within this rank's shard."""
     mine = shard_examples(list(examples), rank, world)
     completions: List[str] = []
@@ -122,6 +135,8 @@ def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, 
             ids, valid = encode_prompts(tokenizer, prompts[start : start + micro_batch], device=device)
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
             completions += [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
+            if bar is not None:
+                bar.update(ids.shape[0])
     return evaluate_completions(task, mine, completions, prompts)[1]
 
 
@@ -131,7 +146,7 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling):
+def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar=None):
     """``n`` samples per example, chunk by chunk (see the module docstring); one record per example."""
     examples = list(examples)
     per_chunk = max(1, micro_batch // n)
@@ -154,4 +169,6 @@ def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch,
                 record["index"] = ex.meta.get("index", c * per_chunk + j)
                 record.update(samples=samples, **sample_metrics(samples, ks, task.same_answer))
                 records.append(record)
+            if bar is not None:
+                bar.update(len(chunks[c]))
     return records
