@@ -48,14 +48,17 @@ REWARDS = textwrap.dedent('''
     def one_argument(completion):
         return 1.0
 
-    CALLS = []
-
     def marked(completion, reference):
-        """Every 4th call raises; the others return 0.25; each call appends a line to $MARKER."""
-        CALLS.append(completion)
-        with open(os.environ["MARKER"], "a") as handle:
+        """Each call appends a line to $MARKER (under a lock: the calls run in several workers);
+        the calls that write its 4th, 8th, ... line raise, the others return 0.25."""
+        import fcntl
+        with open(os.environ["MARKER"], "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
             handle.write(reference + "\\n")
-        if len(CALLS) % 4 == 0:
+            handle.flush()
+            handle.seek(0)
+            count = len(handle.read().splitlines())
+        if count % 4 == 0:
             raise RuntimeError("every fourth call fails")
         return 0.25
 ''')

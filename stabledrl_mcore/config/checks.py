@@ -54,6 +54,22 @@ def check_lora_model(lora, mcfg, description: str = "the model") -> None:
         )
 
 
+def _validate_reward_limits(r) -> None:
+    frac = r.max_reward_error_frac
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 1.0:
+        raise ConfigError(
+            f"rollout.max_reward_error_frac must be in (0, 1] (the share of a step's reward calls that may "
+            f"fail before the run stops; 1 never stops), got {frac!r}"
+        )
+    workers = r.reward_workers
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ConfigError(f"rollout.reward_workers must be an integer >= 1 or null (min(8, CPUs)), got {workers!r}")
+    if workers is not None and not r.reward_fn:
+        raise ConfigError(
+            f"rollout.reward_workers={workers} sets how many rollout.reward_fn calls run at once: set rollout.reward_fn too"
+        )
+
+
 def validate_run_config(cfg):
     """Check values that types alone cannot; raise :class:`ConfigError`."""
     choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
@@ -73,6 +89,7 @@ def validate_run_config(cfg):
     choice("rollout.prompt_style", cfg.rollout.prompt_style, ("chat", "compact"))
     choice("rollout.cache", cfg.rollout.cache, ("none", "prefix", "dual"))
     choice("rollout.reward_isolation", cfg.rollout.reward_isolation, REWARD_ISOLATION)
+    _validate_reward_limits(cfg.rollout)
     if cfg.rollout.cache_gap_every < 0 or cfg.rollout.cache_gap_every and cfg.rollout.cache == "none":
         raise ConfigError(
             f"rollout.cache_gap_every={cfg.rollout.cache_gap_every} measures the cached "

@@ -166,6 +166,17 @@ class RolloutSection:
     """Where ``reward_fn`` runs: ``process`` (a worker process per rank, killed and restarted when a
     call overruns its limit, so the limit always holds) or ``thread`` (in the rank itself, under a
     ``SIGALRM`` deadline a function can outlive); see docs/data.md."""
+    reward_workers: Optional[int] = None
+    """``reward_fn`` calls in flight at once per rank (each under its own ``reward_timeout_s``;
+    ``process``: that many worker processes): a step's rewards are scored by this pool, in sample
+    order, so a function that hangs on every call costs one limit per this many samples, not one
+    per sample. None = min(8, CPUs the rank may use); 1 = one call at a time in the training
+    thread (``thread`` mode's ``SIGALRM`` deadline). Module-level state of your file is per worker."""
+    max_reward_error_frac: float = 0.5
+    """A step whose share of failed reward calls (``reward_errors`` / samples, over all data-parallel
+    ranks together: a call that raised, timed out or returned no finite number, scored 0) exceeds
+    this ends the run with ``RewardErrorsError`` (exit 1) naming the share and the first failure,
+    instead of training on zeros. In (0, 1]; 1 = never stop. Not a skipped update."""
 
     @property
     def generated_prompts(self) -> int:

@@ -32,7 +32,8 @@ def evaluate_completions(
     """Score one completion per example; returns (accuracy, records).
 
     accuracy = mean of ``task.is_correct`` (full reward), 0.0 for no examples.
-    Each record: index, prompt, reference, completion, extracted, reward, correct. With
+    A task with a batch method ``rewards(completions, references)`` (``rollout.reward_fn``) scores
+    through it. Each record: index, prompt, reference, completion, extracted, reward, correct. With
     ``prompts`` (the exact texts the model was given, chat template included) ``prompt`` is
     that text and ``question`` the example's own; without, ``prompt`` is the example's.
     """
@@ -41,12 +42,14 @@ def evaluate_completions(
     if prompts is not None and len(prompts) != len(examples):
         raise ValueError(f"got {len(examples)} examples but {len(prompts)} prompts")
     records: list[dict[str, Any]] = []
+    batch = getattr(task, "rewards", None)  # rollout.reward_fn: the calls run in parallel
+    rewards = batch(list(completions), [ex.reference for ex in examples]) if batch is not None else None
     for i, (ex, completion) in enumerate(zip(examples, completions)):
         try:
             extracted = task.extract_answer(completion)
         except Exception:
             extracted = None
-        reward = task.reward(completion, ex.reference)
+        reward = task.reward(completion, ex.reference) if rewards is None else rewards[i]
         records.append(
             {
                 "index": ex.meta.get("index", i),

@@ -4,15 +4,19 @@ Greedy decoding with the rollout's length and block settings, one token per
 denoising step, sharded over data-parallel ranks (``evaluation.evaluate_model``).
 Logged as ``test_accuracy`` (share of fully correct answers) and
 ``test_reward`` (mean task reward) at step 0, every ``eval.every`` steps and
-after the last step.
+after the last step; with ``rollout.reward_fn`` also ``test_reward_errors``, its calls that
+failed and scored 0 (over all ranks; ``rollout.max_reward_error_frac`` watches training steps only).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+import torch
+
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.evaluation.distributed import evaluate_model
+from stabledrl_mcore.rl.step_metrics import dp_sum
 from stabledrl_mcore.tasks.from_config import heldout_examples
 
 
@@ -37,7 +41,10 @@ def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable
             micro_batch=cfg.eval.micro_batch_size,
             seed=cfg.eval.seed,
         )
-        return {"test_accuracy": result.accuracy, "test_reward": result.mean_reward}
+        out = {"test_accuracy": result.accuracy, "test_reward": result.mean_reward}
+        if hasattr(task, "pop_failure_report"):  # rollout.reward_fn: its failed calls here, not the next step's
+            out["test_reward_errors"] = dp_sum(torch.tensor([float(task.pop_failure_report()[0])]))[0]
+        return out
 
     return evaluate
 

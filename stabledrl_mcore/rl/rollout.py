@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from stabledrl_mcore.algorithms.advantages import group_advantages
+from stabledrl_mcore.common.isolated_calls import raised
 from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.rl.group_rollout import group_rollouts
@@ -40,6 +41,7 @@ class RolloutBatch:
     correct: Optional[torch.Tensor] = None  # [N] bool: the task's full (base) reward, for accuracy
     advantages: Optional[torch.Tensor] = None
     reward_errors: int = 0
+    first_reward_error: Optional[str] = None  # this rank's first failed reward of the step, as shown
     old_token_logp: Optional[torch.Tensor] = None  # [M, N, S] per-draw log-probs (no grad)
     old_logp: Optional[torch.Tensor] = None  # [N] sequence estimates (what the loss differentiates)
     old_ratio_logp: Optional[torch.Tensor] = None  # [N] what importance ratios compare (the ELBO)
@@ -172,19 +174,29 @@ def score_rollouts(batch: RolloutBatch, task, *, advantage: str = "center") -> R
     """Phase 2: rewards (a verifier that raises scores 0 and is counted) and group advantages.
 
     ``batch.correct`` is the task's own correctness (its full base reward), so accuracy
-    does not count shaping terms such as ``anti_short_boxed``.
+    does not count shaping terms such as ``anti_short_boxed``. A task with a batch method
+    ``rewards(completions, references)`` (``rollout.reward_fn``: its calls run in parallel) scores
+    through it; ``batch.first_reward_error`` keeps the step's first failure's message.
     """
-    rewards, correct, errors = [], [], 0
-    for completion, reference in zip(batch.completions, batch.references):
+    if hasattr(task, "pop_failure_report"):  # rollout.reward_fn: earlier calls (held-out eval) are not this step's
+        task.pop_failure_report()
+    pairs = list(zip(batch.completions, batch.references))
+    given = task.rewards(batch.completions, batch.references) if hasattr(task, "rewards") else None
+    rewards, correct, errors, first = [], [], 0, None
+    for i, (completion, reference) in enumerate(pairs):
         try:
-            rewards.append(float(task.reward(completion, reference)))
-            correct.append(bool(task.is_correct(completion, reference)))
-        except Exception:  # noqa: BLE001 - hostile model output must never stop training
-            rewards.append(0.0)
-            correct.append(False)
+            value = float(given[i] if given is not None else task.reward(completion, reference))
+            right = bool(task.is_correct(completion, reference))
+        except Exception as err:  # noqa: BLE001 - hostile model output must never stop training
+            value, right = 0.0, False
             errors += 1
-    if hasattr(task, "pop_failures"):  # rollout.reward_fn: calls that raised or timed out scored 0
-        errors += task.pop_failures()
+            first = first or f"the task's verifier {raised(err)}"
+        rewards.append(value)
+        correct.append(right)
+    if hasattr(task, "pop_failure_report"):  # rollout.reward_fn: calls that raised or timed out scored 0
+        count, first_call = task.pop_failure_report()
+        errors, first = errors + count, first_call or first
+    batch.first_reward_error = first
     device = batch.sequences.device
     batch.rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
     batch.correct = torch.tensor(correct, dtype=torch.bool, device=device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -11,7 +11,7 @@ from stabledrl_mcore.parallel.bootstrap import comm_device
 _UNFILTERED = object()
 
 
-def _dp_sum(values: torch.Tensor) -> list:
+def dp_sum(values: torch.Tensor) -> list:
     """Sum over data-parallel ranks; one device->host copy of the result."""
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as ps
@@ -19,6 +19,20 @@ def _dp_sum(values: torch.Tensor) -> list:
         values = values.to(comm_device())  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(values, group=ps.get_data_parallel_group())
     return values.tolist()
+
+
+def first_reward_error(batch) -> Optional[str]:
+    """The first failed reward's message of the lowest data-parallel rank that had one (every rank
+    gets the same; a collective: call it on every rank)."""
+    mine = batch.first_reward_error
+    if not torch.distributed.is_initialized():
+        return mine
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    gathered: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, mine, group=group)
+    return next((text for text in gathered if text), None)
 
 
 def step_metrics(
@@ -63,7 +77,7 @@ def step_metrics(
             torch.tensor(host, dtype=torch.float64, device=device),
         ]
     )
-    total = _dp_sum(local)
+    total = dp_sum(local)
     n = max(total[5], 1.0)
     mean = total[0] / n
     out = {
@@ -71,6 +85,7 @@ def step_metrics(
         "reward_std": max(total[1] / n - mean * mean, 0.0) ** 0.5,
         f"accuracy/{s.cfg.rollout.task}": total[2] / n,
         "reward_errors": total[6],
+        "reward_error_frac": total[6] / n,  # rollout.max_reward_error_frac ends the run above it
         "groups_varied": total[4] / max(total[8], 1.0),
         **({"groups_kept": total[9] / max(total[8], 1.0)} if s.cfg.rollout.filter_uniform_groups else {}),
         "completion_tokens": total[3],

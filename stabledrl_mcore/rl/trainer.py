@@ -52,8 +52,9 @@ from stabledrl_mcore.rl.heldout import is_eval_step, make_heldout_evaluator
 from stabledrl_mcore.rl.rollout import generate_rollouts, score_rollouts
 from stabledrl_mcore.rl.sample_dump import dump_samples
 from stabledrl_mcore.rl.setup import TrainingSetup, build_training
-from stabledrl_mcore.rl.step_metrics import step_metrics
+from stabledrl_mcore.rl.step_metrics import first_reward_error, step_metrics
 from stabledrl_mcore.rl.update import accumulate_gradients, loss_coefficients
+from stabledrl_mcore.tasks.custom_reward import check_reward_errors
 
 
 class PhaseTimer:
@@ -268,6 +269,13 @@ def _train(
                 metrics.update(hook(s, step + 1) or {})
             logger.log(step + 1, metrics, console=(step + 1) % cfg.logging.log_every == 0)
             dump_samples(cfg.logging, logger, batch, kept, update, s.tokenizer, step + 1)
+            check_reward_errors(  # the share is the same on every rank: all stop together
+                cfg.rollout.max_reward_error_frac,
+                metrics["reward_error_frac"],
+                metrics["reward_errors"],
+                step + 1,
+                lambda: first_reward_error(batch),
+            )
             health.after_step(step + 1, update["update_skips"], metrics, final=step + 1 == end)
             bar.update(1)
             stop = preemption_agreed()

@@ -52,6 +52,7 @@ def build_task(cfg):
             spec=r.reward_fn,
             timeout_s=r.reward_timeout_s,
             isolation=r.reward_isolation,
+            workers=r.reward_workers,
         )
     return task
 
