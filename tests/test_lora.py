@@ -154,7 +154,7 @@ def test_an_adapted_linear_equals_the_hand_built_one_with_its_gradients(tmp_path
 
 
 # ----------------------------------------------------------------- training runs at TP=2 and TP=1
-def _overrides(run_dir, base, tp, extra=()):
+def _overrides(run_dir, base, tp, kind, extra=()):
     return [
         f"logging.run_dir={run_dir}",
         "logging.wandb_mode=disabled",
@@ -170,7 +170,7 @@ def _overrides(run_dir, base, tp, extra=()):
         "rollout.group_size=4",
         "rollout.gen_length=8",
         "rollout.steps=4",
-        "rollout.block_length=8",
+        f"rollout.block_length={8 if kind == 'llada' else 4}",  # SDAR: the model's own block size
         "parallel.micro_batch_size=4",
         "optim.lr=0.05",
         "algo.kl_coef=0.05",
@@ -199,7 +199,7 @@ def _runs_worker(jobs):
         assert train_rank(TINY, overrides) == 0
 
     for job in jobs:
-        run(_overrides(job["tp2"], job["base"], 2))
+        run(_overrides(job["tp2"], job["base"], 2, job["kind"]))
         if rank0:
             os.makedirs(os.path.join(job["resumed"], "checkpoints"))
             shutil.copytree(
@@ -207,8 +207,8 @@ def _runs_worker(jobs):
                 os.path.join(job["resumed"], "checkpoints", "step_00000001"),
             )
         dist.barrier()
-        run(_overrides(job["resumed"], job["base"], 2, ["checkpoint.resume=auto"]))
-        run(_overrides(job["tp1"], job["base"], 1))
+        run(_overrides(job["resumed"], job["base"], 2, job["kind"], ["checkpoint.resume=auto"]))
+        run(_overrides(job["tp1"], job["base"], 1, job["kind"]))
     bootstrap.destroy()
     if rank0:
         for job in jobs:
@@ -231,6 +231,7 @@ def lora_runs(tmp_path_factory):
             base = str(root / "mcore_llada")
             spawn(_convert_worker, 1, (hf, base), timeout=120)
         jobs[kind] = {
+            "kind": kind,
             "hf_base": hf,
             "base": base,
             **{name: str(root / kind / name) for name in ("tp2", "resumed", "tp1", "peft")},
@@ -414,9 +415,10 @@ def test_a_mixture_of_experts_takes_adapters_on_attention_only():
     from stabledrl_mcore.models import get_preset
 
     moe = get_preset("sdar-moe-tiny")
+    block = f"rollout.block_length={moe.block_size}"
     with pytest.raises(ConfigError, match="expert MLPs take no adapters"):
-        check_model_options(_config("model.lora.rank=4"), moe)
-    check_model_options(_config("model.lora.rank=4", "model.lora.targets=[q_proj,o_proj]"), moe)
+        check_model_options(_config("model.lora.rank=4", block), moe)
+    check_model_options(_config("model.lora.rank=4", "model.lora.targets=[q_proj,o_proj]", block), moe)
 
 
 def test_the_planner_counts_adapters_instead_of_a_reference_and_full_optimizer_states():
@@ -432,3 +434,77 @@ def test_the_planner_counts_adapters_instead_of_a_reference_and_full_optimizer_s
     assert lora["gradients"] == pytest.approx(4.0 * adapters)
     assert lora["params"] == pytest.approx(full["params"] + adapters)
     assert lora["optimizer"] == pytest.approx(12.0 * adapters / lora["dp"])
+
+
+def _sft_worker(tmp, out):
+    """SFT with LoRA on a randomly initialised sdar-tiny: a straight run and one cut at step 2 and
+    resumed (the base is rebuilt from the seed, the adapters come from the checkpoint)."""
+    from test_sft import _fixed_mask_loss, _overrides, _write_data
+
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.parallel import bootstrap
+    from stabledrl_mcore.sft import SFTConfig, train_sft
+
+    data = os.path.join(tmp, "data.jsonl")
+    _write_data(data)
+    lora = {"model.lora.rank": RANK, "model.lora.alpha": ALPHA, "optim.lr": 3e-2}
+    results, first = {}, {}
+
+    def record(s, step):
+        if step == 1:
+            first.update({k: v.detach().clone() for k, v in s.model.state_dict().items() if torch.is_tensor(v)})
+        return _fixed_mask_loss(s)
+
+    for name, extra, stop_after in (
+        ("full", {}, None),
+        ("cut", {"checkpoint.save_every": 2}, 2),
+        ("cut", {"checkpoint.save_every": 2, "checkpoint.resume": "auto"}, None),
+    ):
+        cfg = load_config(None, _overrides(os.path.join(tmp, name), data, "sdar-tiny", **lora, **extra), cls=SFTConfig)
+        s = train_sft(cfg, hooks=[record], stop_after=stop_after)
+        results[name] = {k: v.detach().clone() for k, v in s.model.state_dict().items() if torch.is_tensor(v)}
+        if name == "full":
+            results["after_step_1"] = dict(first)
+        bootstrap.destroy()
+    with open(os.path.join(tmp, "full", "metrics.jsonl")) as handle:
+        results["losses"] = [json.loads(line)["fixed_mask_loss"] for line in handle]
+    torch.save(results, out)
+
+
+@pytest.mark.multiprocess
+def test_sft_with_lora_trains_the_adapters_only_and_resumes_exactly(tmp_path):
+    out = str(tmp_path / "sft.pt")
+    spawn(_sft_worker, 1, (str(tmp_path), out), timeout=300)
+    got = torch.load(out)
+    full, cut, first = got["full"], got["cut"], got["after_step_1"]
+    adapter = [k for k in full if ".lora." in k]
+    assert adapter and all(torch.equal(full[k], cut[k]) for k in full), "the resumed run differs"
+    assert all(torch.equal(full[k], first[k]) for k in full if k not in adapter), "a base weight moved"
+    assert any(not torch.equal(full[k], first[k]) for k in adapter), "the adapters did not train"
+    assert got["losses"][-1] < got["losses"][0], got["losses"]
+
+
+def _count_worker(out):
+    from stabledrl_mcore.models import build_model, get_preset
+    from stabledrl_mcore.models.lora import LoRASettings, adapter_params_per_layer, apply_lora
+    from stabledrl_mcore.parallel import bootstrap
+
+    bootstrap.initialize(2, 1, seed=3)
+    counts = {}
+    for preset in ("llada-tiny", "sdar-tiny"):
+        cfg = get_preset(preset)
+        model = build_model(cfg)
+        made = apply_lora(model, LoRASettings(RANK, ALPHA, targets=("all-linear",)))
+        counts[preset] = [made, adapter_params_per_layer(cfg, 2, RANK) * cfg.num_layers]
+    if os.environ["RANK"] == "0":
+        with open(out, "w") as handle:
+            json.dump(counts, handle)
+
+
+@pytest.mark.multiprocess
+def test_the_planners_adapter_count_is_a_tp2_ranks_own(tmp_path):
+    out = str(tmp_path / "counts.json")
+    spawn(_count_worker, 2, (out,), timeout=120)
+    with open(out) as handle:
+        counts = json.load(handle)
+    assert all(made == planned > 0 for made, planned in counts.values()), counts

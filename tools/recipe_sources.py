@@ -263,6 +263,27 @@ PER_RECIPE = {
 }
 
 
+def _lora_variant(twin: str, paper: str, yaml_file: str, trainer: str) -> dict:
+    """The sources of a LoRA variant: its twin's, with the adapter lines and what LoRA changes."""
+    return {
+        **PER_RECIPE[twin],
+        "model.recompute": f"{OURS}: off, as {paper} trains LoRA without gradient checkpointing (the frozen "
+        "bf16 base and rank-128 adapters fit; `stabledrl plan --lora-rank 128`)",
+        "model.lora.rank": f"{yaml_file} `lora_r: 128`",
+        "model.lora.alpha": f"{yaml_file} `lora_alpha: 64`",
+        "model.lora.dropout": f"{yaml_file} `lora_dropout: 0.05`",
+        "model.lora.targets": f"{paper}'s target list (q/k/v/o/up/down/gate_proj) as PEFT applies it to LLaDA's "
+        "modules, which have q/k/v/up_proj only (`attn_out`, `ff_proj`, `ff_out` are not matched)",
+        "algo.reference_sync_every": f"{trainer}: with LoRA the reference is the base, `disable_adapter()` "
+        "(`sync_ref_model` does not act on it): 0",
+        "logging.run_dir": f"{OURS}: its own run directory",
+    }
+
+
+PER_RECIPE["llada_8b_d1_lora"] = _lora_variant("llada_8b_d1", "d1", D1Y, f"{D1T} l. 474")
+PER_RECIPE["llada_8b_espo_lora"] = _lora_variant("llada_8b_espo", "ESPO", ESY, f"{EST} l. 636")
+
+
 def source_of(recipe: str, key: str):
     """The recipe's own entry, then its twin's (the release's per-task variants, the SDAR MoE recipe's
     8B twin), then the shared table."""

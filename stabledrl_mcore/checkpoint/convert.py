@@ -303,9 +303,10 @@ def mcore_to_hf(
     if lora is not None:
         base_info, source = base_source(lora.base, ckpt)
         own_assets = os.path.join(ckpt, HF_ASSETS)
-        info = dataclasses.replace(
+        info = dataclasses.replace(  # the adapted model ran in the run's model.dtype
             base_info,
             path=ckpt,
+            dtype=DTYPES[lora.dtype],
             hf_assets=own_assets if os.path.isdir(own_assets) else base_info.hf_assets,
         )
     else:

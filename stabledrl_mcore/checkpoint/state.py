@@ -396,6 +396,8 @@ class LoRARun:
     settings: LoRASettings
     base: str
     """The run's ``model.checkpoint`` (the weights the adapters were trained on)."""
+    dtype: str = "fp32"
+    """The run's ``model.dtype``: what the adapted model computed in (the merged export's default)."""
 
 
 def read_lora_run(ckpt: str, base: Optional[str] = None) -> Optional[LoRARun]:
@@ -431,4 +433,4 @@ def read_lora_run(ckpt: str, base: Optional[str] = None) -> Optional[LoRARun]:
         tuple(lora.get("targets") or ["all-linear"]),
         seed=int((saved.get("parallel") or {}).get("seed", 0)),
     )
-    return LoRARun(settings, base)
+    return LoRARun(settings, base, str(model.get("dtype", "fp32")))

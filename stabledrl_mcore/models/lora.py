@@ -10,15 +10,15 @@ as in PEFT (Megatron-Bridge calls this "canonical" LoRA), although Megatron fuse
 parts' ``A`` (``[k r, in]``) and holds one ``B`` ``[out, k r]`` whose block structure (part ``j``'s
 rows read only columns ``j r .. (j+1) r``) is kept by a fixed 0/1 mask.
 
-Tensor parallelism follows the base layer, as Megatron-Bridge's ``ParallelLinearAdapter`` does:
+Tensor parallelism follows the base layer's split, as Megatron-Bridge's ``ParallelLinearAdapter``:
 
-- column-parallel base (``linear_qkv``, ``linear_fc1``; output split over TP): ``A`` replicated,
-  ``B`` split like the base's output rows; ``h = A x`` enters the TP region with Megatron's
-  ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce of its gradient, so every
-  rank's ``A`` gets the same full gradient);
+- column-parallel base (``linear_qkv``, ``linear_fc1``; output split over TP): ``B`` split like the
+  base's output rows; ``A`` replicated (Bridge splits it along the rank and all-gathers ``A x``):
+  ``h = A x`` enters the TP region with Megatron's ``copy_to_tensor_model_parallel_region``
+  (identity forward, all-reduce of its gradient, so every rank's ``A`` gets the same full gradient);
 - row-parallel base (``linear_proj``, ``linear_fc2``; input split over TP): ``A`` split along its
   input like the base weight, ``h = reduce_from_tensor_model_parallel_region(A_r x_r)`` (an
-  all-reduce of ``[tokens, r]``), ``B`` replicated; the delta is added after the base's own reduce.
+  all-reduce of ``[tokens, r]``, as Bridge), ``B`` replicated; the delta is added after the base's reduce.
 
 Only the adapters train (:func:`apply_lora` freezes everything else, so Megatron's DDP and
 (distributed) optimizer hold adapter parameters only). :func:`adapters_disabled` runs the base
