@@ -45,10 +45,9 @@ from tqdm import tqdm
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.info import DTYPES, HF_ASSETS, read_checkpoint_info, write_json
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
-    DTYPES,
-    HF_ASSETS,
     attach,
     build_shell,
     copy_assets,
@@ -58,8 +57,6 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     finalize_output,
     iter_full_tensors,
     prepare_output,
-    read_checkpoint_info,
-    write_json,
     write_marker,
 )
 from stabledrl_mcore.checkpoint.safetensors_io import (
