@@ -112,13 +112,9 @@ def _open(opener, path, clean, capsys, tmp_path):
     the refusal's text (one line), or '' if none came."""
     from megatron.core import dist_checkpointing
 
+    from stabledrl_mcore.checkpoint.info import read_checkpoint_info
     from stabledrl_mcore.checkpoint.loader import load_model
-    from stabledrl_mcore.checkpoint.mcore_io import (
-        build_shell,
-        ensure_single_process,
-        load_model_weights,
-        read_checkpoint_info,
-    )
+    from stabledrl_mcore.checkpoint.mcore_io import build_shell, ensure_single_process, load_model_weights
 
     if opener == "mcore-to-hf":
         code = _stabledrl("convert", "mcore-to-hf", "--ckpt", path, "--out", str(tmp_path / "hf"), "--no-progress")

@@ -63,11 +63,20 @@ HEAVY_OPTIONAL = (
 """Packages a function may import when it needs them: slow to import (megatron-core, transformers,
 matplotlib, flex attention's compiler) or used by one optional path only."""
 
-DYNAMIC_IMPORTS = {f"{PACKAGE}", f"{PACKAGE}.cli.app", f"{PACKAGE}.common.errors", f"{PACKAGE}.tasks.custom_reward"}
+DYNAMIC_IMPORTS = {
+    f"{PACKAGE}",
+    f"{PACKAGE}.cli.app",
+    f"{PACKAGE}.common.errors",
+    f"{PACKAGE}.tasks.custom_reward",
+    f"{PACKAGE}.models",
+    f"{PACKAGE}.sft",
+}
 """Modules allowed to call ``importlib.import_module``: the package facade (``load_model`` on first
 use), the command dispatcher (only the chosen command's module is loaded), the user's reward function
-(``rollout.reward_fn=package.module:fn``) and the error table (an
-exception class named by another rank)."""
+(``rollout.reward_fn=package.module:fn``), the error table (an
+exception class named by another rank), and the ``models`` and ``sft`` package APIs, whose names built
+on megatron-core load on first use (their own submodules only), so the presets, configs and checks
+that ``--print-config`` runs import without it."""
 
 MARKER_BEGIN, MARKER_END = "<!-- layers:begin (tests/test_layers.py) -->", "<!-- layers:end -->"
 

@@ -216,7 +216,7 @@ def _safety_worker(base, record_path):
     rec["rng_unsafe"] = _error(lambda: load_checkpoint(rng, s.model, optimizer=s.optimizer))
     rec["exploit_ran"] = os.path.exists(marker)
     # issue 40: a crafted .metadata with a matching manifest, through every training-checkpoint opener
-    from stabledrl_mcore.checkpoint.mcore_io import read_checkpoint_info
+    from stabledrl_mcore.checkpoint.info import read_checkpoint_info
 
     evil_run = os.path.join(base, "evil_run")
     evil = os.path.join(evil_run, "checkpoints", "step_00000004")

@@ -46,11 +46,10 @@ from tqdm import tqdm
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.info import DTYPES, HF_ASSETS, read_checkpoint_info, write_json
 from stabledrl_mcore.checkpoint.lora_io import Adapters, base_source, write_peft_adapter
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
-    DTYPES,
-    HF_ASSETS,
     attach,
     build_shell,
     copy_assets,
@@ -60,8 +59,6 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     finalize_output,
     iter_full_tensors,
     prepare_output,
-    read_checkpoint_info,
-    write_json,
     write_marker,
 )
 from stabledrl_mcore.checkpoint.safetensors_io import (

@@ -27,15 +27,14 @@ import torch
 from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.checkpoint.info import is_model_checkpoint, read_checkpoint_info
 from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, verify_checksums
 from stabledrl_mcore.checkpoint.integrity import check_finite as check_all_finite
 from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     build_shell,
     ensure_single_process,
-    is_model_checkpoint,
     load_model_weights,
-    read_checkpoint_info,
 )
 from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader, check_finite
 from stabledrl_mcore.checkpoint.state import LoRARun, read_lora_run

@@ -25,9 +25,10 @@ from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.hf_config import read_hf_config
+from stabledrl_mcore.checkpoint.info import CheckpointInfo, read_checkpoint_info
 from stabledrl_mcore.checkpoint.loader import is_hf_dir
 from stabledrl_mcore.checkpoint.mappings import table_for
-from stabledrl_mcore.checkpoint.mcore_io import CheckpointInfo, build_shell, iter_full_tensors, read_checkpoint_info
+from stabledrl_mcore.checkpoint.mcore_io import build_shell, iter_full_tensors
 from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader
 from stabledrl_mcore.checkpoint.state import read_lora_run
 from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata

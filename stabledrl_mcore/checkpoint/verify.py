@@ -12,15 +12,22 @@ The reference never touches the mapping tables. By default it is a public
   ``from_pretrained`` (which turns the per-expert checkpoint tensors into its in-memory layout).
 
 ``reference="remote"`` runs the upstream modeling code instead
-(``trust_remote_code=True``); it needs a matching transformers (LLaDA's file
-loads with <= 4.57, SDAR's with <= 4.53.3 and ``flash_attn``), otherwise it
-fails with a :class:`ConversionError` saying so. Both models run in fp32.
+(``trust_remote_code=True``): the ``*.py`` files of the directory, or the files given as
+``remote_code`` (``mcore-to-hf --verify --remote-code PATH/modeling_llada.py``: an exported
+directory loaded with the upstream code under the installed transformers). It needs a matching
+transformers (LLaDA's file loads with transformers 4.x, <= 4.57; under transformers 5 its
+``LLaDAModelLM`` never calls ``post_init()``, so ``from_pretrained`` fails on
+``all_tied_weights_keys``; SDAR's with <= 4.53.3 and ``flash_attn``), otherwise it fails with a
+one-line :class:`ConversionError` naming the version. Both models run in fp32.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Optional
+import shutil
+import tempfile
+from typing import Optional, Sequence
 
 import torch
 
@@ -109,22 +116,81 @@ def _moe_reference(hf_dir: str, cfg: DLLMConfig, common: dict) -> torch.nn.Modul
     return loaded.float().eval()
 
 
-def remote_reference(hf_dir: str) -> torch.nn.Module:
-    """The upstream modeling code (opt-in; needs ``trust_remote_code`` and a matching transformers)."""
+REMOTE_NEEDS = {"llada": "4.x (up to 4.57)", "sdar": "<= 4.53.3 with flash_attn"}
+"""The transformers versions whose API the upstream remote code was written against."""
+
+
+def remote_reference(hf_dir: str, remote_code: Sequence[str] = ()) -> torch.nn.Module:
+    """The upstream modeling code (opt-in; needs ``trust_remote_code`` and a matching transformers):
+    the ``*.py`` files of ``hf_dir``, or ``remote_code`` (a ``modeling_*.py`` file and, when it sits
+    beside it, its ``configuration_*.py``) put beside ``hf_dir``'s files in a scratch directory
+    (``hf_dir`` itself is left as it is)."""
     import transformers
 
-    arch = hfc.detect_arch(hfc.read_hf_config(hf_dir))
-    need = "<= 4.57" if arch == "llada" else "<= 4.53.3 and flash_attn"
-    try:
-        cls = transformers.AutoModel if arch == "llada" else transformers.AutoModelForCausalLM
-        model = cls.from_pretrained(hf_dir, trust_remote_code=True, torch_dtype=torch.float32)
-    except Exception as err:  # noqa: BLE001 - any failure of foreign code becomes one clear message
-        raise ConversionError(
-            f"--reference remote could not load the upstream {arch} code from {hf_dir} with "
-            f"trust_remote_code=True on transformers {transformers.__version__} ({type(err).__name__}: "
-            f"{str(err)[:300]}); it needs transformers {need}. Use --reference public instead."
-        ) from None
+    raw = hfc.read_hf_config(hf_dir)
+    arch = hfc.detect_arch(raw)
+    with tempfile.TemporaryDirectory(prefix="stabledrl-remote-code-") as scratch:
+        source = _with_remote_code(hf_dir, raw, remote_code, scratch) if remote_code else hf_dir
+        transformers.utils.logging.disable_progress_bar()  # its weight-loading bar: one line per failure
+        try:
+            cls = transformers.AutoModel if arch == "llada" else transformers.AutoModelForCausalLM
+            model = cls.from_pretrained(source, trust_remote_code=True)  # fp32 below, on any version
+        except Exception as err:  # noqa: BLE001 - any failure of foreign code becomes one clear message
+            where = ", ".join(remote_code) if remote_code else hf_dir
+            raise ConversionError(remote_load_failure(arch, where, transformers.__version__, err)) from None
     return model.float().eval()
+
+
+def remote_load_failure(arch: str, where: str, version: str, err: BaseException) -> str:
+    """One line: what failed, on which transformers, and the versions the upstream code needs."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    need = REMOTE_NEEDS.get(arch, "the release its config.json names")
+    if "all_tied_weights_keys" in text:
+        cause = (
+            f"the upstream {arch} code predates transformers 5 (its model class never calls post_init(), "
+            f"which sets all_tied_weights_keys since transformers 5.0), so it loads with transformers {need} only"
+        )
+    else:
+        cause = f"it needs transformers {need}"
+    return (
+        f"--reference remote could not load the upstream {arch} code ({where}) with trust_remote_code=True on "
+        f"transformers {version} ({text}); {cause}: install one (pip install 'transformers>=4.53,<5') "
+        f"to verify with it, or use --reference public instead."
+    )
+
+
+def _with_remote_code(hf_dir: str, raw: dict, remote_code: Sequence[str], scratch: str) -> str:
+    """``scratch`` holding links to ``hf_dir``'s files and copies of the ``remote_code`` files, which
+    must include every module ``config.json``'s ``auto_map`` names."""
+    files = {}
+    for path in remote_code:
+        if not (path.endswith(".py") and os.path.isfile(path)):
+            raise ConversionError(f"--remote-code {path}: not a Python file (give the upstream modeling_*.py)")
+        files[os.path.basename(path)] = path
+        name = os.path.basename(path)
+        if name.startswith("modeling_"):  # its relative import of the configuration beside it
+            config_file = os.path.join(os.path.dirname(path), "configuration_" + name[len("modeling_") :])
+            if os.path.isfile(config_file):
+                files.setdefault(os.path.basename(config_file), config_file)
+    auto_map = raw.get("auto_map") or {}
+    if not auto_map:
+        raise ConversionError(
+            f"--remote-code: {hf_dir}/config.json has no auto_map, so transformers would not run the "
+            f"given code (export with the upstream config.json: --hf-assets DIR)"
+        )
+    needed = sorted({str(target).split("--")[-1].rsplit(".", 1)[0] + ".py" for target in auto_map.values()})
+    missing = [name for name in needed if name not in files and not os.path.isfile(os.path.join(hf_dir, name))]
+    if missing or not any(name in files for name in needed):
+        raise ConversionError(
+            f"--remote-code {', '.join(remote_code)}: {hf_dir}/config.json's auto_map loads "
+            f"{', '.join(needed)}; give those files"
+        )
+    for name in os.listdir(hf_dir):
+        if name not in files:
+            os.symlink(os.path.abspath(os.path.join(hf_dir, name)), os.path.join(scratch, name))
+    for name, path in files.items():
+        shutil.copyfile(path, os.path.join(scratch, name))
+    return scratch
 
 
 def reference_logits(model: torch.nn.Module, cfg: DLLMConfig, ids: torch.Tensor, remote: bool = False) -> torch.Tensor:
@@ -152,13 +218,15 @@ def verify(
     batch: int = 2,
     seed: int = 0,
     ours: Optional[torch.nn.Module] = None,
+    remote_code: Sequence[str] = (),
 ) -> float:
     """Max abs logit difference between the reference (on ``hf_dir``) and
-    :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint)."""
+    :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint); ``remote_code``
+    (with ``reference="remote"``): the upstream modeling files to run on ``hf_dir``."""
 
     cfg = read_config(hf_dir)
     ours = ours if ours is not None else load_model(ckpt, dtype=torch.float32)
-    ref = remote_reference(hf_dir) if reference == "remote" else public_reference(hf_dir)
+    ref = remote_reference(hf_dir, remote_code) if reference == "remote" else public_reference(hf_dir)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     want = reference_logits(ref, cfg, ids, remote=reference == "remote")
     with torch.no_grad():

@@ -6,6 +6,10 @@ user's input (config fields, paths, data files, layouts: :mod:`~stabledrl_mcore.
 naming the field, flag or file; ``--debug`` (or ``STABLEDRL_DEBUG=1``) shows
 their traceback. ``train`` runs :func:`~.preflight.preflight` before any rank
 starts; ``KEY=VALUE`` overrides may stand anywhere on the line.
+
+``train`` and ``sft`` run in two modules: the command module checks (preflight, ``--print-config``)
+without loading Megatron-Core or transformers and returns :class:`StartRanks`; only then is
+``cli/ranks.py``, which imports the trainers, loaded to start the ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import importlib
 import os
 import re
 import sys
-from typing import Callable, Dict, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
 from stabledrl_mcore.common.version import __version__
@@ -48,12 +53,32 @@ and a bad flag answer without loading torch and Megatron; the modules are the to
 import anything below (tests/test_layers.py)."""
 
 
+RANKS_MODULE = "ranks"
+"""The module under stabledrl_mcore.cli whose ``start_<name>(args, start)`` runs the ranks of a command
+whose ``run_<name>`` returned :class:`StartRanks` (it imports the trainers and so Megatron-Core)."""
+
+
+@dataclass
+class StartRanks:
+    """``run_<name>``'s answer when every check before the ranks passed: the config they run."""
+
+    cfg: Any
+    overrides: List[str]
+    """The overrides the ranks get (the command line's, ``--resume`` / ``--overwrite`` included)."""
+
+
 def _command_module(module: str):
     return importlib.import_module(f"stabledrl_mcore.cli.{module}")
 
 
 def _handler(name: str, module: str) -> Callable:
-    return lambda args: getattr(_command_module(module), f"run_{name}")(args)
+    def handle(args: argparse.Namespace):
+        result = getattr(_command_module(module), f"run_{name}")(args)
+        if isinstance(result, StartRanks):
+            return getattr(_command_module(RANKS_MODULE), f"start_{name}")(args, result)
+        return result
+
+    return handle
 
 
 def _build_parser(handlers: Dict[str, Callable], chosen: Optional[str] = None) -> argparse.ArgumentParser:

@@ -72,6 +72,14 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="largest safetensors shard, e.g. 5GB (default)",
     )
+    b.add_argument(
+        "--remote-code",
+        action="append",
+        metavar="FILE.py",
+        help="with --verify: load the export with this upstream modeling file (e.g. modeling_llada.py; "
+        "its configuration_*.py beside it is taken too) under the installed transformers and compare "
+        "its logits with the Megatron model (implies --reference remote; repeatable)",
+    )
     for p in (a, b):
         p.add_argument("--out", required=True, metavar="DIR")
         p.add_argument(
@@ -87,8 +95,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--reference",
             choices=("public", "remote"),
-            default="public",
-            help="public transformers classes (default) or the upstream remote code",
+            default=None,
+            help="public transformers classes (default) or the upstream remote code (the export's own *.py, "
+            "or --remote-code)",
         )
         p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
         p.add_argument(
@@ -105,6 +114,20 @@ def run_convert(args: argparse.Namespace) -> int:
     # torch.distributed.checkpoint deprecation notices raised inside megatron: noise for users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")
     dtype = None if args.dtype == "auto" else args.dtype
+    remote_code = getattr(args, "remote_code", None) or []
+    if remote_code and not args.verify:
+        print("stabledrl convert: error: --remote-code is used by --verify; add --verify", file=sys.stderr)
+        return 2
+    if remote_code and args.reference == "public":
+        print(
+            "stabledrl convert: error: --remote-code runs the upstream code: drop --reference public", file=sys.stderr
+        )
+        return 2
+    missing = [path for path in remote_code if not os.path.isfile(path)]
+    if missing:
+        print(f"stabledrl convert: error: --remote-code {missing[0]}: no such file", file=sys.stderr)
+        return 2
+    args.reference = "remote" if remote_code else (args.reference or "public")
     common = dict(
         dtype=dtype,
         overwrite=args.overwrite,
@@ -153,7 +176,7 @@ def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
     def check(tmp: str) -> None:
 
         hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
-        diff = verify(hf_dir, ckpt, reference=args.reference)
+        diff = verify(hf_dir, ckpt, reference=args.reference, remote_code=getattr(args, "remote_code", None) or ())
         ok = diff <= args.tolerance
         print(f"verify: max abs logit difference {diff:.3e} ({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
         if not ok:

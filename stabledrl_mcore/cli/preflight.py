@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from stabledrl_mcore.checkpoint import hf_config
-from stabledrl_mcore.checkpoint.mcore_io import MARKER, MODEL_CONFIG, read_checkpoint_info
+from stabledrl_mcore.checkpoint.info import MARKER, MODEL_CONFIG, read_checkpoint_info
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.config.checks import check_layout, check_lora_model, check_model_options, check_pipeline_options
@@ -34,9 +34,9 @@ from stabledrl_mcore.engine.resume import check_resume
 from stabledrl_mcore.engine.run_lock import check_run_dir_unlocked
 from stabledrl_mcore.models import DLLMConfig, ModelConfigError, available_presets, get_preset
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError, validate_parallel_layout
+from stabledrl_mcore.sft.checks import check_batch, check_data, sft_tokenizer
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_rows, render
-from stabledrl_mcore.sft.setup import check_batch, check_data, sft_tokenizer
 from stabledrl_mcore.tasks import GENERATED_TASKS
 from stabledrl_mcore.tasks.from_config import build_task, heldout_examples, load_train_examples
 from stabledrl_mcore.tasks.local_datasets import check_local

@@ -1,4 +1,5 @@
-"""``stabledrl sft``: masked-diffusion SFT from a config file plus dotted overrides (like ``train``)."""
+"""``stabledrl sft``: masked-diffusion SFT from a config file plus dotted overrides (like ``train``);
+the preflight (and ``--print-config``) here, without Megatron-Core; the ranks in :mod:`.ranks`."""
 
 from __future__ import annotations
 
@@ -6,14 +7,11 @@ import argparse
 
 import yaml
 
+from stabledrl_mcore.cli.app import StartRanks
 from stabledrl_mcore.cli.args import add_run_arguments, run_config_from_args, world_size
 from stabledrl_mcore.cli.preflight import preflight_sft
 from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
-from stabledrl_mcore.parallel import launch
-from stabledrl_mcore.parallel.launch import exit_status
 from stabledrl_mcore.sft.config import SFTConfig
-from stabledrl_mcore.sft.trainer import sft_rank
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +25,9 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
 
 
-def run_sft(args: argparse.Namespace) -> int:
-    """Preflight (config, model, data, run directory) before any rank starts, then the ranks."""
+def run_sft(args: argparse.Namespace):
+    """Preflight (config, model, data, run directory) before any rank starts; ``--print-config``
+    ends here, else :class:`StartRanks` for :func:`~.ranks.start_sft`."""
 
     cfg, overrides = run_config_from_args(args, SFTConfig)
     summary = preflight_sft(cfg, world_size=world_size(args.nproc, None if args.print_config else 1))
@@ -37,17 +36,4 @@ def run_sft(args: argparse.Namespace) -> int:
         print(f"# {summary}")
         return 0
     print(summary, flush=True)
-
-    if args.nproc is not None and args.nproc > 1:
-        return exit_status(
-            launch.spawn(
-                sft_rank,
-                args.nproc,
-                (args.config, tuple(overrides)),
-                timeout=float("inf"),
-                threads=cfg.parallel.threads,
-                expected_codes=(EXIT_PREEMPTED,),
-                hold_signals=True,
-            )
-        )
-    return sft_rank(args.config, overrides)
+    return StartRanks(cfg, overrides)
