@@ -206,6 +206,8 @@ def test_estimate_matches_measured_cpu_peak(tmp_path, preset, shape, extra, like
         "algo.num_mc=2",
     ]
     overrides += [f"model.overrides.{k}={v}" for k, v in shape.items()] + extra
+    if get_preset(preset).block_size:  # SDAR decodes in its own blocks
+        overrides.append(f"rollout.block_length={get_preset(preset).block_size}")
     measured = measure_in_subprocess(CONFIG, overrides, seq_len=96, prompt_len=32)
     assert measured["peak_reset"]
     spec = PlanSpec(

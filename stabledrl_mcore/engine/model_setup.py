@@ -11,7 +11,7 @@ from stabledrl_mcore.checkpoint.loader import load_weights, read_config
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.models import build_model, get_preset
-from stabledrl_mcore.models.lora import AdapterCheckpointView, BaseWithoutAdapters, LoRASettings, apply_lora, has_lora
+from stabledrl_mcore.models.lora import BaseWithoutAdapters, LoRASettings, apply_lora, has_lora
 
 
 def model_config(cfg: RunConfig, tokenizer):
@@ -53,11 +53,6 @@ def build_policy(cfg, mcfg, dtype):
     if settings is not None:
         apply_lora(model, settings)
     return model
-
-
-def checkpointed(model):
-    """What a training checkpoint holds of ``model``: all of it, or with LoRA its adapters only."""
-    return AdapterCheckpointView(model) if has_lora(model) else model
 
 
 def reference_policy(model, mcfg, dtype):

@@ -31,7 +31,6 @@ from stabledrl_mcore.checkpoint.state import TrainState, find_latest, load_check
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.config.schema import RunConfig
-from stabledrl_mcore.engine.model_setup import checkpointed
 from stabledrl_mcore.engine.run_dir import (
     abandon_later_steps,
     check_run_dir,
@@ -40,6 +39,7 @@ from stabledrl_mcore.engine.run_dir import (
     prepare_run_dir,
     resume_requested,
 )
+from stabledrl_mcore.models.lora import checkpointed
 from stabledrl_mcore.parallel.bootstrap import detect_launch_env
 
 FROZEN = (

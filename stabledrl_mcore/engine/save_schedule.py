@@ -25,7 +25,8 @@ import yaml
 
 from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 from stabledrl_mcore.config.io import to_dict
-from stabledrl_mcore.engine.model_setup import checkpointed, synced_reference
+from stabledrl_mcore.engine.model_setup import synced_reference
+from stabledrl_mcore.models.lora import checkpointed
 from stabledrl_mcore.parallel.bootstrap import comm_device
 
 TIMING_FILE = "checkpoint_timing.json"

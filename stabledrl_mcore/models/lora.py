@@ -363,6 +363,11 @@ def is_adapter_key(key: str) -> bool:
     return ADAPTER_KEY.search(key) is not None
 
 
+def checkpointed(model):
+    """What a training checkpoint holds of ``model``: all of it, or with LoRA its adapters only."""
+    return AdapterCheckpointView(model) if has_lora(model) else model
+
+
 class AdapterCheckpointView:
     """What a checkpoint of a LoRA run saves and loads of ``model``: the adapters only (the base
     comes from ``model.checkpoint`` or the seeded initialisation, as for the KL reference)."""
