@@ -9,6 +9,7 @@ float (``10**400``, NaN, a failing ``__float__``) is a counted failure in both
 that a timeout kills (so a function that swallows ``BaseException`` cannot outlive its limit) and
 that a crash or a timeout replaces; pre-emption stays the trainer's (a flag no reward can swallow)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -229,6 +230,20 @@ def test_keyboard_interrupt_propagates(hostile_file, isolation):
     task.close()
 
 
+@contextlib.contextmanager
+def python_ctrl_c():
+    """Python's own Ctrl-C (``default_int_handler``, SIGINT unblocked) inside the block, restored after:
+    a process started in the background by a non-interactive shell (``make test &``, ``nohup``) inherits
+    SIGINT ignored, and Python then never raises KeyboardInterrupt (two Ctrl-C tests failed so)."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def test_ctrl_c_while_waiting_for_the_worker_propagates_and_stops_it(hostile_file):
     """Ctrl-C is pressed every 0.5 s until the call ends (``stubborn`` would score 1 after 30 s):
     Python drops a KeyboardInterrupt that lands in a destructor or weakref callback (an unraisable
@@ -242,9 +257,10 @@ def test_ctrl_c_while_waiting_for_the_worker_propagates_and_stops_it(hostile_fil
 
     presser = threading.Thread(target=press, daemon=True)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with python_ctrl_c(), pytest.raises(KeyboardInterrupt):
             presser.start()
-            task.reward("a", "7")
+            value = task.reward("a", "7")
+            pytest.fail(f"no KeyboardInterrupt: scored {value}")
     finally:
         done.set()
         presser.join()

@@ -176,7 +176,7 @@ def test_training_data_is_read_before_any_model_is_built(tmp_path, monkeypatch):
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the data was read")
 
-    monkeypatch.setattr(setup, "build_model", no_model)
+    monkeypatch.setattr(setup, "build_policy", no_model)
     monkeypatch.setattr("stabledrl_mcore.parallel.bootstrap.initialize", no_model)
     cfg = load_config(CONFIG, ["rollout.task=gsm8k", f"rollout.data_path={tmp_path / 'none.jsonl'}"])
     with pytest.raises(FileNotFoundError, match="rollout.data_path=FILE"):

@@ -21,6 +21,7 @@ import threading
 import datasets
 import pytest
 import torch
+from test_custom_reward import python_ctrl_c
 
 from stabledrl_mcore.cli.app import main
 from stabledrl_mcore.common.errors import ConfigError
@@ -208,7 +209,7 @@ def test_ctrl_c_while_a_batch_waits_propagates_and_stops_every_worker(reward_fil
     try:
         assert task.rewards(["warm", "warm"], ["7", "7"]) == [1.0, 1.0]  # both workers started
         pids = [w.worker_pid for w in task.pool]
-        with pytest.raises(KeyboardInterrupt):
+        with python_ctrl_c(), pytest.raises(KeyboardInterrupt):
             presser.start()
             task.rewards(["a", "b", "c", "d"], ["7"] * 4)
         done.set()
