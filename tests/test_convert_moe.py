@@ -190,8 +190,8 @@ def test_logits_match_qwen3_moe(moe):
 def _ep2_tp2_worker(root, src, ckpt):
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
+    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
     from stabledrl_mcore.models import AttentionLayout, build_model
     from stabledrl_mcore.parallel import bootstrap

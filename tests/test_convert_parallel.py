@@ -48,8 +48,8 @@ def _pipeline_logits(model, ids, layout):
 def _tp2pp2_worker(root):
     from megatron.core import parallel_state as ps
 
-    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
+    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
     from stabledrl_mcore.models import AttentionLayout, build_model
     from stabledrl_mcore.parallel import bootstrap

@@ -508,3 +508,24 @@ def test_the_planners_adapter_count_is_a_tp2_ranks_own(tmp_path):
     with open(out) as handle:
         counts = json.load(handle)
     assert all(made == planned > 0 for made, planned in counts.values()), counts
+
+
+def test_a_lora_checkpoint_whose_base_moved_names_the_way_out(tmp_path):
+    from stabledrl_mcore.checkpoint.errors import ConversionError
+    from stabledrl_mcore.checkpoint.state import read_lora_run
+
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    ckpt.joinpath("config.yaml").write_text(
+        f"model:\n  checkpoint: {tmp_path / 'gone'}\n  lora:\n    rank: 4\nparallel:\n  seed: 1\n"
+    )
+    with pytest.raises(ConversionError) as err:
+        read_lora_run(str(ckpt))
+    assert "--lora-base DIR" in str(err.value) and "put the base back" in str(err.value)
+    ckpt.joinpath("config.yaml").write_text("model:\n  lora:\n    rank: 4\n")
+    with pytest.raises(ConversionError, match="randomly initialised base"):
+        read_lora_run(str(ckpt))
+    run = read_lora_run(str(ckpt), base=str(tmp_path))  # --lora-base
+    assert run.base == str(tmp_path) and run.settings.rank == 4
+    ckpt.joinpath("config.yaml").write_text("model:\n  lora:\n    rank: 0\n")
+    assert read_lora_run(str(ckpt)) is None

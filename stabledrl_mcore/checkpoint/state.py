@@ -423,8 +423,9 @@ def read_lora_run(ckpt: str, base: Optional[str] = None) -> Optional[LoRARun]:
         )
     if not os.path.isdir(base):
         raise ConversionError(
-            f"{ckpt} holds LoRA adapters only; their base model.checkpoint={base} is not a directory here "
-            "(pass --lora-base DIR to name where it is now)"
+            f"{ckpt} holds LoRA adapters only and their base model.checkpoint={base} is not a directory here: "
+            f"put the base back there, or merge them into it where it is now with `stabledrl convert mcore-to-hf "
+            f"--ckpt {ckpt} --lora-base DIR --out MERGED` and use MERGED"
         )
     settings = LoRASettings(
         int(lora["rank"]),
