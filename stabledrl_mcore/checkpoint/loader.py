@@ -172,15 +172,21 @@ def load_lora_merged(model, path: str, lora: LoRARun) -> None:
     apply_lora(model, lora.settings)
     if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
         verify_checksums(path)
+    load_adapters(model, path)
+    merge_adapters(model, detach=True)
+    check_all_finite(model.named_parameters(), f"after merging the LoRA adapters of {path}")
+
+
+def load_adapters(model, path: str) -> None:
+    """The adapters of ``model`` (:func:`~..models.lora.apply_lora` done) from the LoRA checkpoint
+    ``path``, at any TP/PP (Megatron reshards them); a missing one raises naming it."""
     verify_metadata(path)
     view = AdapterCheckpointView(model)
     sharded = view.sharded_state_dict()
     loaded = load_sharded(sharded, path)
-    missing, unexpected = view.load_state_dict({k: v for k, v in loaded.items() if k in sharded})
+    missing, _ = view.load_state_dict({k: v for k, v in loaded.items() if k in sharded})
     if missing:
         raise ConversionError(f"{path} lacks LoRA tensor(s) {missing[:5]} (saved with other model.lora.targets?)")
-    merge_adapters(model, detach=True)
-    check_all_finite(model.named_parameters(), f"after merging the LoRA adapters of {path}")
 
 
 def load_model(

@@ -26,21 +26,17 @@ from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.hf_config import read_hf_config
 from stabledrl_mcore.checkpoint.info import CheckpointInfo, read_checkpoint_info
-from stabledrl_mcore.checkpoint.loader import is_hf_dir
+from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_adapters
 from stabledrl_mcore.checkpoint.mappings import table_for
 from stabledrl_mcore.checkpoint.mcore_io import build_shell, iter_full_tensors
 from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader
 from stabledrl_mcore.checkpoint.state import read_lora_run
-from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata
 from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.models.lora import (
     PART_ORDER,
-    PROJECTIONS,
-    AdapterCheckpointView,
     LoRASettings,
     adapters,
     apply_lora,
-    resolve_targets,
 )
 
 
@@ -48,18 +44,9 @@ class Adapters:
     """A LoRA checkpoint's adapters at TP=1 (small: held whole), by the Megatron weight they change."""
 
     def __init__(self, ckpt: str, cfg: DLLMConfig, settings: LoRASettings):
-        verify_metadata(ckpt)
         shell = build_shell(cfg, torch.float32)
         apply_lora(shell, settings)
-        for _, adapter in adapters(shell):
-            for param in adapter.parameters():
-                param.data = torch.zeros_like(param, device="cpu")  # the shell's tensors are never initialised
-        view = AdapterCheckpointView(shell)
-        sharded = view.sharded_state_dict()
-        loaded = load_sharded(sharded, ckpt)
-        missing, unexpected = view.load_state_dict(loaded)
-        if missing:
-            raise ConversionError(f"{ckpt} lacks LoRA tensor(s) {missing[:5]} (saved with other model.lora.targets?)")
+        load_adapters(shell, ckpt)
         self.cfg, self.settings = cfg, settings
         self.by_weight = {f"{name}.weight": adapter for name, adapter in adapters(shell)}
 
@@ -72,27 +59,19 @@ class Adapters:
         delta = self.delta(megatron_name)
         return full if delta is None else (full.float() + delta).to(full.dtype)
 
-    def peft_tensors(self) -> Iterator[Tuple[str, str, torch.Tensor, torch.Tensor]]:
-        """``(target, upstream module path, lora_A [r, in], lora_B [out, r])`` of every adapted projection."""
+    def peft_tensors(self) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(upstream module path, lora_A [r, in], lora_B [out, r])`` of every adapted projection."""
         table = table_for(self.cfg.arch, self.cfg)
+        r = self.settings.rank
         for weight_name, adapter in self.by_weight.items():
             layer_module = weight_name.split(".", 3)[3][: -len(".weight")]  # decoder.layers.{i}.<module>
             layer = int(weight_name.split(".")[2])
-            targets = [t for t in resolve_targets(self.settings.targets) if PROJECTIONS[t][0] == layer_module]
             mapping = next(m for m in table.layer if m.megatron == "decoder.layers.{i}." + layer_module + ".weight")
             hf_names = [n.replace("{i}", str(layer)) for n in mapping.hf_names()]
-            r = self.settings.rank
-            for target in targets:
-                part = PROJECTIONS[target][1] or "all"
-                j = adapter.parts.index(part)
+            for j, part in enumerate(adapter.parts):
                 hf = hf_names[0] if len(hf_names) == 1 else hf_names[PART_ORDER[layer_module].index(part)]
                 # a part's rows in Megatron's order are the upstream projection's rows (mappings.py)
-                yield (
-                    target,
-                    hf[: -len(".weight")],
-                    adapter.a[j * r : (j + 1) * r].detach(),
-                    adapter.part_b(part).detach(),
-                )
+                yield hf[: -len(".weight")], adapter.a[j * r : (j + 1) * r].detach(), adapter.part_b(part).detach()
 
 
 def peft_target_regex(modules: List[str]) -> str:
@@ -106,7 +85,7 @@ def write_peft_adapter(out: str, found: Adapters, *, base_name: str, dtype: torc
     os.makedirs(out, exist_ok=True)
     tensors: Dict[str, torch.Tensor] = {}
     modules = []
-    for _, module, a, b in found.peft_tensors():
+    for module, a, b in found.peft_tensors():
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype).contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(dtype).contiguous()
         modules.append(module)

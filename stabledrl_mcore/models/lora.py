@@ -268,7 +268,7 @@ def apply_lora(model: torch.nn.Module, settings: LoRASettings) -> int:
 
     cfg = model.dllm_config
     parts_of = module_parts(settings.targets)
-    if cfg.is_moe and "mlp.linear_fc1" in parts_of or cfg.is_moe and "mlp.linear_fc2" in parts_of:
+    if cfg.is_moe and parts_of.keys() & {"mlp.linear_fc1", "mlp.linear_fc2"}:
         raise LoRAError(
             "model.lora.targets: the experts of a mixture-of-experts MLP take no adapters; target attention"
         )
@@ -293,7 +293,7 @@ def apply_lora(model: torch.nn.Module, settings: LoRASettings) -> int:
             linear.lora = LoRAAdapter(
                 full_in=weight.shape[1] * (tp.size() if row else 1),
                 rows_parts=rows_parts,
-                parts=parts if not row else ("all",),
+                parts=parts,  # ("all",) beside a row-parallel base (module_parts)
                 settings=settings,
                 tp_group=tp,
                 name=f"layers.{layer.layer_number - 1}.{module_name}",
