@@ -183,22 +183,42 @@ def test_eager_flex_forward_and_backward_match_sdpa(name, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _doubled(layout: AttentionLayout) -> AttentionLayout:
+    """The layout at twice the scale: block size, pad counts and staircase length doubled."""
+    return AttentionLayout(layout.kind, 2 * layout.block_size, tuple(2 * p for p in layout.pad), 2 * layout.noisy_len)
+
+
 @pytest.mark.parametrize("name", ["staircase_truncated", "bidirectional", "block_causal_cached"])
 def test_compiled_flex_forward_matches_sdpa(name):
-    """inductor's CPU flex kernel; 8-wide tiles so full, partial and skipped tiles all occur."""
+    """inductor's CPU flex kernel on the case at twice its scale with 16-wide tiles (the tile
+    structure of the case with 8-wide ones; lengths 8 and 40, not multiples of 16), so full,
+    partial and skipped tiles all occur. Not 8-wide: inductor's CPU template is wrong there
+    (``flex.CPU_COMPILED_MIN_BLOCK``; the next test)."""
     from torch._dynamo.utils import counters
 
     layout, sq, sk = CASES[name]
+    layout, sq, sk = _doubled(layout), 2 * sq, 2 * sk
     q, k, v = _qkv(2, sq, sk)
     with torch.no_grad():
-        got = flex.flex_attention(q, k, v, layout, enable_gqa=True, compiled=True, block_size=8)
+        got = flex.flex_attention(q, k, v, layout, enable_gqa=True, compiled=True, block_size=16)
         torch.testing.assert_close(got, _sdpa(q, k, v, layout), atol=1e-5, rtol=1e-5)
         if name == "staircase_truncated":  # another padding: same BlockMask, no recompile
             graphs = counters["stats"]["unique_graphs"]
-            other = layout.with_padding((2, 9))
-            got = flex.flex_attention(q, k, v, other, enable_gqa=True, compiled=True, block_size=8)
+            other = layout.with_padding((4, 18))
+            got = flex.flex_attention(q, k, v, other, enable_gqa=True, compiled=True, block_size=16)
             torch.testing.assert_close(got, _sdpa(q, k, v, other), atol=1e-5, rtol=1e-5)
             assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_flex_with_small_cpu_tiles_runs_eagerly_and_right():
+    """8-wide tiles: inductor's CPU kernel differs from SDPA by ~1-2 (AVX2 and AVX-512, torch
+    2.13), so the call runs eager flex attention instead, with one warning naming the fix."""
+    layout, sq, sk = CASES["staircase_truncated"]
+    q, k, v = _qkv(2, sq, sk)
+    flex._warn_small_cpu_tiles.cache_clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match="block_size >= 16"):
+        got = flex.flex_attention(q, k, v, layout, enable_gqa=True, compiled=True, block_size=8)
+    torch.testing.assert_close(got, _sdpa(q, k, v, layout), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------- the model

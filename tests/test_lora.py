@@ -287,15 +287,23 @@ def test_a_tp2_lora_run_trains_the_adapters_only_and_resumes_bitwise(lora_runs, 
 def test_tp2_equals_tp1(lora_runs, kind):
     job = lora_runs[kind]
     two, one = _metrics(job["tp2"]), _metrics(job["tp1"])
-    for a, b in zip(two, one):
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
+    # step 1 runs the same weights: float rounding of the vocab- and row-parallel reductions only.
+    # Step 2 follows one Adam update, whose first step is about lr * sign(g): an adapter entry with a
+    # near-zero gradient moves by +-lr on rounding alone (measured: loss 1.6e-4, grad norm 1.1e-4
+    # relative at step 2 against 1e-6 at step 1), so it is held to 1e-3 -- a missing all-reduce or
+    # a wrongly split adapter is off by far more.
+    for a, b, rel in zip(two, one, (2e-5, 1e-3)):
         for key in ("loss", "grad_norm", "reward_mean", "kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
-    # the merged weights: the two runs' changes to the base agree to float rounding (Adam divides
-    # tiny gradients by their own size, so compare relative to the change itself)
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-7), (a["step"], key, a[key], b[key])
+    # the merged weights: the two runs' changes to the base agree to float rounding amplified by Adam,
+    # whose step is lr * g / (|g| + eps): a gradient entry near eps turns a rounding difference d
+    # into lr * d / eps, so compare relative to the change itself (measured 1.1e-3 of it; a wrong
+    # shard or a missing reduction moves entries by the whole change)
     x, y, base = load_all(job["hf_tp2"]), load_all(job["hf_tp1"]), load_all(job["hf_base"])
     change = max((x[k] - base[k]).abs().max().item() for k in x)
     worst = max((x[k] - y[k]).abs().max().item() for k in x)
-    assert change > 1e-3 and worst < 1e-3 * change, (worst, change)
+    assert change > 1e-3 and worst < 1e-2 * change, (worst, change)
 
 
 def _export_worker(job, out):

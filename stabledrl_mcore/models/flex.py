@@ -38,7 +38,10 @@ On CPU, ``attention_backend="flex"`` runs flex attention *eagerly* by default
 (it then materialises scores); that path exists so the mask_mods are tested
 here. ``torch.compile(flex_attention)`` also works on CPU (inductor's C++
 template) for the forward; torch refuses flex attention's backward on CPU, eager
-or compiled (``NotImplementedError`` in ``_validate_device``).
+or compiled (``NotImplementedError`` in ``_validate_device``). Inductor's CPU template is wrong
+for tiles under :data:`CPU_COMPILED_MIN_BLOCK` (torch 2.13, measured on AVX2 and AVX-512 x86: a
+causal mask with 8-wide tiles differs from SDPA by 0.8-2.2, sometimes NaN; 16- and 32-wide tiles
+agree to 3e-7), so such a call runs eagerly instead, with one warning.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ FLEX_MIN_QUERY = 256
 
 BLOCK_SIZE = 128
 """Tile size of the BlockMasks (flex attention's default)."""
+
+CPU_COMPILED_MIN_BLOCK = 16
+"""Smallest tile for which inductor's compiled CPU flex kernel is right; smaller ones run eagerly."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,6 +134,17 @@ def padding_score_mod(layout: AttentionLayout, sq: int, sk: int, device):
     return score_mod
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_small_cpu_tiles(block_size: int) -> None:
+    """One warning per tile size: compiled CPU flex with tiles under 16 falls back to eager."""
+    warnings.warn(
+        f"flex attention: {block_size}-wide tiles are computed wrongly by inductor's CPU kernel "
+        f"(torch {torch.__version__}); running eager flex attention instead "
+        f"(use block_size >= {CPU_COMPILED_MIN_BLOCK} to compile on CPU)",
+        stacklevel=3,
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -158,6 +175,9 @@ def flex_attention(
     mask = block_mask(layout, sq, sk, device, block_size=block_size)
     score_mod = padding_score_mod(layout, sq, sk, device)
     compiled = q.device.type == "cuda" if compiled is None else compiled
+    if compiled and q.device.type == "cpu" and block_size < CPU_COMPILED_MIN_BLOCK:
+        _warn_small_cpu_tiles(block_size)
+        compiled = False
     if compiled:
         return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
     with warnings.catch_warnings():

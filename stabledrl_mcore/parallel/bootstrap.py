@@ -9,7 +9,7 @@ Supported launchers (checked in this order):
   address is the first host of ``SLURM_JOB_NODELIST`` and the port comes from
   ``MASTER_PORT`` or is derived from ``SLURM_JOB_ID`` (so two jobs sharing a
   node do not collide);
-- a plain single process (world size 1, loopback, a free port).
+- a plain single process (world size 1; an in-process store unless ``MASTER_PORT`` is set).
 
 NCCL is used when CUDA is available, gloo otherwise (then the CPU
 compatibility layer :mod:`stabledrl_mcore.parallel.cpu_compat` is enabled).
@@ -46,6 +46,13 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" | "slurm" | "single"
+    agent_store: bool = False  # the launcher serves the store on master_port; every rank is a client
+
+
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+"""torch's own switch (set by torchrun and by :func:`stabledrl_mcore.parallel.launch.spawn`):
+``True`` means the launcher already serves the rendezvous store on ``MASTER_PORT``, bound before any
+rank started, so no other process can take the port in between, and every rank joins as a client."""
 
 
 def expand_slurm_nodelist(nodelist: str) -> List[str]:
@@ -83,6 +90,7 @@ def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="torchrun",
+            agent_store=env.get(AGENT_STORE_VARIABLE) == "True",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
@@ -97,7 +105,7 @@ def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
             master_port=port,
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or 0), "single")
 
 
 def validate_parallel_layout(
@@ -238,12 +246,13 @@ def initialize(
     if not torch.distributed.is_initialized():
         if use_cuda:
             torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         torch.distributed.init_process_group(
             backend=backend or ("nccl" if use_cuda else "gloo"),
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            store=_rendezvous_store(launch, timeout),
             rank=launch.rank,
             world_size=launch.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
         )
     if parallel_state.model_parallel_is_initialized():
         if (
@@ -265,6 +274,33 @@ def initialize(
         )
     set_seed(seed)
     return launch
+
+
+def _rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta):
+    """The store the ranks meet in. A single process without ``MASTER_PORT`` needs no port (an
+    in-process store); under a launcher that serves the store (torchrun, ``spawn``) every rank is a
+    client; otherwise rank 0 serves it on ``MASTER_PORT`` (srun)."""
+    if launch.launcher == "single" and not launch.master_port:
+        return torch.distributed.HashStore()
+    store = torch.distributed.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not launch.agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    if not launch.agent_store:
+        return store
+    # the launcher's store outlives a destroy(): each start-up gets its own keys (torch restarts
+    # its group names from 0 after destroy_process_group)
+    _AGENT_STORE_STARTS.append(None)
+    return torch.distributed.PrefixStore(f"stabledrl-start{len(_AGENT_STORE_STARTS)}", store)
+
+
+_AGENT_STORE_STARTS: List[None] = []
+"""One entry per process-group start-up of this process in a launcher's store (every rank runs
+the same start-ups, so the counts agree)."""
 
 
 def destroy() -> None:

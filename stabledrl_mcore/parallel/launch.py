@@ -18,6 +18,7 @@ time, not one that failed because a peer died (gloo's ``Connection reset by peer
 from __future__ import annotations
 
 import ctypes
+import datetime
 import json
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -36,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import psutil
 import torch
 
-from stabledrl_mcore.parallel.bootstrap import destroy, free_port
+from stabledrl_mcore.parallel.bootstrap import AGENT_STORE_VARIABLE, destroy
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _HELD: List[int] = []  # forwarded signals a rank received before ``fn`` installed its own handlers
@@ -144,6 +145,7 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **{AGENT_STORE_VARIABLE: "True"},  # as under torchrun: this launcher serves the store
     )
     report = os.path.join(report_dir, f"rank{rank}")
     done: Optional[int] = None
@@ -178,6 +180,14 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
         raise SystemExit(1)
     _write_json(report + ".done.json", {"code": done, "time": time.time()})
     raise SystemExit(done)
+
+
+def hosted_store() -> "torch.distributed.TCPStore":
+    """The ranks' rendezvous store, served by this process on a port the kernel picks at bind
+    time (a port found free and bound later can be taken in between: EADDRINUSE under load)."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=30), wait_for_workers=False
+    )
 
 
 def _status(value: Any) -> int:
@@ -321,7 +331,8 @@ def spawn(
     """
     ctx = mp.get_context("spawn")
     report_dir = tempfile.mkdtemp(prefix="stabledrl-spawn-")
-    port, payload = free_port(), pickle.dumps((fn, tuple(args)))
+    store = hosted_store()  # bound before any rank starts: no other process can take its port
+    port, payload = store.port, pickle.dumps((fn, tuple(args)))
     procs = [
         ctx.Process(
             target=_entry,
