@@ -10,7 +10,7 @@ import torch
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
 from torch.overrides import TorchFunctionMode
 
-from stabledrl_mcore.diffusion import block_elbo_staircase, generate_llada, generate_sdar, sampling_llada
+from stabledrl_mcore.diffusion import block_elbo_staircase, generate_llada, generate_sdar
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.models import AttentionLayout, KVCache, build_model, get_preset, staircase_position_ids
 from stabledrl_mcore.models.masks import padding_mask
@@ -187,70 +187,140 @@ def test_in_place_cache_equals_the_concatenating_cache_op_by_op():
             pass
 
 
+class AppendedReference(torch.nn.Module):
+    """The samplers' slot-addressed forwards replayed through an appended cache (the
+    concatenating reference): a forward writing slots ``[a, b)`` appends at ``a``
+    (``writing_at(a)`` inside ``storing()``) and attends to the positions written so far, under
+    the step's mask cut to those keys. Independent of the slot path's ``index_copy_`` writes and
+    its attention over the whole fixed-capacity cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.dllm_config = model, model.dllm_config
+        self.reference = ConcatKVCache()
+        self.logits = []
+
+    def forward(self, ids, position_ids=None, attention_mask=None, *, kv_cache=None, cache_slots=None, **kw):
+        if cache_slots is None and kv_cache is not None:  # SDAR's prefill: the prompt rows, appended
+            self.reference.reset()
+            with self.reference.storing():
+                out = self.inner(ids, position_ids, attention_mask, kv_cache=self.reference, **kw)
+        elif cache_slots is None:
+            out = self.inner(ids, position_ids, attention_mask, **kw)
+        else:
+            start = int(cache_slots[0])
+            assert torch.equal(cache_slots, torch.arange(start, start + ids.shape[1]))
+            if start == 0:
+                self.reference.reset()
+            rows = next(iter(self.reference._kv.values()))[0].shape[0] if self.reference.length else ids.shape[0]
+            if rows != ids.shape[0]:  # a prompt's prefill shared by its completions
+                self.reference.repeat_interleave(ids.shape[0] // rows)
+            if isinstance(attention_mask, AttentionLayout):
+                attention_mask = attention_mask.over_slots(cache_slots, kv_cache.capacity)
+            with self.reference.writing_at(start), self.reference.storing():
+                keys = self.reference.key_length(ids.shape[1])
+                mask = None if attention_mask is None else attention_mask[..., :keys]
+                pos = cache_slots[None] if position_ids is None else position_ids
+                out = self.inner(ids, pos, mask, kv_cache=self.reference, **kw)
+        self.logits.append(out)
+        return out
+
+
+def _slot_and_appended_logits(generate, model, prompt, **kw):
+    """Tokens and per-forward logits of the slot-addressed sampler and of its appended replay."""
+    seen = []
+
+    class Record(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.dllm_config = model, model.dllm_config
+
+        def forward(self, *args, **kwargs):
+            seen.append(self.inner(*args, **kwargs))
+            return seen[-1]
+
+    fast = generate(Record(), prompt, generator=torch.Generator().manual_seed(0), **kw)
+    reference = AppendedReference(model)
+    slow = generate(reference, prompt, generator=torch.Generator().manual_seed(0), **kw)
+    return fast, slow, seen, reference.logits
+
+
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
-def test_llada_cached_decoding_with_the_in_place_cache_equals_the_concatenating_cache(megatron_tp1, monkeypatch, mode):
+def test_llada_slot_addressed_decoding_equals_the_appended_cache(megatron_tp1, mode):
     model = _model("llada-tiny")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 250, (2, 6), generator=g)
     valid = torch.ones(2, 6, dtype=torch.bool)
     valid[1, :2] = False
     kw = dict(gen_length=12, steps=6, block_length=4, prompt_valid=valid, cache=mode, progress=False, temperature=1.0)
-    logits = {}
-
-    def run(name):
-        seen = logits.setdefault(name, [])
-
-        class Record(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner, self.dllm_config = model, model.dllm_config
-
-            def forward(self, *args, **kwargs):
-                out = self.inner(*args, **kwargs)
-                seen.append(out)
-                return out
-
-        return generate_llada(Record(), prompt, generator=torch.Generator().manual_seed(0), **kw)
-
-    fast = run("in_place")
-    monkeypatch.setattr(sampling_llada, "KVCache", lambda capacity=None: ConcatKVCache())
-    slow = run("concat")
+    fast, slow, seen, reference = _slot_and_appended_logits(generate_llada, model, prompt, **kw)
     assert torch.equal(fast, slow)
-    assert len(logits["in_place"]) == len(logits["concat"])
-    for a, b in zip(logits["in_place"], logits["concat"]):
+    assert len(seen) == len(reference) == 6
+    for a, b in zip(seen, reference):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
-def test_sdar_decoding_with_the_in_place_cache_equals_the_concatenating_cache(megatron_tp1):
+def test_sdar_slot_addressed_decoding_equals_the_appended_cache(megatron_tp1):
     model = _model("sdar-tiny")
     prompt = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(4))
     valid = torch.ones(2, 6, dtype=torch.bool)
     valid[0, :1] = False
     kw = dict(gen_length=12, steps=2, prompt_valid=valid, progress=False, temperature=1.0, repeats=2)
-    fast = generate_sdar(model, prompt, generator=torch.Generator().manual_seed(0), **kw)
-    slow = generate_sdar(
-        model, prompt, generator=torch.Generator().manual_seed(0), kv_cache_factory=ConcatKVCache, **kw
-    )
+    fast, slow, seen, reference = _slot_and_appended_logits(generate_sdar, model, prompt, **kw)
     assert torch.equal(fast, slow)
+    assert len(seen) == len(reference) == 8  # the prefill, 1 step for the prompt tail's block, 3 blocks x 2
+    for a, b in zip(seen, reference):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_the_mask_over_cache_slots_is_the_layout_of_the_written_keys():
+    """``over_slots`` for queries at the last ``sq`` of ``sk`` slots equals the layout's dense mask
+    over those ``sk`` keys, and blocks every later slot for the block-causal pattern."""
+    capacity = 20
+    for layout in (
+        AttentionLayout.block_causal(4),
+        AttentionLayout.block_causal(4, pad=(0, 3, 9)),
+        AttentionLayout.bidirectional(pad=(0, 3, 9)),
+    ):
+        for sq, sk in ((4, 12), (8, 12), (4, 16), (12, 12)):
+            over = layout.over_slots(torch.arange(sk - sq, sk), capacity)
+            dense = layout.dense(sq, sk)
+            assert torch.equal(over[..., :sk].expand(-1, -1, sq, -1), dense.expand(-1, -1, sq, -1)), (layout, sq, sk)
+            if layout.kind == "block_causal":
+                assert over[..., sk:].all()
+    assert AttentionLayout.bidirectional().over_slots(torch.arange(4), capacity) is None
+    with pytest.raises(ValueError, match="staircase"):
+        AttentionLayout.staircase(4).over_slots(torch.arange(4), capacity)
 
 
 # ------------------------------------------------------------------ host reads per denoising step
 class HostReads(TorchFunctionMode):
-    """Counts what reads a tensor's value on the host (a device synchronisation on a GPU), except
-    the CPU attention-layout descriptors the model decodes by design."""
+    """Counts what reads a tensor's value on the host (a device synchronisation on a GPU): value
+    reads, and boolean-mask indexing / ``masked_select`` (their row count is data-dependent),
+    except the CPU attention-layout descriptors the model decodes by design."""
 
-    READS = {"item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__"}
+    READS = {"item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__", "masked_select"}
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self._checking = False  # the descriptor check's own reads are not the code's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS and args and isinstance(args[0], torch.Tensor):
+        name = getattr(func, "__name__", "")
+        if self._checking:
+            pass
+        elif name in self.READS and args and isinstance(args[0], torch.Tensor):
             t = args[0]
             base = t if t._base is None else t._base
-            if not AttentionLayout.is_descriptor(base):
-                self.count += 1
+            self._checking = True
+            try:
+                self.count += not AttentionLayout.is_descriptor(base)
+            finally:
+                self._checking = False
+        elif name == "__getitem__" and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.count += any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
         return func(*args, **(kwargs or {}))
 
 

@@ -174,7 +174,11 @@ class EosModel(torch.nn.Module):
         self.calls += 1
         logits = self.model(ids, position_ids, attention_mask, **kw).clone()
         pos = position_ids if position_ids is not None else torch.arange(ids.shape[1])[None]
-        pos = pos.expand(ids.shape)[:, kw.get("logit_positions", slice(None))]
+        if position_ids is None and kw.get("cache_slots") is not None:  # a slot-addressed step
+            pos = kw["cache_slots"][None]
+        read = kw.get("logit_positions")
+        pos = pos.expand(ids.shape)
+        pos = pos.index_select(1, read) if isinstance(read, torch.Tensor) else pos[:, read or slice(None)]
         logits[..., EOS] += 50.0 * (pos >= self.start).to(logits.dtype)
         return logits
 

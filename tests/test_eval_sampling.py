@@ -94,7 +94,14 @@ def test_sampled_eval_is_per_sample_and_does_not_depend_on_the_dp_size(tiny):
     task = _EvenFirstToken()
     examples = [Example(prompt=f"tok{10 + i} tok{20 + i}", reference="even", meta={"index": i}) for i in range(5)]
     sampling = dict(
-        gen_length=4, steps=4, block_length=4, temperature=1.0, threshold=None, progress=False, cache="none"
+        gen_length=4,
+        steps=4,
+        block_length=4,
+        temperature=1.0,
+        threshold=None,
+        progress=False,
+        cache="none",
+        compile="none",
     )
     result = evaluate_model(
         model,

@@ -213,7 +213,11 @@ def test_cache_is_refused_for_sdar_and_unknown_modes(capsys):
     with pytest.raises(ValueError, match="cache must be one of"):
         generate_llada(toy(), prompts(), gen_length=4, steps=4, block_length=4, cache="full")
     args = type(
-        "Args", (), dict(steps=None, block_length=None, gen_length=8, temperature=0.0, threshold=None, cache="prefix")
+        "Args",
+        (),
+        dict(
+            steps=None, block_length=None, gen_length=8, temperature=0.0, threshold=None, cache="prefix", compile="none"
+        ),
     )()
     with pytest.raises(UserError, match="--cache prefix is LLaDA's"):
         sampling_options(args, ToyDLLMConfig(arch="sdar"))

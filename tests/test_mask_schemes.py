@@ -381,4 +381,5 @@ def test_block_random_matches_the_release_estimator(num_mc):
 def test_apply_post_eos_is_a_noop_without_post_eos_positions():
     r = regions(lengths=(12, 12), pads=(0, 0))
     plan = build_plan(r.completion, num_mc=2, generator=gen())
-    assert apply_post_eos(plan, r, "mask_and_skip") is plan
+    same = apply_post_eos(plan, r, "mask_and_skip")
+    assert torch.equal(same.masked, plan.masked) and torch.equal(same.weight, plan.weight)

@@ -116,8 +116,9 @@ def test_rollout_and_likelihood_route_the_same_tokens_to_the_same_experts(megatr
                 return getattr(self.inner, name)
 
         def forward(self, ids, **kwargs):
-            cache = kwargs.get("kv_cache")
-            states.append((ids.clone(), int(kwargs["position_ids"][0, 0]), cache is not None and cache.store))
+            slots = kwargs.get("cache_slots")  # a decoding step's cache slots are its positions
+            start = int(slots[0] if slots is not None else kwargs["position_ids"][0, 0])
+            states.append((ids.clone(), start, slots is None or ids.shape[1] > bs))  # a prefill or a store step
             return self.inner(ids, **kwargs)
 
     with torch.no_grad(), RoutingRecorder(model, keep_maps=True) as sampled:

@@ -238,3 +238,7 @@ def test_split_rows_slices_per_row_inputs_and_keeps_shared_ones():
     parts = split_rows({"input_ids": ids, "attention_mask": dense}, 5)
     assert len(parts) == 5 and [bool(p["attention_mask"].all()) for p in parts] == [False] * 3 + [True, False]
     assert split_rows(batch, 1) == [batch]
+    # read positions of as many entries as rows are positions, not rows (LLaDA's exact step)
+    read = torch.arange(5)
+    parts = split_rows({"input_ids": torch.zeros(5, 8, dtype=torch.long), "logit_positions": read}, 2)
+    assert all(p["logit_positions"] is read for p in parts)

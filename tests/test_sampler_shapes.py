@@ -111,7 +111,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file(tmp_path,
     ]
     calls = []
 
-    def rollout_fails(setup, step):
+    def rollout_fails(setup, step, logger):
         calls.append(step)
         raise RuntimeError("the rollout of step 1 failed")
 

@@ -135,7 +135,17 @@ def test_chunks_decoded_together_draw_as_if_alone(threshold, stop_at_eos):
 
 
 def _micro_batch_rollouts(
-    model, prompt_ids, prompt_valid, *, group_size, micro_batch, chunk_generator, first_chunk=0, progress=False, **kw
+    model,
+    prompt_ids,
+    prompt_valid,
+    *,
+    group_size,
+    micro_batch,
+    chunk_generator,
+    first_chunk=0,
+    progress=False,
+    rows=None,
+    **kw,
 ):
     """The reference: the repeated prompts decoded micro-batch by micro-batch, each with its generator."""
     from stabledrl_mcore.diffusion import generate
@@ -172,8 +182,8 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch,
     task = get_task("sudoku", prompt_style="compact")
     examples = task.load("train", n=3, seed=0)
     repeats, forwards = [], []
-    original = KVCache.repeat_interleave
-    monkeypatch.setattr(KVCache, "repeat_interleave", lambda self, r: (repeats.append(r), original(self, r)))
+    original = KVCache.copy_rows_from
+    monkeypatch.setattr(KVCache, "copy_rows_from", lambda self, src, r: (repeats.append(r), original(self, src, r)))
     model.register_forward_pre_hook(
         lambda module, args, kwargs: forwards.append(
             kwargs["input_ids"].shape[0] if "input_ids" in kwargs else args[0].shape[0]
@@ -211,3 +221,37 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch,
     assert shared.completions == plain.completions and shared.prompt_len == plain.prompt_len
     for name in ("prompt_valid", "completion_mask", "group_index"):
         assert torch.equal(getattr(shared, name), getattr(plain, name)), name
+
+
+@pytest.mark.parametrize("arch", ["sdar", "llada"])
+def test_rollouts_past_one_decoding_batch_draw_from_the_global_micro_batch(arch):
+    """4 prompts x G=2 at micro-batch 3 decode in two batches (lcm(3, 2) = 6 rows, then 2): the
+    second batch's micro-batch is global micro-batch 2, so it draws from chunk_generator(first + 2),
+    not again from the first batch's generators; the rows equal micro-batch by micro-batch decoding."""
+    from stabledrl_mcore.rl.group_rollout import group_rollouts
+
+    model = toy()
+    if arch == "llada":
+        cfg = ToyDLLMConfig(vocab_size=16, mask_token_id=MASK, eos_token_id=1, hidden_size=32, num_layers=2)
+        model = ToyDiffusionLM(cfg, seed=0, dtype=torch.float64)
+    ids, valid = left_padded(B=4, P=8)
+    asked = []
+
+    def chunk_generator(k):
+        asked.append(k)
+        return torch.Generator().manual_seed(100 + k)
+
+    kw = dict(gen_length=8, steps=2, block_length=4, temperature=1.0, threshold=None, micro_batch=3)
+    batches = group_rollouts(model, ids, valid, group_size=2, chunk_generator=chunk_generator, first_chunk=5, **kw)
+    assert [b.shape[0] for b in batches] == [6, 2], "two decoding batches: the case under test"
+    assert asked == [5, 6, 7], asked
+    reference = _micro_batch_rollouts(
+        model,
+        ids,
+        valid,
+        group_size=2,
+        chunk_generator=lambda k: torch.Generator().manual_seed(100 + k),
+        first_chunk=5,
+        **kw,
+    )
+    assert torch.equal(torch.cat(batches), torch.cat(reference))

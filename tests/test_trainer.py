@@ -1,5 +1,6 @@
 """The distributed StableDRL loop: DP=2 == DP=1, TP=2 trains, exact resume, kill during save."""
 
+import contextlib
 import glob
 import json
 import os
@@ -28,6 +29,39 @@ class DigitsTask(SudokuTask):
     def _reward(self, completion, reference):
         text = completion[:16]
         return 0.5 * sum(ch.isdigit() for ch in text) / 16.0 + 0.5 * len(set(text)) / 16.0
+
+
+@contextlib.contextmanager
+def in_process_trainer():
+    """For a trainer run inside the test process: the test task registered, one torch thread, and
+    Megatron's state, the CPU shims and the thread count restored afterwards, also on failure."""
+    from stabledrl_mcore.parallel import bootstrap, cpu_compat
+    from stabledrl_mcore.tasks import available_tasks
+    from stabledrl_mcore.tasks import base as task_base
+
+    added = DigitsTask.name not in available_tasks()
+    if added:
+        task_base.register_task(DigitsTask.name)(DigitsTask)
+    from megatron.core import parallel_state
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    held = None  # a module fixture's TP=1 state (megatron_tp1), brought back for the tests after this one
+    if parallel_state.model_parallel_is_initialized():
+        held = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    try:
+        yield
+    finally:
+        if added:  # other modules check the registry's exact contents
+            task_base._REGISTRY.pop(DigitsTask.name)
+        bootstrap.destroy()
+        cpu_compat.disable()
+        torch.set_num_threads(threads)
+        if held is not None:
+            bootstrap.initialize(*held, seed=0)
 
 
 def overrides(run_dir, **extra):

@@ -230,20 +230,12 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
     """In the trainer, iteration 2 of a replayed plan scores the updated policy: its ratios differ
     from 1 (a stale ``old_token_logp`` as the current estimate would give exactly 1), while
     iteration 1's log-ratio variance is exactly 0 (same weights, same masks)."""
-    from test_trainer import CONFIG, DigitsTask, overrides
+    from test_trainer import CONFIG, in_process_trainer, overrides
 
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl.trainer import train
-    from stabledrl_mcore.tasks import available_tasks
-    from stabledrl_mcore.tasks import base as task_base
 
-    added = DigitsTask.name not in available_tasks()
-    if added:
-        task_base.register_task(DigitsTask.name)(DigitsTask)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     run_dir = tmp_path / "run"
-    try:
+    with in_process_trainer():
         cfg = load_config(
             CONFIG,
             overrides(
@@ -260,12 +252,6 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
             ),
         )
         train(cfg)
-    finally:
-        if added:  # other modules check the registry's exact contents
-            task_base._REGISTRY.pop(DigitsTask.name)
-        bootstrap.destroy()
-        cpu_compat.disable()
-        torch.set_num_threads(threads)
     row = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
     assert row["skipped_updates"] == 0 and row["reward_std"] > 0, row
     assert row["log_ratio_var_first"] == pytest.approx(0.0, abs=1e-12), row
@@ -275,12 +261,9 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
 def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
     """Run the in-process trainer, recording at each step the weights before the update, the loss
     of one autograd graph through the model on that step's batch, and ``before - lr * grad``."""
-    from test_trainer import CONFIG, DigitsTask, overrides
+    from test_trainer import CONFIG, in_process_trainer, overrides
 
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
     from stabledrl_mcore.rl import trainer
-    from stabledrl_mcore.tasks import available_tasks
-    from stabledrl_mcore.tasks import base as task_base
 
     real_update = trainer.policy_update
 
@@ -300,12 +283,7 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
         return out
 
     monkeypatch.setattr(trainer, "policy_update", anchored_update)
-    added = DigitsTask.name not in available_tasks()
-    if added:
-        task_base.register_task(DigitsTask.name)(DigitsTask)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with in_process_trainer():
         cfg = load_config(
             CONFIG,
             overrides(
@@ -330,12 +308,6 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
         )
         s = trainer.train(cfg, resume=resume)
         final = [p.detach().clone() for p in s.model.parameters() if p.requires_grad]
-    finally:
-        if added:
-            task_base._REGISTRY.pop(DigitsTask.name)
-        bootstrap.destroy()
-        cpu_compat.disable()
-        torch.set_num_threads(threads)
     return final
 
 

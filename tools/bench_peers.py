@@ -19,28 +19,27 @@ with ``stabledrl convert hf-to-mcore --verify`` and loaded with ``load_model``. 
 the peers get CPU stand-ins (``tools/peer_adapters.py``), listed in the output ("stand-ins:").
 
 The peers need the transformers they were written for (SDAR's modeling file: 4.52/4.53), so run this
-from a side environment layered over the project's venv (nothing of the peers enters the repo)::
+in a side environment of its own, which ``tools/peers_env.sh`` builds: a venv that inherits nothing
+from the project's ``.venv`` (whose transformers 5 pulls ``kernels``, which needs huggingface-hub >= 1
+and breaks the peers' transformers 4.53.3), with torch, this repository (editable) and transformers
+4.53.3. Nothing of the peers enters the repo; from the repository root::
 
-    python3 -m venv /tmp/peers/venv
-    /tmp/peers/venv/bin/pip install --no-deps transformers==4.53.3 'tokenizers>=0.21,<0.22' \\
-        'huggingface-hub>=0.30,<1.0' einops
-    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
-        > /tmp/peers/venv/lib/python3.11/site-packages/zz_main_venv.pth
+    tools/peers_env.sh /tmp/peers/venv
     # clones (or `git archive` exports) of the peers
     git clone https://github.com/NVlabs/Fast-dLLM /tmp/peers/fast-dllm
     git clone https://github.com/ML-GSAI/LLaDA /tmp/peers/llada
     git clone https://github.com/JetAstra/SDAR /tmp/peers/sdar
 
-    PYTHONPATH=. /tmp/peers/venv/bin/python tools/bench_peers.py --shape 20m \\
+    /tmp/peers/venv/bin/python tools/bench_peers.py --shape 20m \\
         --fast-dllm /tmp/peers/fast-dllm --llada /tmp/peers/llada --sdar /tmp/peers/sdar \\
         --json /tmp/peers/results/20m.json
-    PYTHONPATH=. /tmp/peers/venv/bin/python tools/bench_peers.py --shape llada-100m --repeats 2 \\
+    /tmp/peers/venv/bin/python tools/bench_peers.py --shape llada-100m --repeats 2 \\
         --workloads exact dual prefix forward --fast-dllm /tmp/peers/fast-dllm --llada /tmp/peers/llada \\
         --json /tmp/peers/results/llada-100m.json
-    PYTHONPATH=. /tmp/peers/venv/bin/python tools/bench_peers.py --shape sdar-100m --repeats 2 \\
+    /tmp/peers/venv/bin/python tools/bench_peers.py --shape sdar-100m --repeats 2 \\
         --workloads sdar --sdar /tmp/peers/sdar --json /tmp/peers/results/sdar-100m.json
-    # smoke run (tiny shape and lengths, a minute)
-    PYTHONPATH=. /tmp/peers/venv/bin/python tools/bench_peers.py --quick --fast-dllm /tmp/peers/fast-dllm \\
+    # smoke run (tiny shape and lengths, a few minutes)
+    /tmp/peers/venv/bin/python tools/bench_peers.py --quick --fast-dllm /tmp/peers/fast-dllm \\
         --llada /tmp/peers/llada --sdar /tmp/peers/sdar
 
 Shapes: ``20m`` (hidden 512, 4 layers, 8 heads of 64, FFN 1408, vocab 8192; SDAR: 4 KV heads, qk-norm,
@@ -110,17 +109,28 @@ def prompts(cfg, batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 class Counter:
-    """Forward calls of a module (a pre-hook: both sides counted the same way)."""
+    """Forward calls of a module (a pre-hook: both sides counted the same way). Forwards inside a
+    compiled decoding graph are counted by its ``DecodingForward.stats`` instead: a hook that
+    changed a Python int inside the graph would recompile it per call."""
 
     def __init__(self, module):
         self.n = 0
+        self.module = module
+        self._compiled_seen = self._compiled()
         module.register_forward_pre_hook(self._hook)
 
     def _hook(self, *_):
-        self.n += 1
+        if not torch.compiler.is_compiling():
+            self.n += 1
+
+    def _compiled(self) -> int:
+        held = self.module.__dict__.get("_decoding_forwards", {})
+        return sum(f.stats.forwards for f in held.values() if f.compiled)
 
     def take(self) -> int:
-        n, self.n = self.n, 0
+        compiled = self._compiled()
+        n, self.n = self.n + compiled - self._compiled_seen, 0
+        self._compiled_seen = compiled
         return n
 
 
@@ -146,8 +156,10 @@ def ab(
     counters,
     compare,
     note: str = "",
+    compile: str = "none",
 ) -> dict:
-    """A/B interleaved timing of two zero-argument callables; ``compare(out_ours, out_theirs)``."""
+    """A/B interleaved timing of two zero-argument callables; ``compare(out_ours, out_theirs)``.
+    ``compile``: how ours decoded (a label of the row; the warm-up compiled its graphs)."""
     warm_ours()
     warm_theirs()
     sides = {"ours": dict(cpu_s=[], wall_s=[]), "theirs": dict(cpu_s=[], wall_s=[])}
@@ -165,6 +177,7 @@ def ab(
         row["tok_per_wall_s"] = tokens / statistics.median(row["wall_s"])
     out = dict(
         workload=name,
+        compile=compile,
         batch=batch,
         tokens=tokens,
         ours=sides["ours"],
@@ -175,7 +188,7 @@ def ab(
     )
     out.update(compare(outs["ours"], outs["theirs"]))
     print(
-        f"  {name} b{batch}: ours {sides['ours']['tok_per_cpu_s']:.1f} tok/cpu-s, theirs "
+        f"  {name} b{batch} ({compile}): ours {sides['ours']['tok_per_cpu_s']:.1f} tok/cpu-s, theirs "
         f"{sides['theirs']['tok_per_cpu_s']:.1f}, ours/theirs {out['ratio_cpu']:.2f}x, "
         f"agreement {out.get('agreement', float('nan')):.4f}",
         flush=True,
@@ -183,7 +196,9 @@ def ab(
     return out
 
 
-def ours_alone(name: str, batch: int, tokens: int, fn, warm, repeats: int, counter, note: str = "") -> dict:
+def ours_alone(
+    name: str, batch: int, tokens: int, fn, warm, repeats: int, counter, note: str = "", compile: str = "none"
+) -> dict:
     warm()
     counter.take()
     row = dict(cpu_s=[], wall_s=[])
@@ -194,8 +209,8 @@ def ours_alone(name: str, batch: int, tokens: int, fn, warm, repeats: int, count
     row["forwards"] = counter.take() // repeats
     row["tok_per_cpu_s"] = tokens / statistics.median(row["cpu_s"])
     row["tok_per_wall_s"] = tokens / statistics.median(row["wall_s"])
-    print(f"  {name} b{batch}: ours {row['tok_per_cpu_s']:.1f} tok/cpu-s (theirs: n/a)", flush=True)
-    return dict(workload=name, batch=batch, tokens=tokens, ours=row, theirs=None, note=note)
+    print(f"  {name} b{batch} ({compile}): ours {row['tok_per_cpu_s']:.1f} tok/cpu-s (theirs: n/a)", flush=True)
+    return dict(workload=name, compile=compile, batch=batch, tokens=tokens, ours=row, theirs=None, note=note)
 
 
 def gen_compare(P: int, G: int):
@@ -225,7 +240,10 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
         meta["llada_logit_check"] = logit_compare(ours_m(probe), theirs_m(probe).logits)
     spb = S // (G // BL)
     kw = dict(gen_length=G, steps=S, block_length=BL, temperature=0.0, progress=False)
-    warm_kw = dict(kw, gen_length=BL, steps=spb)
+
+    def warm(ours_kw):  # a compiled sampler warms up at the timed shape (its graphs depend on it)
+        return ours_kw if ours_kw["compile"] != "none" else dict(ours_kw, gen_length=BL, steps=spb)
+
     peer_kw = dict(steps=S, gen_length=G, block_length=BL, temperature=0.0, remasking="low_confidence", mask_id=M)
     peer_warm = dict(peer_kw, gen_length=BL, steps=spb)
     compare = gen_compare(P, G)
@@ -233,21 +251,24 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
         print(f"{name}:", flush=True)
         if name == "exact":
             ids = ids4[:1]
-            out.append(
-                ab(
-                    name,
-                    1,
-                    G,
-                    lambda: generate_llada(ours_m, ids, cache="none", **kw),
-                    lambda: lg.generate(theirs_m, ids, **peer_kw),
-                    lambda: generate_llada(ours_m, ids, cache="none", **warm_kw),
-                    lambda: lg.generate(theirs_m, ids, **peer_warm),
-                    args.repeats,
-                    counters,
-                    compare,
-                    note="theirs: ML-GSAI/LLaDA generate on Fast-dLLM's LLaDAModelLM",
+            for mode in args.compile:
+                ours_kw = dict(kw, compile=mode)
+                out.append(
+                    ab(
+                        name,
+                        1,
+                        G,
+                        lambda ours_kw=ours_kw: generate_llada(ours_m, ids, cache="none", **ours_kw),
+                        lambda: lg.generate(theirs_m, ids, **peer_kw),
+                        lambda ours_kw=ours_kw: generate_llada(ours_m, ids, cache="none", **warm(ours_kw)),
+                        lambda: lg.generate(theirs_m, ids, **peer_warm),
+                        args.repeats,
+                        counters,
+                        compare,
+                        note="theirs: ML-GSAI/LLaDA generate on Fast-dLLM's LLaDAModelLM",
+                        compile=mode,
+                    )
                 )
-            )
         elif name in ("dual", "prefix"):
             fn = fd.dual if name == "dual" else fd.prefix
             for b in args.batches:
@@ -256,21 +277,24 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
                 def theirs(ids=ids, kw_=peer_kw):  # this Fast-dLLM code builds x with batch 1
                     return torch.cat([fn(theirs_m, ids[r : r + 1], **kw_)[0] for r in range(ids.shape[0])])
 
-                out.append(
-                    ab(
-                        name,
-                        b,
-                        b * G,
-                        lambda ids=ids: generate_llada(ours_m, ids, cache=name, **kw),
-                        theirs,
-                        lambda ids=ids: generate_llada(ours_m, ids, cache=name, **warm_kw),
-                        lambda ids=ids: theirs(ids, peer_warm),
-                        args.repeats,
-                        counters,
-                        compare,
-                        note="" if b == 1 else f"theirs: {b} batch-1 calls (Fast-dLLM code is batch 1)",
+                for mode in args.compile:
+                    ours_kw = dict(kw, compile=mode)
+                    out.append(
+                        ab(
+                            name,
+                            b,
+                            b * G,
+                            lambda ids=ids, ours_kw=ours_kw: generate_llada(ours_m, ids, cache=name, **ours_kw),
+                            theirs,
+                            lambda ids=ids, ours_kw=ours_kw: generate_llada(ours_m, ids, cache=name, **warm(ours_kw)),
+                            lambda ids=ids: theirs(ids, peer_warm),
+                            args.repeats,
+                            counters,
+                            compare,
+                            note="" if b == 1 else f"theirs: {b} batch-1 calls (Fast-dLLM code is batch 1)",
+                            compile=mode,
+                        )
                     )
-                )
         elif name == "forward":
             L = args.forward_length
             for b in args.batches:
@@ -332,41 +356,47 @@ def sdar_workload(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) ->
         gen = None if greedy else torch.Generator().manual_seed(args.seed)
         return generate_sdar(ours_m, ids, generator=gen, **dict(kw, gen_length=g), **extra)
 
+    def ours_warm(mode, **extra):  # a compiled sampler warms up at the timed shape
+        return ours(compile=mode, **extra) if mode != "none" else ours(g=warm, compile=mode, **extra)
+
     def theirs(g=G):
         torch.manual_seed(args.seed)
         return sd.generate(theirs_m, {"input_ids": ids}, **dict(peer_kw, gen_length=g))
 
     print("sdar:", flush=True)
     warm = 8 * BS
-    out.append(
-        ab(
-            "sdar",
-            1,
-            G,
-            ours,
-            theirs,
-            lambda: ours(g=warm),
-            lambda: theirs(warm),
-            args.repeats,
-            counters,
-            gen_compare(P, G),
-            note="theirs: block_diffusion_generate, low_confidence_static"
-            + ("" if greedy else "; both sample at temperature 1 (own RNG streams: agreement not expected)"),
-        )
-    )
-    if args.group:
+    for mode in args.compile:
         out.append(
-            ours_alone(
-                "sdar-group",
-                args.group,
-                args.group * G,
-                lambda: ours(repeats=args.group),
-                lambda: ours(g=warm, repeats=args.group),
+            ab(
+                "sdar",
+                1,
+                G,
+                lambda mode=mode: ours(compile=mode),
+                theirs,
+                lambda mode=mode: ours_warm(mode),
+                lambda: theirs(warm),
                 args.repeats,
-                counters["ours"],
-                note=f"ours only: 1 prompt x {args.group} completions (repeats=, prefix shared)",
+                counters,
+                gen_compare(P, G),
+                note="theirs: block_diffusion_generate, low_confidence_static"
+                + ("" if greedy else "; both sample at temperature 1 (own RNG streams: agreement not expected)"),
+                compile=mode,
             )
         )
+        if args.group:
+            out.append(
+                ours_alone(
+                    "sdar-group",
+                    args.group,
+                    args.group * G,
+                    lambda mode=mode: ours(repeats=args.group, compile=mode),
+                    lambda mode=mode: ours_warm(mode, repeats=args.group),
+                    args.repeats,
+                    counters["ours"],
+                    note=f"ours only: 1 prompt x {args.group} completions (repeats=, prefix shared)",
+                    compile=mode,
+                )
+            )
 
 
 def run(args) -> dict:
@@ -413,6 +443,7 @@ def run(args) -> dict:
         forward_length=args.forward_length,
         repeats=args.repeats,
         batches=args.batches,
+        ours_compile=args.compile,
     )
     rows = []
     if any(w != "sdar" for w in args.workloads):
@@ -446,9 +477,9 @@ def format_table(result: dict) -> str:
         f"{m['sdar']['steps_per_block']} steps per block ({m['sdar']['sampling']}); medians of "
         f"{m['repeats']} A/B repeats",
         "",
-        "| workload | batch | ours tok/cpu-s | theirs tok/cpu-s | ours/theirs cpu | ours/theirs wall | "
+        "| workload | ours compiled | batch | ours tok/cpu-s | theirs tok/cpu-s | ours/theirs cpu | ours/theirs wall | "
         "token agreement | forwards per call ours/theirs | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         o, t = r["ours"], r["theirs"]
@@ -459,12 +490,12 @@ def format_table(result: dict) -> str:
             agree += f" (first diff at flat index {r['first_difference']})"
         if t is None:
             lines.append(
-                f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | n/a | - | - | - | "
+                f"| {r['workload']} | {r.get('compile', 'none')} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | n/a | - | - | - | "
                 f"{o['forwards']} / - | {r['note']} |"
             )
             continue
         lines.append(
-            f"| {r['workload']} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | {t['tok_per_cpu_s']:.1f} | "
+            f"| {r['workload']} | {r.get('compile', 'none')} | {r['batch']} | {o['tok_per_cpu_s']:.1f} | {t['tok_per_cpu_s']:.1f} | "
             f"{r['ratio_cpu']:.2f}x | {r['ratio_wall']:.2f}x | {agree} | "
             f"{o['forwards']} / {t['forwards']} | {r['note']} |"
         )
@@ -494,6 +525,13 @@ def main(argv=None) -> int:
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="dual/prefix/forward batches")
+    parser.add_argument(
+        "--compile",
+        nargs="+",
+        default=["none", "default"],
+        choices=("none", "default", "reduce-overhead"),
+        help="how our samplers decode, each a row beside theirs (default: eager and compiled)",
+    )
     parser.add_argument("--sdar-gen-length", type=int, default=256)
     parser.add_argument("--sdar-block", type=int, default=4)
     parser.add_argument("--sdar-steps", type=int, default=4, help="denoising steps per block")

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from stabledrl_mcore.algorithms.losses_common import Groups, check_group_index, check_tensor, work_dtype
+from stabledrl_mcore.algorithms.losses_common import Groups, check_finite, check_group_index, check_tensor, work_dtype
 from stabledrl_mcore.common.registry import Registry
 
 AdvantageFn = Callable[[Tensor, Groups, float], Tensor]
@@ -75,6 +75,7 @@ def group_advantages(rewards: Tensor, group_index: Tensor, *, mode: str = "cente
     """Advantages [N] (float, no gradient) from rewards [N] and group_index [N]."""
     fn = get_advantage(mode)
     check_tensor("rewards", rewards, ndim=1)
+    check_finite([("rewards", rewards)])
     check_group_index(group_index, rewards.shape[0])
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")

@@ -49,6 +49,7 @@ from stabledrl_mcore.algorithms.losses_common import (
     KL_ESTIMATORS,
     Groups,
     check_eps,
+    check_finite,
     check_group_index,
     check_options,
     check_same_shape,
@@ -220,7 +221,10 @@ def espo_loss(b: SequenceBatch, *, lengths: Tensor | None = None) -> LossTerms:
         check_tensor("lengths", lengths, ndim=1, floating=isinstance(lengths, Tensor) and lengths.is_floating_point())
         check_same_shape("logp", b.logp, lengths=lengths)
         length = lengths.detach().to(device=b.logp.device, dtype=b.logp.dtype)
-        if bool((length <= 0).any()):
+        finite, positive = torch.stack([torch.isfinite(length).all(), (length > 0).all()]).tolist()  # one read
+        if not finite:
+            check_finite([("lengths", length)])
+        if not positive:
             raise ValueError("lengths must be > 0")
     log_ratio = b.log_ratio / length
     rho_d = torch.exp(log_ratio)
@@ -290,6 +294,7 @@ def sequence_policy_loss(
     ratio_logp: Tensor | None = None,
     old_ratio_logp: Tensor | None = None,
     completion_lengths: Tensor | None = None,
+    check_values: bool = True,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss ``name`` (see module docstring) on [N] sequence estimates -> (loss, metrics).
@@ -299,7 +304,9 @@ def sequence_policy_loss(
     ``completion_lengths`` [N]: for losses that weight by length (spg's
     ``length_weighted``). ``options`` are the loss's own keyword options (e.g.
     ``lengths`` for espo, ``log_weight_cap`` for stabledrl_released, ``aggregation``
-    for spg); unknown ones raise TypeError.
+    for spg); unknown ones raise TypeError. ``check_values``: raise ``ValueError("non-finite
+    values in <name>: ...")`` for NaN/inf inputs (one host read for all of them); a caller that
+    has checked them already (the trainer) passes False and the loss reads nothing.
     """
     fn = get_policy_loss(name)
     check_options("policy loss", name, fn, options)
@@ -333,6 +340,18 @@ def sequence_policy_loss(
             floating=isinstance(completion_lengths, Tensor) and completion_lengths.is_floating_point(),
         )
         check_same_shape("logp", logp, completion_lengths=completion_lengths)
+    if check_values:
+        check_finite(
+            [
+                ("logp", logp),
+                ("old_logp", old_logp),
+                ("advantages", advantages),
+                ("ref_logp", ref_logp),
+                ("ratio_logp", ratio_logp),
+                ("old_ratio_logp", old_ratio_logp),
+                ("completion_lengths", completion_lengths),
+            ]
+        )
 
     dtype = work_dtype(logp, old_logp, advantages)
     logp_w = logp.to(dtype)

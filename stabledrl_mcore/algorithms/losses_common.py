@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -76,19 +76,35 @@ def work_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def check_tensor(name: str, t: object, *, ndim: int | None = None, floating: bool = True) -> Tensor:
-    """Type/rank/finiteness check. Raises ``ValueError("non-finite values in
-    <name>: k of M entries")`` if any entry is NaN or +-inf."""
+    """Type/rank check (reads nothing on the device; finiteness: :func:`check_finite`)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
-    if floating:
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        bad = int((~torch.isfinite(t)).sum().item())
-        if bad:
-            raise ValueError(f"non-finite values in {name}: {bad} of {t.numel()} entries")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     return t
+
+
+def first_nonfinite(named: Sequence[tuple[str, Tensor | None]]) -> str | None:
+    """``"non-finite values in NAME: k of n entries"`` for the first tensor holding NaN/inf, else
+    None (one host read for all of them; floating tensors only, None entries skipped)."""
+    named = [(name, t) for name, t in named if t is not None and t.is_floating_point()]
+    if not named:
+        return None
+    ok = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
+    for (name, t), good in zip(named, ok):
+        if not good:
+            return f"non-finite values in {name}: {int((~torch.isfinite(t.detach())).sum())} of {t.numel()} entries"
+    return None
+
+
+def check_finite(named: Sequence[tuple[str, Tensor | None]]) -> None:
+    """Raise ``ValueError("non-finite values in <name>: k of M entries")`` for the first of
+    ``named`` holding NaN or +-inf (one host read for all of them)."""
+    reason = first_nonfinite(named)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_group_index(group_index: object, n: int) -> Tensor:

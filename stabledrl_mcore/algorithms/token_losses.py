@@ -24,6 +24,7 @@ from stabledrl_mcore.algorithms.losses_common import (
     KL_ESTIMATORS,
     Groups,
     check_eps,
+    check_finite,
     check_group_index,
     check_options,
     check_same_shape,
@@ -131,6 +132,7 @@ def token_policy_loss(
     kl_estimator: str = "k3",
     ratio_noise: RatioNoise | None = None,
     noise_generator: torch.Generator | None = None,
+    check_values: bool = True,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level loss ``name`` -> (loss, metrics).
@@ -138,7 +140,9 @@ def token_policy_loss(
     KL (when ``ref_logp_tok`` is given): per-token estimate, aggregated like the
     policy term (masked mean per sequence then over sequences, or one global token
     mean with ``aggregation="global_token_mean"``, d1); loss += kl_coef * kl. ``ratio_noise``
-    perturbs every token's log-ratio independently (own generator).
+    perturbs every token's log-ratio independently (own generator). ``check_values``: refuse
+    NaN/inf inputs, a ``token_mask`` that is not 0/1 and one that selects nothing (one host read
+    for all of it); a caller that has checked them (the trainer) passes False.
     """
     fn = get_token_policy_loss(name)
     check_options("token policy loss", name, fn, options)
@@ -167,11 +171,21 @@ def token_policy_loss(
 
     dtype = work_dtype(logp_tok, old_logp_tok, advantages)
     mask = token_mask.detach().to(dtype)
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("token_mask must be boolean or 0/1")
     selected = mask.bool()
-    if not bool(selected.any()):
-        raise ValueError("token_mask selects no tokens")
+    if check_values:
+        flags = torch.stack([((mask != 0) & (mask != 1)).any(), selected.any()]).tolist()
+        if flags[0]:
+            raise ValueError("token_mask must be boolean or 0/1")
+        if not flags[1]:
+            raise ValueError("token_mask selects no tokens")
+        check_finite(
+            [
+                ("logp_tok", logp_tok),
+                ("old_logp_tok", old_logp_tok),
+                ("advantages", advantages),
+                ("ref_logp_tok", ref_logp_tok),
+            ]
+        )
     logp_w = logp_tok.to(dtype)
     old = old_logp_tok.detach().to(dtype)
     if ratio_noise is not None:

@@ -67,7 +67,9 @@ def _shape(args, kwargs):
     queries = int(ids.shape[1])
     cache = kwargs.get("kv_cache")
     keys = queries
-    if cache is not None and hasattr(cache, "key_length"):  # ours: appended or overwritten in place
+    if cache is not None and kwargs.get("cache_slots") is not None:  # ours, a decoding step: every slot
+        keys = int(cache.capacity)
+    elif cache is not None and hasattr(cache, "key_length"):  # ours: appended or overwritten in place
         keys = int(cache.key_length(queries))
     elif cache is not None:
         keys += int(getattr(cache, "length", 0) or 0)
@@ -78,8 +80,10 @@ def _shape(args, kwargs):
 
 
 def _head_rows(kwargs, queries: int) -> int:
-    """Positions the LM head runs on: ``logit_positions`` (a slice) or every query."""
+    """Positions the LM head runs on: ``logit_positions`` (a slice or a tensor of them) or every query."""
     positions = kwargs.get("logit_positions")
+    if isinstance(positions, torch.Tensor):
+        return int(positions.numel())
     return queries if positions is None else len(range(*positions.indices(queries)))
 
 

@@ -29,7 +29,10 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   for the scored rows' ``[K, V_p/tp]`` selection plus the float32 working copy that Megatron's
   vocab-parallel cross-entropy turns in place into the softmax and then the gradient; both add
   ``3 * b_a * H * T`` (final norm, head input);
-- **rollout KV cache** (SDAR, block decoding): ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll``,
+- **rollout KV cache** (SDAR's block decoding; LLaDA with ``--rollout-cache prefix|dual``):
+  ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll`` (``B_roll``: ``--decode-rows``, the rows one
+  decoding forward holds, default the micro-batch; ``decode_rows_fit`` is the most that fit beside the
+  training state, what ``rollout.decode_rows`` may be set to),
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block: both samplers run the
   LM head on the decoded block only) and ``28 * V`` bytes per decoded position of a block (float64
   Gumbel/softmax work);
@@ -126,6 +129,8 @@ class PlanSpec:
     lora_rank: int = 0  # model.lora.rank: only the adapters (all-linear) train; the reference is the base
     ep: int = 1  # expert parallel (MoE models)
     etp: Optional[int] = None  # expert tensor parallel (None = TP)
+    decode_rows: Optional[int] = None  # rollout.decode_rows: rows per decoding forward (None = micro_batch)
+    rollout_cache: str = "none"  # LLaDA's rollout.cache (prefix | dual keep a KV cache; SDAR always does)
 
     @property
     def gpus(self) -> int:
@@ -164,7 +169,16 @@ class PlanSpec:
             raise ConfigError(f"--etp must be >= 1, got {self.etp}")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0 (0 = full-parameter training), got {self.lora_rank}")
+        if self.decode_rows is not None and self.decode_rows < 1:
+            raise ConfigError(f"--decode-rows must be >= 1, got {self.decode_rows}")
+        if self.rollout_cache not in ("none", "prefix", "dual"):
+            raise ConfigError(f"--rollout-cache must be one of none, prefix, dual, got {self.rollout_cache!r}")
         return self
+
+    @property
+    def rollout_rows(self) -> int:
+        """Rows per decoding forward: ``--decode-rows``, else the micro-batch."""
+        return self.decode_rows or self.micro_batch
 
 
 def check_layout(spec: PlanSpec, tp: int, pp: int, ep: int = 1) -> Optional[str]:
@@ -311,12 +325,12 @@ def estimate(
     else:  # gathered logits, a float32 log-softmax of the K scored rows (+ its gradient)
         logits = bw * head_rows * m.vocab_size + 12 * m.vocab_size * frac * spec.micro_batch * spec.seq_len
     head = logits + 3 * bw * m.hidden_size * tokens
-    kv = 0.0
     block = m.block_size or 32
-    if m.arch == "sdar":
-        kv = 2 * per_stage_layers * (m.num_query_groups / tp) * m.kv_channels * bw * spec.seq_len * spec.micro_batch
+    cached = m.arch == "sdar" or spec.rollout_cache != "none"
+    kv_row = 2 * per_stage_layers * (m.num_query_groups / tp) * m.kv_channels * bw * spec.seq_len if cached else 0.0
     q = min(block, spec.gen_length)  # both samplers run the LM head on the decoded block only
-    rollout_tmp = spec.micro_batch * (q * m.vocab_size * bw + 28 * m.vocab_size * q)
+    tmp_row = q * m.vocab_size * bw + 28 * m.vocab_size * q
+    kv, rollout_tmp = kv_row * spec.rollout_rows, tmp_row * spec.rollout_rows
     logprob_broadcast = 8.0 * spec.num_mc * per_rank_seqs * spec.seq_len if pp > 1 else 0.0
     worst, stage_totals = None, {}
     for name, dense, last in stages:
@@ -353,6 +367,10 @@ def estimate(
         kept = act + sent
         row["training_peak"] = kept + max(stage_head, extra_layer) if extra_layer else kept + stage_head
         row["rollout_peak"] = row["rollout_kv_cache"] + row["rollout_transient"]
+        # rows per decoding forward the memory beside the training state holds (whole micro-batches)
+        state = row["weights"] + row["reference_weights"] + row["gradients"] + row["optimizer"] + row["overhead"]
+        free = spec.gpu_memory_gib * GIB - state
+        row["decode_rows_fit"] = int(free // (kv_row + tmp_row)) // spec.micro_batch * spec.micro_batch
         row["total"] = (
             row["weights"]
             + row["reference_weights"]
@@ -467,8 +485,10 @@ def format_plan(spec: PlanSpec, chosen: Dict[str, Any], rows: List[Dict[str, Any
         + (f"  reference {g(chosen['reference_weights'])}" if spec.reference_model else "")
         + f"  gradients {g(chosen['gradients'])}  optimizer "
         f"{g(chosen['optimizer'])}  activations {g(chosen['activations'])}  LM head {g(chosen['head'])}  "
-        f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient)  "
-        f"overhead {g(chosen['overhead'])}",
+        f"rollout KV cache {g(chosen['rollout_kv_cache'])} (+{g(chosen['rollout_transient'])} transient, "
+        f"{spec.rollout_rows} rows per decoding forward)  overhead {g(chosen['overhead'])}",
+        f"  decoding rows that fit beside the training state: {max(chosen['decode_rows_fit'], 0)} "
+        f"(rollout.decode_rows; unset, a run picks its own from the free memory at its first rollout)",
         f"  total {g(chosen['total'])} GiB of {spec.gpu_memory_gib:g}: {'fits' if chosen['fits'] else 'does NOT fit'}",
         f"  estimated tokens/s (mfu {spec.mfu:g}, rollout mfu {spec.rollout_mfu:g}, peak "
         f"{spec.peak_tflops:g} TFLOP/s): training {chosen['train_tokens_per_s']:.0f}, rollout "

@@ -58,6 +58,7 @@ OTHER_FLAGS: Dict[str, str] = {
     "rollout.temperature": "--temperature",
     "rollout.threshold": "--threshold",
     "rollout.cache": "--cache",
+    "rollout.compile": "--compile",
     "model.checkpoint": "--ckpt",
     "model.tokenizer": "--tokenizer",
     "parallel.seed": "--seed",

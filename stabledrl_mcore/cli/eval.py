@@ -211,7 +211,7 @@ def _eval_rank(options: dict) -> int:
             num_query_groups=cfg.num_query_groups,
         ),
     )
-    model = build_model(cfg)
+    model = build_model(cfg, use_te=False if args.compile != "none" else None)  # compile traces the local spec
     load_initial_weights(model, args.ckpt)
     tokenizer = cli_tokenizer(args)
     result = evaluate_model(
@@ -273,6 +273,7 @@ def write_summary(path: str, args: argparse.Namespace, result, cfg=None) -> None
             "block_length",
             "threshold",
             "cache",
+            "compile",
             "seed",
             "batch_size",
         )
@@ -306,6 +307,7 @@ EVAL_FLAGS = (
     "--temperature",
     "--threshold",
     "--cache",
+    "--compile",
     "--ckpt",
     "--tokenizer",
     "--seed",

@@ -23,6 +23,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models; PP must be 1)")
     a("--etp", type=int, default=None, help="expert tensor parallel (default: --tp)")
     a("--micro-batch", type=int, default=2, help="sequences per forward/backward micro-batch")
+    a(
+        "--decode-rows",
+        type=int,
+        default=None,
+        help="rows per decoding forward (rollout.decode_rows; default the micro-batch)",
+    )
+    a(
+        "--rollout-cache",
+        default="none",
+        choices=["none", "prefix", "dual"],
+        help="LLaDA's rollout.cache (SDAR always caches)",
+    )
     a("--seq-len", type=int, default=512, help="prompt + completion tokens")
     a("--gen-length", type=int, default=None, help="completion tokens (default: half of --seq-len)")
     a("--global-batch", type=int, default=1024, help="sequences per step (prompts x group size)")
@@ -73,6 +85,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         tp=args.tp,
         pp=args.pp,
         micro_batch=args.micro_batch,
+        decode_rows=args.decode_rows,
+        rollout_cache=args.rollout_cache,
         seq_len=args.seq_len,
         gen_length=args.gen_length or max(args.seq_len // 2, 1),
         global_batch=args.global_batch,

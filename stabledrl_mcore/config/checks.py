@@ -70,6 +70,34 @@ def _validate_reward_limits(r) -> None:
         )
 
 
+COMPILE_MODES = ("none", "default", "reduce-overhead")
+"""``rollout.compile`` / ``--compile``: how the decoding forwards run (``models/decoding.py``)."""
+
+
+def _validate_decoding(cfg) -> None:
+    """``rollout.compile`` and ``rollout.decode_rows``, refused by name before any rank starts."""
+    r, p = cfg.rollout, cfg.parallel
+    choice("rollout.compile", r.compile, COMPILE_MODES)
+    if r.compile != "none" and (p.tensor_parallel > 1 or p.pipeline_parallel > 1):
+        raise ConfigError(
+            f"rollout.compile={r.compile} captures one rank's whole model; with parallel.tensor_parallel="
+            f"{p.tensor_parallel} and parallel.pipeline_parallel={p.pipeline_parallel} its collectives would "
+            f"be inside the graph, which this project has not verified: set rollout.compile=none, or "
+            f"decode at tensor_parallel=1 and pipeline_parallel=1"
+        )
+    rows = r.decode_rows
+    if rows is None:
+        return
+    unit = math.lcm(max(p.micro_batch_size, 1), max(r.group_size, 1))
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows % unit:
+        raise ConfigError(
+            f"rollout.decode_rows={rows!r}: a decoding batch holds whole groups and whole micro-batches, "
+            f"so it must be a multiple of lcm(parallel.micro_batch_size={p.micro_batch_size}, "
+            f"rollout.group_size={r.group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or null "
+            f"(chosen from the memory left for the KV cache)"
+        )
+
+
 def validate_run_config(cfg):
     """Check values that types alone cannot; raise :class:`ConfigError`."""
     choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
@@ -88,6 +116,7 @@ def validate_run_config(cfg):
     choice("algo.advantage", cfg.algo.advantage, ("center", "zscore", "leave_one_out"))
     choice("rollout.prompt_style", cfg.rollout.prompt_style, ("chat", "compact"))
     choice("rollout.cache", cfg.rollout.cache, ("none", "prefix", "dual"))
+    _validate_decoding(cfg)
     choice("rollout.reward_isolation", cfg.rollout.reward_isolation, REWARD_ISOLATION)
     _validate_reward_limits(cfg.rollout)
     if cfg.rollout.cache_gap_every < 0 or cfg.rollout.cache_gap_every and cfg.rollout.cache == "none":
@@ -266,6 +295,10 @@ def validate_logging_and_saving(lg, ck) -> None:
         raise ConfigError(f"checkpoint.save_every_minutes must be >= 0 (0 = off), got {ck.save_every_minutes}")
     if ck.preemption_lead_s is not None and ck.preemption_lead_s <= 0:
         raise ConfigError(f"checkpoint.preemption_lead_s must be > 0 seconds or null, got {ck.preemption_lead_s}")
+    if ck.write_timeout_s is not None and not ck.write_timeout_s > 0:
+        raise ConfigError(
+            f"checkpoint.write_timeout_s must be > 0 seconds or null (automatic), got {ck.write_timeout_s}"
+        )
 
 
 def check_pipeline_options(cfg) -> None:
@@ -370,6 +403,12 @@ def check_model_options(cfg, mcfg, description: str = "the model") -> None:
             f"decodes with its own KV cache of finished blocks: set rollout.cache=none"
         )
     check_lora_model(cfg.model.lora, mcfg, description)
+    if cfg.rollout.compile != "none" and mcfg.is_moe:
+        raise ConfigError(
+            f"rollout.compile={cfg.rollout.compile} with {description}, a mixture of experts: Megatron's "
+            f"token dispatch reads routing counts on the host, which a captured graph cannot hold; set "
+            f"rollout.compile=none"
+        )
     p = cfg.parallel
     if mcfg.is_moe and p.pipeline_parallel > 1 and (mcfg.moe_aux_loss_coeff or mcfg.moe_z_loss_coeff):
         raise ConfigError(

@@ -126,6 +126,20 @@ class RolloutSection:
     approximate KV cache of the prompt and earlier blocks, and of the later blocks too; refreshed at
     each block's first step). The likelihood phases always score with exact attention, so with a
     cache the sampling policy differs slightly from the scored one. SDAR always uses its own cache."""
+    compile: str = "none"
+    """How rollouts (and ``eval.every``'s held-out decoding) run the model's decoding forwards: ``none``
+    (eager), ``default`` (each kind of forward -- LLaDA's full step, cache fill, cached block step;
+    SDAR's block step and store step -- compiled once by ``torch.compile(fullgraph=True)``, one graph
+    for every block) or ``reduce-overhead`` (those graphs replayed as CUDA graphs on GPU; inductor's
+    C++ wrapper on CPU). Graphs are compiled at the first rollout of each shape, and its seconds are
+    logged (``rollout_compile_s``). The model then uses the local layer spec (Transformer Engine's
+    modules are not captured). Refused with tensor or pipeline parallelism and with mixture-of-experts
+    models. See docs/performance.md."""
+    decode_rows: Optional[int] = None
+    """Rollout rows (whole groups) decoded together by one forward, independent of
+    ``parallel.micro_batch_size``; a multiple of ``lcm(micro_batch_size, group_size)`` (a decoding batch
+    ends on a group and a micro-batch boundary). None = chosen at the first rollout from the memory
+    left for the KV cache (``models/decoding.py::decode_rows_for_memory``) and logged."""
     cache_gap_every: int = 0
     """With ``rollout.cache`` set: every N steps the rollout also runs the exact forward at each cached
     step and logs ``rollout_cache_gap``, the mean |log p_cached - log p_exact| of the committed tokens
@@ -329,6 +343,10 @@ class CheckpointSection:
     """Seconds between the pre-emption signal and the hard kill (SLURM ``--signal=...@N``; the job
     scripts set it). The trainer warns when it is shorter than one step plus twice the measured
     save time (``<run_dir>/checkpoint_timing.json``). None = unknown, no check."""
+    write_timeout_s: Optional[float] = None
+    """Time limit in seconds of a checkpoint's shard writes on each rank; a write past it (a stalled
+    file system) ends the run with a ``CheckpointError`` naming the file and the worker on every rank.
+    None = automatic: 600 s plus 1 s per 10 MiB the rank writes."""
 
 
 @dataclass

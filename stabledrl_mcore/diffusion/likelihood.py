@@ -37,7 +37,6 @@ ever holds ``[B, S, V]``. At TP = 1 the model's (gathered) logits and a full-voc
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -103,28 +102,25 @@ def gather_log_probs(
 ) -> Tensor:
     """log p(target) per position, ``[B, S]``; zero where ``scored`` is False.
 
-    The default path only normalises the scored rows (memory: K x V, not B x S x V).
+    Every row of ``logits`` is normalised and the unscored ones are zeroed (``torch.where``, so
+    they carry no gradient): no boolean-mask indexing, whose data-dependent row count is a host
+    read (a pipeline drain on a GPU) in every likelihood forward. Callers run the head on the
+    rows that can be scored only (``logit_positions``: the completion, the staircase's noisy half),
+    so the normalised rows are those, ``[B, S_scored, V]``.
     ``vocab_parallel``: ``logits`` are this rank's vocabulary shard ``[B, S, V_p/tp]``
-    (``model(..., gather_output=False)`` at TP > 1, padded columns at ``finfo.min``): the
-    scored rows ``[K, V_p/tp]`` go through Megatron's vocab-parallel cross-entropy
+    (``model(..., gather_output=False)`` at TP > 1, padded columns at ``finfo.min``) and go
+    through Megatron's vocab-parallel cross-entropy
     (:func:`~..models.logprobs.vocab_parallel_log_probs`, float32), a collective of the TP
-    group that every rank of it must call with the same ``scored``. ``False`` (TP = 1) is
-    the full-vocab ``log_softmax`` of the logits' own float dtype.
+    group. ``False`` (TP = 1) is the full-vocab ``log_softmax`` of the logits' own float dtype.
     """
     if logprob_fn is not None:
         lp = logprob_fn(logits, targets)
         return lp if scored is None else lp * scored.to(lp.dtype)
     if vocab_parallel:
-        if scored is None:
-            return vocab_parallel_log_probs(logits, targets, vocab_parallel=True)
-        vals = vocab_parallel_log_probs(logits[scored], targets[scored], vocab_parallel=True)
-    elif scored is None:
-        return torch.log_softmax(_float(logits), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        vals = vocab_parallel_log_probs(logits, targets, vocab_parallel=True)
     else:
-        rows = torch.log_softmax(_float(logits[scored]), -1)
-        vals = rows.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1)
-    out = torch.zeros(targets.shape, dtype=vals.dtype, device=vals.device)
-    return out.masked_scatter(scored, vals)
+        vals = torch.log_softmax(_float(logits), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return vals if scored is None else torch.where(scored, vals, torch.zeros((), dtype=vals.dtype, device=vals.device))
 
 
 def model_forward_logp(
@@ -150,14 +146,7 @@ def draw_log_probs(forward: ForwardLogp, ids: Tensor, plan: MaskPlan, mask_id: i
     plan.check(ids)
     noisy = plan.noisy(ids, mask_id)
     scored = plan.scored
-    out = []
-    for m in range(plan.num_mc):
-        if not bool(scored[m].any()):
-            out.append(torch.zeros(ids.shape, device=ids.device))
-            continue
-        out.append(forward(noisy[m], ids, scored[m]))
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in out])
-    return torch.stack([o.to(dtype) for o in out])
+    return torch.stack([forward(noisy[m], ids, scored[m]) for m in range(plan.num_mc)])
 
 
 def _lengths(completion_mask: Tensor) -> Tensor:

@@ -89,6 +89,14 @@ class MaskRegions:
             raise ValueError("completion, prompt and post_eos regions must be disjoint")
 
     @classmethod
+    def _disjoint(cls, completion: Tensor, prompt: Tensor, post_eos: Tensor) -> "MaskRegions":
+        """Regions disjoint by construction (bool, one shape): no check, so no host read."""
+        regions = object.__new__(cls)
+        for name, t in (("completion", completion), ("prompt", prompt), ("post_eos", post_eos)):
+            object.__setattr__(regions, name, t)
+        return regions
+
+    @classmethod
     def of(
         cls, completion: Tensor, prompt: Optional[Tensor] = None, post_eos: Optional[Tensor] = None
     ) -> "MaskRegions":
@@ -138,10 +146,10 @@ class MaskRegions:
                 completion[:, P:] = cm
             elif tuple(cm.shape) == (B, S):
                 completion = cm
+                if (completion & ~generated).any():
+                    raise ValueError("completion_mask marks prompt positions")
             else:
                 raise ValueError(f"completion_mask of shape {tuple(cm.shape)} fits neither {(B, S)} nor {(B, S - P)}")
-            if (completion & ~generated).any():
-                raise ValueError("completion_mask marks prompt positions")
         prompt = ~generated
         if prompt_valid is not None:
             pv = prompt_valid.bool().to(device)
@@ -153,12 +161,12 @@ class MaskRegions:
                 )
             prompt = prompt.clone()
             prompt[:, :P] = pv
-        return cls(completion, prompt, generated & ~completion)
+        return cls._disjoint(completion, prompt, generated & ~completion)  # prompt = not generated
 
     def with_post_eos(self, policy: str) -> "MaskRegions":
         """The regions a scheme sees under ``policy`` (``score``: post-EOS joins the completion)."""
         if _check_policy(policy) == "score":
-            return MaskRegions(self.completion | self.post_eos, self.prompt, torch.zeros_like(self.post_eos))
+            return MaskRegions._disjoint(self.completion | self.post_eos, self.prompt, torch.zeros_like(self.post_eos))
         return self
 
     def scored_region(self, policy: str = "visible") -> Tensor:
@@ -166,7 +174,7 @@ class MaskRegions:
         return self.with_post_eos(policy).completion
 
     def to(self, device) -> "MaskRegions":
-        return MaskRegions(self.completion.to(device), self.prompt.to(device), self.post_eos.to(device))
+        return MaskRegions._disjoint(self.completion.to(device), self.prompt.to(device), self.post_eos.to(device))
 
 
 def apply_post_eos(plan: MaskPlan, regions: MaskRegions, policy: str) -> MaskPlan:
@@ -174,7 +182,7 @@ def apply_post_eos(plan: MaskPlan, regions: MaskRegions, policy: str) -> MaskPla
 
     (``score`` acts before the scheme, through :meth:`MaskRegions.with_post_eos`.)
     """
-    if _check_policy(policy) != "mask_and_skip" or not bool(regions.post_eos.any()):
+    if _check_policy(policy) != "mask_and_skip":
         return plan
     post = regions.post_eos.to(plan.masked.device).unsqueeze(0)
     return replace(plan, masked=plan.masked | post, weight=plan.weight.masked_fill(post, 0.0))

@@ -41,7 +41,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     select_transfer,
     transfer_schedule,
 )
-from stabledrl_mcore.models.kv_cache import KVCache
+from stabledrl_mcore.models.decoding import decoding_forward
 from stabledrl_mcore.models.masks import padding_mask
 from stabledrl_mcore.models.presets import segment_positions
 
@@ -50,32 +50,6 @@ StepHook = Callable[[int, Tensor, Tensor], None]
 
 CACHE_MODES = ("none", "prefix", "dual")
 """``none``: exact decoding (a full forward per step); ``prefix`` / ``dual``: see :class:`BlockLogits`."""
-
-
-def _logits(
-    model,
-    x: Tensor,
-    attn: Optional[Tensor],
-    cfg_scale: float,
-    prompt_len: int,
-    mask_id: int,
-    span: slice,
-    kv_cache=None,
-) -> Tensor:
-    """Logits of positions ``span`` of ``x`` (the head runs on those only), guided when ``cfg_scale``."""
-    extra = {"logit_positions": span} if kv_cache is None else {"logit_positions": span, "kv_cache": kv_cache}
-    if cfg_scale <= 0.0:
-        return model(x, position_ids=None, attention_mask=attn, **extra)
-    un_x = x.clone()
-    un_x[:, :prompt_len] = mask_id
-    both = model(
-        torch.cat([x, un_x]),
-        position_ids=None,
-        attention_mask=None if attn is None else torch.cat([attn, attn]),
-        **extra,
-    )
-    cond, uncond = both.chunk(2, dim=0)
-    return uncond + (cfg_scale + 1.0) * (cond - uncond)
 
 
 def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float, kmax: Optional[int] = None) -> Tensor:
@@ -137,9 +111,11 @@ class BlockLogits:
       prefix *and* suffix (the later blocks, still all masks).
 
     The cache is written in place (:class:`~stabledrl_mcore.models.KVCache`, one buffer of
-    ``L`` positions per layer, allocated once per call): a cached step's fresh keys overwrite
-    the stored keys of the positions it forwards (``cache.writing_at(s)``), so each query
-    attends over exactly the ``L`` positions once, with no mask but the prompts' padding.
+    ``L`` positions per layer, the same for every generation of this shape): a cached step's fresh
+    keys overwrite the stored keys of the slots it forwards, and each query attends over exactly
+    the ``L`` slots, with no mask but the prompts' padding. Every forward goes through the model's
+    :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
+    (the read positions, the slots), so it is one graph per kind whatever the block.
     What is approximate: the stored keys were computed
     when the block still held the masks of its first step, so within a block the prefix
     (and, for ``dual``, the suffix) does not see the tokens committed since. They are
@@ -158,18 +134,55 @@ class BlockLogits:
         mask_id: int,
         stats: Optional[DecodeStats],
         refresh_every_step: bool = False,
+        compile: str = "none",
     ):
-        self.model, self.mode, self.attn = model, mode, attn
+        self.model, self.mode = model, mode
         self.cfg_scale, self.prompt_len, self.mask_id = cfg_scale, prompt_len, mask_id
         self.stats, self.refresh = stats, refresh_every_step
+        self.forward = decoding_forward(model, compile)
+        self.attn = attn if attn is None or cfg_scale <= 0.0 else torch.cat([attn, attn])
+        self.separator = getattr(dllm_config(model), "segment_separator_id", None)
         self.cache = None
         self.span = (0, 0)
+        self._slots: dict = {}
         self.cached_step = False
         """Whether the last call was served from the cache (not by a full forward)."""
 
+    def _positions(self, start: int, end: int, device) -> Tensor:
+        """``arange(start, end)`` (read positions, cache slots), one tensor per span."""
+        key = (start, end)
+        if key not in self._slots:
+            self._slots[key] = torch.arange(start, end, device=device)
+        return self._slots[key]
+
+    def _rows(self, x: Tensor) -> Tensor:
+        """``x``, and with classifier-free guidance its unconditional copy (the prompt masked)."""
+        if self.cfg_scale <= 0.0:
+            return x
+        uncond = x.clone()
+        uncond[:, : self.prompt_len] = self.mask_id
+        return torch.cat([x, uncond])
+
+    def _guided(self, logits: Tensor) -> Tensor:
+        """Upstream's guidance: ``u + (cfg_scale + 1) (c - u)``."""
+        if self.cfg_scale <= 0.0:
+            return logits
+        cond, uncond = logits.chunk(2, dim=0)
+        return uncond + (self.cfg_scale + 1.0) * (cond - uncond)
+
+    def _segments(self, rows: Tensor, start: int, end: int) -> dict:
+        """The separator scheme's positions and segments of ``rows[:, start:end]`` (of the whole rows)."""
+        if self.separator is None:
+            return {}
+        positions, segments = segment_positions(rows, self.separator)
+        return {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
+
     def exact(self, x: Tensor, s: int, e: int) -> Tensor:
         """A full forward without a cache (today's step)."""
-        return _logits(self.model, x, self.attn, self.cfg_scale, self.prompt_len, self.mask_id, slice(s, e))
+        rows = self._rows(x)
+        read = self._positions(s, e, x.device)
+        extra = self._segments(rows, 0, x.shape[1])
+        return self._guided(self.forward(rows, attention_mask=self.attn, logit_positions=read, **extra))
 
     def __call__(self, x: Tensor, s: int, e: int, first: bool) -> Tensor:
         if self.mode == "none":
@@ -184,53 +197,41 @@ class BlockLogits:
 
     def _fill(self, x: Tensor, s: int, e: int) -> Tensor:
         """Full forward storing every position's keys/values; the block's exact logits."""
+        rows = self._rows(x)
         L = x.shape[1]
         if self.cache is None:
-            self.cache = KVCache(capacity=L)
-        self.cache.reset()
-        with self.cache.storing():
-            logits = _logits(
-                self.model,
-                x,
-                self.attn,
-                self.cfg_scale,
-                self.prompt_len,
-                self.mask_id,
-                slice(s, e),
-                kv_cache=self.cache,
-            )
+            self.cache = self.forward.cache(rows.shape[0], L)
+        logits = self.forward(
+            rows,
+            attention_mask=self.attn,
+            kv_cache=self.cache,
+            logit_positions=self._positions(s, e, x.device),
+            **self._segments(rows, 0, L),
+        )
         self.span = (s, L if self.mode == "prefix" else e)
         self.cached_step = False
         if self.stats is not None:
             self.stats.full_forwards += 1
-        return logits
+        return self._guided(logits)
 
     def _block(self, x: Tensor, s: int, e: int) -> Tensor:
         start, end = self.span
         if start != s:
             raise RuntimeError(f"the cache was filled for the block at {start}, not {s}")
-        rows = x
-        if self.cfg_scale > 0.0:  # the unconditional half: the prompt masked (its keys are cached)
-            uncond = x.clone()
-            uncond[:, : self.prompt_len] = self.mask_id
-            rows = torch.cat([x, uncond])
-        extra = {"position_ids": torch.arange(start, end, device=x.device)[None]}
-        separator = getattr(dllm_config(self.model), "segment_separator_id", None)
-        if separator is not None:  # positions and segments restart after separators: the whole rows'
-            positions, segments = segment_positions(rows, separator)
-            extra = {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
-        mask = None if self.attn is None else (torch.cat([self.attn, self.attn]) if self.cfg_scale > 0.0 else self.attn)
-        with self.cache.writing_at(start):  # the fresh keys replace the block's stored ones
-            logits = self.model(
-                rows[:, start:end], attention_mask=mask, kv_cache=self.cache, logit_positions=slice(0, e - s), **extra
-            )
-        if self.cfg_scale > 0.0:
-            cond, uncond = logits.chunk(2, dim=0)
-            logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
+        rows = self._rows(x)
+        logits = self.forward(
+            rows[:, start:end],
+            attention_mask=self.attn,
+            kv_cache=self.cache,
+            cache_slots=self._positions(start, end, x.device),
+            logit_positions=slice(0, e - s),
+            dynamic_length=self.mode == "prefix",
+            **self._segments(rows, start, end),
+        )
         self.cached_step = True
         if self.stats is not None:
             self.stats.block_forwards += 1
-        return logits
+        return self._guided(logits)
 
 
 def _propose(logits: Tensor, temperature: float, remasking: str, generator: Optional[torch.Generator]):
@@ -269,6 +270,7 @@ def generate_llada(
     refresh_every_step: bool = False,
     repeats: Union[int, Sequence[int], None] = None,
     row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None,
+    compile: str = "none",
 ) -> Tensor:
     """Decode ``gen_length`` tokens after ``prompt_ids`` ``[B, P]``; returns ``[B, P + gen_length]``.
 
@@ -289,6 +291,10 @@ def generate_llada(
     the rows are repeated), and split the rows into chunks that each decode as if alone with their
     own generator (a chunk draws only while one of its rows has a masked position in the block and,
     with ``stop_at_eos``, while one is not settled), so one forward serves several micro-batches.
+
+    ``compile``: how the model's forwards run (:data:`~stabledrl_mcore.models.decoding.COMPILE_MODES`:
+    eager, or one compiled graph per kind of forward for every block, see
+    :mod:`stabledrl_mcore.models.decoding`).
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
@@ -319,7 +325,7 @@ def generate_llada(
     if prompt_valid is not None:
         valid = torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool, device=device)], dim=1)
         attn = padding_mask(valid)
-    block_logits = BlockLogits(model, cache, attn, cfg_scale, P, mask_id, stats, refresh_every_step)
+    block_logits = BlockLogits(model, cache, attn, cfg_scale, P, mask_id, stats, refresh_every_step, compile)
     measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
     # Every block starts with all its positions masked (only the current block is ever committed),

@@ -53,6 +53,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     select_transfer,
     transfer_schedule,
 )
+from stabledrl_mcore.models.decoding import decoding_forward
 from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, left_pad_counts, padding_mask
 
@@ -79,9 +80,9 @@ def generate_sdar(
     prompt_valid: Optional[Tensor] = None,
     progress: Optional[bool] = None,
     on_step: Optional[StepHook] = None,
-    kv_cache_factory: Optional[Callable[[], object]] = None,
     repeats: Union[int, Sequence[int], None] = None,
     row_chunks: Optional[Sequence[Tuple[int, Optional[torch.Generator]]]] = None,
+    compile: str = "none",
 ) -> Tensor:
     """Block-decode after ``prompt_ids`` ``[B, P]``; returns ``[B, ceil((P + gen_length)/bs) * bs]``.
 
@@ -96,6 +97,9 @@ def generate_sdar(
     chunks, each decoded as if it ran alone with its own generator (it draws, and its
     block's steps go on, only while one of its rows has a masked position in the block;
     with ``stop_at_eos`` it stops once each of its rows has an EOS); ``generator`` is then None.
+    ``compile``: how the cached forwards run (:data:`~stabledrl_mcore.models.decoding.COMPILE_MODES`;
+    the block step and the store-by-next-block step are one graph each for every block, see
+    :mod:`stabledrl_mcore.models.decoding`); the reference ``use_cache=False`` runs eagerly only.
     """
     check_prompt(prompt_ids, prompt_valid)
     cfg = dllm_config(model)
@@ -103,39 +107,56 @@ def generate_sdar(
     mask_id = int(cfg.mask_token_id) if mask_id is None else int(mask_id)
     eos_id = int(cfg.eos_token_id) if eos_id is None else int(eos_id)
     counts = repeat_counts(repeats, prompt_ids.shape[0])
+    forward = decoding_forward(model, compile)
+    if forward.compiled and not use_cache:
+        raise ValueError(
+            f"compile={forward.mode!r} captures the cached forwards; use_cache=False is the eager reference"
+        )
     B, P = prompt_ids.shape
     device = prompt_ids.device
     num_blocks = -(-(P + gen_length) // bs)
     total = num_blocks * bs
     x = torch.full((B, total), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
-    pos = torch.arange(total, device=device)[None]
+    pos = torch.arange(total, device=device)
     prefill = P // bs
-    cache = None
-    if use_cache:
-        cache = kv_cache_factory() if kv_cache_factory is not None else KVCache(capacity=total)
-    share = counts is not None and use_cache and prefill > 0 and callable(getattr(cache, "repeat_interleave", None))
+    share = counts is not None and use_cache and prefill > 0
     if counts is not None and not share:  # nothing to share: decode the repeated prompts
         x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
         B = x.shape[0]
     pads = None if prompt_valid is None else left_pad_counts(prompt_valid)  # one device->host copy
-    mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
+    rows = sum(counts) if share else B
+    cache = forward.cache(rows, total) if use_cache else None
     if use_cache and prefill > 0:
-        with cache.storing():
+        # the prompt's whole blocks, eagerly (flex attention on GPU for long prompts); with
+        # prefix sharing, once per prompt into a cache of the prompt rows, then copied per row
+        target = KVCache(capacity=total) if share else cache
+        with target.storing():
             model(
                 x[:, : prefill * bs],
-                position_ids=pos[:, : prefill * bs],
-                attention_mask=mask(0, prefill * bs),
-                kv_cache=cache,
+                position_ids=pos[None, : prefill * bs],
+                attention_mask=_mask_fn(prompt_valid, pads, B, total, P, bs, device)(0, prefill * bs),
+                kv_cache=target,
                 logit_positions=slice(0, 0),
             )  # fills the cache: no head
-    if share:  # the prompt's cache rows serve each of its completions
-        cache.repeat_interleave(torch.tensor(counts, device=device) if len(set(counts)) > 1 else counts[0])
+        if share:  # the prompt's cache rows serve each of its completions
+            cache.copy_rows_from(target, repeat_rows(torch.arange(B, device=device), counts))
+    if share:
         x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
         B = x.shape[0]
         if pads is not None:
             pads = tuple(p for p, c in zip(pads, counts) for _ in range(c))
-        mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
+    step_mask = _step_mask(prompt_valid, pads, total, P, bs, device)
+    slots: dict = {}
+
+    def cached(start: int, end: int, read=None):
+        """A slot-addressed forward of positions ``[start, end)`` against the cache."""
+        if (start, end) not in slots:
+            slots[start, end] = pos[start:end].clone()
+        return forward(
+            x[:, start:end], kv_cache=cache, cache_slots=slots[start, end], logit_positions=read, **step_mask
+        )
+
     plan = transfer_schedule(bs, steps)  # tokens per step, on the host
     schedule = torch.tensor(plan, device=device)
     chunks = chunk_bounds(row_chunks, generator, B)
@@ -158,21 +179,14 @@ def generate_sdar(
             cur = x[:, s:e]
             masked = cur == mask_id
             if use_cache and unstored is not None:  # store the finished block, denoise this one
-                with cache.storing():
-                    logits = model(
-                        x[:, unstored:e],
-                        position_ids=pos[:, unstored:e],
-                        attention_mask=mask(unstored, e - unstored),
-                        kv_cache=cache,
-                        logit_positions=slice(s - unstored, e - unstored),
-                    )
-                cache.truncate(s)  # this block's keys are scratch until it is final
-                unstored = None
+                logits = cached(unstored, e, slice(s - unstored, e - unstored))
+                unstored = None  # this block's keys are scratch until it is final
             elif use_cache:
-                logits = model(cur, position_ids=pos[:, s:e], attention_mask=mask(s, bs), kv_cache=cache)
+                logits = cached(s, e)
             else:
+                mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
                 logits = model(
-                    x[:, :e], position_ids=pos[:, :e], attention_mask=mask(0, e), logit_positions=slice(s, e)
+                    x[:, :e], position_ids=pos[None, :e], attention_mask=mask(0, e), logit_positions=slice(s, e)
                 )
             if len(chunks) == 1:
                 x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
@@ -206,14 +220,7 @@ def generate_sdar(
             done = [all(has_eos[a:b]) for a, b, _ in chunks]
         finished = all(done)
         if use_cache and unstored is not None:  # no step ran: store the previous block alone
-            with cache.storing():
-                model(
-                    x[:, unstored:s],
-                    position_ids=pos[:, unstored:s],
-                    attention_mask=mask(unstored, bs),
-                    kv_cache=cache,
-                    logit_positions=slice(0, 0),
-                )
+            cached(unstored, s)  # the block step's graph (its logits are not read)
             unstored = None
         if use_cache and blk < num_blocks - 1 and not finished:
             unstored = s  # stored by the next block's first forward
@@ -223,6 +230,18 @@ def generate_sdar(
     if stop_at_eos:
         x = fill_after_eos(x, P, eos_id)
     return x
+
+
+def _step_mask(prompt_valid: Optional[Tensor], pads, total: int, P: int, bs: int, device) -> dict:
+    """The mask arguments of a cached step over the ``total`` cache slots: the block-causal layout
+    and the pad counts as a tensor (the mask is built inside the step from the slots); a prompt mask
+    that is not a left pad adds its keys' validity as ``attention_mask``."""
+    layout = AttentionLayout.block_causal(bs)
+    if prompt_valid is None or pads is not None:
+        return {"layout": layout, "pads": torch.tensor(pads, device=device) if any(pads or ()) else None}
+    valid = torch.ones(prompt_valid.shape[0], total, dtype=torch.bool, device=device)
+    valid[:, :P] = prompt_valid.bool()
+    return {"layout": layout, "pads": None, "attention_mask": padding_mask(valid)}
 
 
 def _mask_fn(prompt_valid: Optional[Tensor], pads, B: int, total: int, P: int, bs: int, device):

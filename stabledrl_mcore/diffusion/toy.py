@@ -2,16 +2,19 @@
 
 Contract (what the Megatron model in ``stabledrl_mcore.models`` provides):
 ``model(input_ids [B, S], position_ids=None, attention_mask=None, *, kv_cache=None,
-gather_output=True, logit_positions=None) -> logits [B, S, V]``
-(``[B, len(logit_positions), V]`` for a slice of the positions); ``attention_mask`` is None (bidirectional),
+gather_output=True, logit_positions=None, cache_slots=None) -> logits [B, S, V]``
+(``[B, n, V]`` for a slice or a LongTensor of positions); ``attention_mask`` is None (bidirectional),
 bool (True = blocked, broadcastable to ``[B, 1, S, K]``) or an ``AttentionLayout``
 (resolved to its dense mask); ``model.dllm_config``
-has ``arch, mask_token_id, eos_token_id, pad_token_id, block_size, vocab_size``.
+has ``arch, mask_token_id, eos_token_id, pad_token_id, block_size, vocab_size``;
+``model.kv_cache_layers()`` / ``model.kv_cache_dtype()`` give a KV cache's shape.
 
 KV cache: the Megatron model's :class:`stabledrl_mcore.models.KVCache` (heads-major
 buffers written in place): with ``kv_cache=cache`` the queries attend to
 ``[cached | current]`` keys (the mask's key length is ``cache.key_length(S)``); inside
-``with cache.storing():`` the current keys/values are kept once the forward is done.
+``with cache.storing():`` the current keys/values are kept once the forward is done. With
+``cache_slots`` (a slot-addressed step) the keys go to those slots and the queries attend to
+every slot of the cache (the mask's key length is ``cache.capacity``).
 
 Pre-norm transformer: RMSNorm, multi-head attention with rotate-half RoPE on
 the given position ids, SiLU MLP, untied head. Weights are drawn from an
@@ -81,6 +84,14 @@ class ToyDiffusionLM(nn.Module):
         self.norms = nn.Parameter(torch.ones(2 * n + 1, h, dtype=dtype))
         self.head = param(c.vocab_size, h)
 
+    def kv_cache_layers(self):
+        """``{layer: (heads, head_dim)}``: a KV cache's shape."""
+        c = self.dllm_config
+        return {i: (c.num_heads, c.hidden_size // c.num_heads) for i in range(c.num_layers)}
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
     def forward(
         self,
         input_ids: Tensor,
@@ -89,13 +100,19 @@ class ToyDiffusionLM(nn.Module):
         *,
         kv_cache: Optional[KVCache] = None,
         gather_output: bool = True,
-        logit_positions: Optional[slice] = None,
+        logit_positions=None,
+        cache_slots: Optional[Tensor] = None,
     ) -> Tensor:
         c = self.dllm_config
         B, S = input_ids.shape
         H = c.num_heads
         past = kv_cache.offset if kv_cache is not None else 0
         keys = kv_cache.key_length(S) if kv_cache is not None else S
+        if cache_slots is not None:
+            kv_cache.slots = cache_slots
+            position_ids = cache_slots[None] if position_ids is None else position_ids
+            if isinstance(attention_mask, AttentionLayout):
+                attention_mask = attention_mask.over_slots(cache_slots, kv_cache.capacity)
         if position_ids is None:
             position_ids = torch.arange(past, past + S, device=input_ids.device)[None]
         if isinstance(attention_mask, AttentionLayout):
@@ -113,7 +130,10 @@ class ToyDiffusionLM(nn.Module):
             x = x + F.linear(F.silu(F.linear(_rms(x, self.norms[2 * i + 1]), self.up[i])), self.down[i])
         if kv_cache is not None:
             kv_cache.commit()
-        if logit_positions is not None:
+            kv_cache.slots = None
+        if isinstance(logit_positions, Tensor):
+            x = x.index_select(1, logit_positions)
+        elif logit_positions is not None:
             x = x[:, logit_positions]
         logits = F.linear(_rms(x, self.norms[-1]), self.head) * c.logit_scale
         if c.suppress_mask:

@@ -25,6 +25,7 @@ from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.engine.expert import finish_forwards
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, sample_metrics, summarize
 from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices
+from stabledrl_mcore.models.decoding import prompt_multiple
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.prompts import encode_prompts
@@ -69,6 +70,7 @@ def evaluate_model(
     cache: str = "none",
     n: int = 1,
     ks: Optional[Sequence[int]] = None,
+    compile: str = "none",
 ) -> EvalResult:
     """Greedy (or sampled) completions for ``examples``; accuracy = share of samples with full reward.
 
@@ -76,6 +78,8 @@ def evaluate_model(
     with ``n > 1`` also ``samples`` (every sample's completion, extracted answer, reward,
     correct) and the example's own ``pass@k`` / ``maj@k`` / ``mean@k`` (``ks``: default
     :func:`~stabledrl_mcore.evaluation.at_k.default_ks`); the top-level fields are those of the first sample.
+    ``compile``: how the decoding forwards run (``rollout.compile`` / ``--compile``; prompts are then
+    left-padded to a multiple of :data:`~stabledrl_mcore.models.decoding.PROMPT_MULTIPLE` tokens).
     ``progress``: one bar over rank 0's examples for the whole evaluation (the samplers show none)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -88,6 +92,7 @@ def evaluate_model(
         threshold=threshold,
         progress=False,  # one bar for the whole evaluation (below), none per decoded batch
         cache=cache,
+        compile=compile,
     )
     group, rank, world = _dp_group()
     if n == 1 and temperature == 0:
@@ -132,7 +137,12 @@ def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, 
     generator = torch.Generator(device=device).manual_seed(seed + rank)
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
-            ids, valid = encode_prompts(tokenizer, prompts[start : start + micro_batch], device=device)
+            ids, valid = encode_prompts(
+                tokenizer,
+                prompts[start : start + micro_batch],
+                device=device,
+                multiple=prompt_multiple(sampling["compile"]),
+            )
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
             completions += [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
             if bar is not None:
@@ -156,7 +166,9 @@ def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch,
     with torch.no_grad(), eval_mode(model):
         for c in shard_indices(len(chunks), rank, world):
             prompts = [task.prompt(ex, tokenizer) for ex in chunks[c]]
-            ids, valid = encode_prompts(tokenizer, prompts, device=device)
+            ids, valid = encode_prompts(
+                tokenizer, prompts, device=device, multiple=prompt_multiple(sampling["compile"])
+            )
             ids, valid = ids.repeat_interleave(n, 0), valid.repeat_interleave(n, 0)
             generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, c))
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)

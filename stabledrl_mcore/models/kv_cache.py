@@ -1,16 +1,26 @@
 """Per-layer key/value cache for KV-cached diffusion decoding, written in place.
 
-SDAR decodes block by block (upstream ``block_diffusion_generate``, JetAstra/SDAR):
-the cache holds only *finished* (clean) blocks; the current block is denoised
-with repeated forwards that attend to ``[cached keys | current keys]`` without
-committing anything, and once the block is final it is run once more inside
-``cache.storing()`` so its keys/values become part of the cache. LLaDA's
-approximate caches (Fast-dLLM's prefix / dual cache) store every position once
-per block and then re-forward only the changing span: inside
-``cache.writing_at(s)`` a forward's keys overwrite positions ``s..s+S-1`` of the
-cache and its queries attend to every valid position.
+Storage: one buffer per layer and per key/value, heads-major ``[B, groups, capacity,
+head_dim]`` (the layout SDPA reads), keyed by Megatron's global ``layer_number``. Keys are
+cached *after* RoPE and q/k-norm (exactly what the core attention receives). Under tensor
+parallelism every rank caches its own head groups; under pipeline parallelism each stage
+its own layers. A forward writes its keys in one of two ways:
 
-Usage::
+**Slot-addressed** (a *decoding step*, what the samplers run; ``cache_slots`` given to the
+model forward): the forward's ``S`` keys go to the slots named by a LongTensor (``index_copy_``)
+and its queries attend over **every** slot of the buffers, through a mask the caller builds
+over ``capacity`` keys (:func:`~stabledrl_mcore.models.masks.block_causal_over_slots`, or a
+padding mask). Nothing about the step is a Python number: the slots are a tensor and the
+attended view is the whole fixed-size buffer, so a step at block 1 and at block 64 is the
+same computation with other tensor values -- one compiled graph, and a CUDA graph can replay
+it (the buffers are fixed addresses, see :meth:`KVCache.allocate`). The buffers start as
+zeros, so a masked slot never holds a NaN that the attention's weighted sum would carry.
+
+**Appended** (no slots; a prefill, the first step of a cached LLaDA block, or a caller
+stepping by hand): the forward's keys go to positions ``offset .. offset+S-1`` (``offset`` =
+:attr:`length`, or the ``writing_at`` position) and the queries attend over a *view* of the
+first :meth:`key_length` positions (no concatenation, no copy of the cached keys); inside
+``storing()`` they become part of :attr:`length` once the forward has run::
 
     cache = KVCache(capacity=P + gen_length)
     with cache.storing():
@@ -19,31 +29,15 @@ Usage::
     with cache.storing():
         model(final_block_ids, attention_mask=None, kv_cache=cache)  # append the block
 
-Storage: one preallocated buffer per layer and per key/value, heads-major
-``[B, groups, capacity, head_dim]`` (the layout SDPA reads), keyed by Megatron's
-global ``layer_number``. A forward of ``S`` tokens copies its keys into positions
-``offset .. offset+S-1`` (``offset`` = :attr:`length`, or the ``writing_at``
-position) and attends over a *view* of the first :meth:`key_length` positions:
-no concatenation, no copy of the cached keys, and no stale keys to mask out
-(the old concatenating cache copied the whole cache in every layer on every
-forward, and a dual-cache step attended over ``L + block`` keys with the stale
-block masked). Positions past :attr:`length` written by a forward that is not
-storing are scratch: the next forward overwrites them. With a ``capacity`` the
-buffers are allocated once (static shapes: a decode step always reads the same
-buffer); without one they grow by doubling. Keys are cached *after* RoPE and
-q/k-norm (exactly what the core attention receives). Under tensor parallelism
-every rank caches its own head groups; under pipeline parallelism each stage its
-own layers.
-
-Position ids default to ``offset + arange(S)``, and a mask (bool tensor or
-:class:`AttentionLayout`) has ``key_len = key_length(S)``
-(``max(length, offset + S)``).
+Position ids default to ``offset + arange(S)`` (appended) or the slots (slot-addressed). An
+appended forward's mask (bool tensor or :class:`AttentionLayout`) has ``key_len =
+key_length(S)``; a slot-addressed forward's mask has ``capacity`` keys.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -55,9 +49,11 @@ class KVCache:
 
     def __init__(self, store: bool = False, capacity: Optional[int] = None):
         self.store = store
-        """When True, a forward's positions become part of the cache once it has run."""
+        """When True, an appended forward's positions become part of the cache once it has run."""
         self.capacity = capacity
-        """Positions each buffer holds (None: grown on demand)."""
+        """Positions each buffer holds (None: grown on demand by appended forwards)."""
+        self.slots: Optional[torch.Tensor] = None
+        """The slots the running forward writes (set by the model for a slot-addressed forward)."""
         self._buffers: Dict[int, KV] = {}
         self._length = 0
         self._write_at: Optional[int] = None
@@ -70,11 +66,11 @@ class KVCache:
 
     @property
     def offset(self) -> int:
-        """Where the next forward writes its keys (its first position id)."""
+        """Where the next appended forward writes its keys (its first position id)."""
         return self._length if self._write_at is None else self._write_at
 
     def key_length(self, seq_len: int) -> int:
-        """Keys a forward of ``seq_len`` tokens attends to."""
+        """Keys an appended forward of ``seq_len`` tokens attends to."""
         return max(self._length, self.offset + seq_len)
 
     def reset(self) -> None:
@@ -82,9 +78,33 @@ class KVCache:
         self._length = 0
         self._staged = None
 
+    def allocate(
+        self, layers: Dict[int, Tuple[int, int]], batch: int, dtype, device, keep: bool = False
+    ) -> List[torch.Tensor]:
+        """Zeroed buffers of ``capacity`` positions for ``layers`` (``{layer_number: (groups,
+        head_dim)}``) and ``batch`` rows, and the cache emptied (``keep``: its length kept);
+        returns every buffer.
+
+        Buffers of the same shape are zeroed in place, never reallocated, so their addresses
+        stay fixed from one generation to the next (what a captured graph replays against).
+        """
+        if self.capacity is None:
+            raise ValueError("KVCache.allocate needs a capacity")
+        for number, (groups, head_dim) in layers.items():
+            shape = (batch, groups, self.capacity, head_dim)
+            held = self._buffers.get(number)
+            if held is None or held[0].shape != shape or held[0].dtype != dtype or held[0].device != device:
+                self._buffers[number] = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+            else:
+                for buffer in held:
+                    buffer.zero_()
+        if not keep:
+            self.reset()
+        return [t for number in sorted(layers) for t in self._buffers[number]]
+
     @contextlib.contextmanager
     def storing(self) -> Iterator["KVCache"]:
-        """Within the block, forwards add their positions to the cache."""
+        """Within the block, appended forwards add their positions to the cache."""
         previous, self.store = self.store, True
         try:
             yield self
@@ -93,7 +113,7 @@ class KVCache:
 
     @contextlib.contextmanager
     def writing_at(self, position: int) -> Iterator["KVCache"]:
-        """Within the block, forwards overwrite positions ``position, position + 1, ...``
+        """Within the block, appended forwards overwrite positions ``position, position + 1, ...``
         (at most up to :attr:`length` + their length) instead of appending."""
         if not 0 <= position <= self._length:
             raise ValueError(f"cannot write at position {position} of a cache of length {self._length}")
@@ -111,12 +131,29 @@ class KVCache:
 
     def repeat_interleave(self, repeats) -> None:
         """Repeat every cached row ``repeats`` times along the batch, in place (an int, or
-        one count per row as a tensor): a prompt's prefix shared by its G completions."""
+        one count per row as a tensor): a prompt's prefix shared by its G completions.
+        The buffers are replaced (new addresses): see :meth:`copy_rows_from` for fixed ones."""
         if self._staged is not None:
             raise RuntimeError("cannot repeat a KV cache during a forward; commit or discard it first")
         self._buffers = {
             n: (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)) for n, (k, v) in self._buffers.items()
         }
+
+    def copy_rows_from(self, source: "KVCache", rows: torch.Tensor) -> None:
+        """Fill these buffers with ``source``'s rows ``rows`` (row ``i`` of this cache gets
+        ``source``'s row ``rows[i]``), every position, in place (a layer not allocated yet is
+        allocated like the source's); the length becomes ``source.length``. A prompt's
+        prefilled prefix shared by its completions."""
+        for number, (src_key, src_value) in source._buffers.items():
+            if number not in self._buffers:
+                shape = (src_key.shape[1], src_key.shape[3])
+                self.allocate({number: shape}, rows.shape[0], src_key.dtype, src_key.device, keep=True)
+            key, value = self._buffers[number]
+            if key.shape[2] != src_key.shape[2]:
+                raise ValueError(f"KV cache capacities differ: {key.shape[2]} here, {src_key.shape[2]} in the source")
+            key.copy_(src_key.index_select(0, rows))
+            value.copy_(src_value.index_select(0, rows))
+        self._length = source.length
 
     # -- used by the core attention and the model ----------------------------------
     def get(self, layer_number: int) -> Optional[KV]:
@@ -127,8 +164,16 @@ class KVCache:
         return buffers[0][:, :, : self._length], buffers[1][:, :, : self._length]
 
     def update(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> KV:
-        """Write one forward's ``key``/``value`` (``[B, groups, S, head_dim]``, any strides) at
-        :attr:`offset` and return views of the keys/values it attends to (``key_length(S)``)."""
+        """Write one forward's ``key``/``value`` (``[B, groups, S, head_dim]``, any strides) and
+        return the keys/values its queries attend to: every slot (slot-addressed forward) or
+        views of the first ``key_length(S)`` positions (appended forward)."""
+        if self.slots is not None:
+            if layer_number not in self._buffers:  # allocated by the first write (eager callers)
+                self.allocate({layer_number: key.shape[1::2]}, key.shape[0], key.dtype, key.device, keep=True)
+            keys, values = self._buffers[layer_number]
+            keys.index_copy_(2, self.slots, key.to(keys.dtype))
+            values.index_copy_(2, self.slots, value.to(values.dtype))
+            return keys, values
         seq = key.shape[2]
         start, end = self.offset, self.offset + seq
         if self._length and layer_number not in self._buffers:
@@ -158,7 +203,7 @@ class KVCache:
         if needed > size:
             grown = max(needed, self.capacity or 0, 2 * size)
             shape = (*key.shape[:2], grown, key.shape[3])
-            new = tuple(torch.empty(shape, dtype=key.dtype, device=key.device) for _ in range(2))
+            new = tuple(torch.zeros(shape, dtype=key.dtype, device=key.device) for _ in range(2))
             if buffers is not None and self._length:
                 for old, fresh in zip(buffers, new):
                     fresh[:, :, : self._length].copy_(old[:, :, : self._length])
@@ -167,7 +212,7 @@ class KVCache:
 
     def commit(self) -> None:
         """End of a forward (called by the model after its layers ran): when storing, the
-        positions it wrote become part of the cache."""
+        positions an appended forward wrote become part of the cache."""
         if self._staged is not None and self.store:
             self._length = max(self._length, self._staged)
         self._staged = None

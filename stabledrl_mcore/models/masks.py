@@ -332,6 +332,33 @@ class AttentionLayout:
         return lambda b, h, q, k: pattern(b, h, q, k) & padding(b, h, q, k)
 
     # -- resolution -----------------------------------------------------------------
+    def over_slots(
+        self, slots: torch.Tensor, capacity: int, pads: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        """The mask of queries at KV-cache slots ``slots`` (``[S]``, their positions) over every
+        slot ``0..capacity-1`` of the cache: ``[1|B, 1, S, capacity]`` bool, True = blocked
+        (``[B, 1, 1, capacity]`` for padded bidirectional), or None when nothing is blocked.
+
+        Built from tensors only (a decoding step's graph reads nothing on the host): block-causal
+        by the slots' blocks, so slots past the query's block -- later blocks, scratch, stale
+        keys -- are never seen; the padding rule of this layout applied to slot positions.
+        ``pads``: the pad counts as a ``[B]`` tensor on the slots' device (default: ``self.pad``
+        copied there). Bidirectional and block-causal layouts only (a staircase is never cached).
+        """
+        if self.kind == "staircase":
+            raise ValueError("a staircase layout is never KV-cached; it has no mask over cache slots")
+        if pads is None and self.pad:
+            pads = _host_to_device(self.pad, slots.device)
+        keys = torch.arange(capacity, device=slots.device)
+        if self.kind == "bidirectional":
+            return None if pads is None else (keys[None, :] < pads[:, None])[:, None, None, :]
+        queries = slots[:, None]
+        blocked = (keys[None, :] // self.block_size > queries // self.block_size)[None, None]
+        if pads is None:
+            return blocked
+        p = pads[:, None, None, None]
+        return blocked | ((queries[None, None] < p) ^ (keys[None, None, None, :] < p))
+
     def dense(self, sq: int, sk: int, device=None) -> Optional[torch.Tensor]:
         """``[1|B, 1, sq, sk]`` bool mask (True = blocked; ``[B, 1, 1, sk]`` for padded
         bidirectional), or None when nothing is blocked. It is ``~mask_mod`` evaluated on

@@ -117,6 +117,15 @@ class DLLMModel(LanguageModule):
             self.__dict__["_core_attentions"] = found
         return found
 
+    def kv_cache_layers(self):
+        """``{layer_number: (query groups, head_dim)}`` of this stage's layers: a KV cache's shape
+        (:meth:`KVCache.allocate`)."""
+        return {a.layer_number: (a.groups_per_partition, self.config.kv_channels) for a in self.core_attentions()}
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype of the keys and values a forward caches (the activations')."""
+        return self.config.params_dtype
+
     def set_input_tensor(self, input_tensor) -> None:
         """Hidden states from the previous pipeline stage (called by Megatron's schedules)."""
         if isinstance(input_tensor, (list, tuple)):
@@ -135,16 +144,24 @@ class DLLMModel(LanguageModule):
         kv_cache: Optional[KVCache] = None,
         gather_output: bool = True,
         segment_ids: Optional[torch.Tensor] = None,
-        logit_positions: Optional[slice] = None,
+        logit_positions: Union[None, slice, torch.Tensor] = None,
+        cache_slots: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
         hidden states ``[S, B, H]`` on the other stages.
 
-        ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted; the
-        LM head runs on those only and the logits are ``[B, len(slice), V]``
-        (equal to the full forward's logits sliced). ``slice(0, 0)`` runs no head at all (a
-        forward that only fills a KV cache). With sequence parallelism the head runs on the
-        whole sequence and the logits are sliced after.
+        ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted, or a
+        LongTensor of them (a decoding step's read positions, which change per block while the
+        graph does not); the LM head runs on those only and the logits are ``[B, n, V]``
+        (equal to the full forward's logits at those positions). ``slice(0, 0)`` runs no head
+        at all (a forward that only fills a KV cache). With sequence parallelism the head runs
+        on the whole sequence and the logits are read after.
+
+        ``cache_slots``: with a ``kv_cache``, a LongTensor ``[S]`` of the cache slots this
+        forward's keys are written to (a slot-addressed decoding step, see :class:`KVCache`): its
+        queries attend over every slot of the cache, ``attention_mask`` is then None (every
+        slot visible), a bool mask over ``capacity`` keys or an :class:`AttentionLayout`
+        (resolved over the slots), and ``position_ids`` default to the slots.
 
         ``position_ids``: ``[B, S]`` or ``[1, S]``; None = ``0..S-1`` (shifted by
         ``kv_cache.offset`` with a cache), or the separator scheme's ids
@@ -158,6 +175,8 @@ class DLLMModel(LanguageModule):
         seq_len, device = self._seq_len_and_device(input_ids)
         if kv_cache is not None and self.training and self.config.recompute_granularity:
             raise ValueError("a KV cache cannot be combined with activation recompute (inference only)")
+        if cache_slots is not None and kv_cache is None:
+            raise ValueError("cache_slots name slots of a kv_cache; pass the cache too")
         separator = self.dllm_config.segment_separator_id
         # Learned positions are only needed where the embedding is (the first stage); RoPE
         # needs them on every stage, which the separator scheme cannot give without input ids.
@@ -165,7 +184,7 @@ class DLLMModel(LanguageModule):
             raise ValueError("segment_ids are taken with segment_separator_id and their position_ids only")
         if separator is not None and (self.pre_process or not self.learned_positions):
             if segment_ids is None:
-                if input_ids is None or (kv_cache is not None and kv_cache.length):
+                if input_ids is None or (kv_cache is not None and (kv_cache.length or cache_slots is not None)):
                     raise ValueError(
                         "segment_separator_id derives positions from the whole input_ids: it "
                         "needs them on every stage with RoPE; after a filled KV cache pass "
@@ -174,7 +193,9 @@ class DLLMModel(LanguageModule):
                 derived, segment_ids = segment_positions(input_ids, separator)
                 position_ids = derived if position_ids is None else position_ids
             segment_ids = segment_ids.clamp(max=max(self.dllm_config.num_segments - 1, 0))
-        if position_ids is None:
+        if position_ids is None and cache_slots is not None:
+            position_ids = cache_slots[None]
+        elif position_ids is None:
             start = kv_cache.offset if kv_cache is not None else 0
             position_ids = torch.arange(start, start + seq_len, device=device)[None]
         if position_ids.shape[-1] != seq_len:
@@ -193,11 +214,15 @@ class DLLMModel(LanguageModule):
             if self.learned_positions
             else self._rotary(_shared_rows(position_ids), self.config.kv_channels, self.dllm_config.rope_theta)
         )
+        if cache_slots is not None and isinstance(attention_mask, AttentionLayout):
+            attention_mask = attention_mask.over_slots(cache_slots, kv_cache.capacity)
         mask = _decoder_mask(attention_mask)
 
         attentions = self.core_attentions() if kv_cache is not None else []
         for attention in attentions:
             attention.kv_cache = kv_cache
+        if kv_cache is not None:
+            kv_cache.slots = cache_slots
         try:
             hidden = self._decode(hidden, mask, rotary, logit_positions)
             if kv_cache is not None:
@@ -209,12 +234,16 @@ class DLLMModel(LanguageModule):
         finally:
             for attention in attentions:
                 attention.kv_cache = None
+            if kv_cache is not None:
+                kv_cache.slots = None
 
         if not self.post_process:
             return hidden
         if self.config.sequence_parallel:  # the head gathers the sequence dim: keep [S, B, H]
             logits = self.output_layer(hidden)[0].transpose(0, 1).contiguous()
-            if logit_positions is not None:
+            if isinstance(logit_positions, torch.Tensor):
+                logits = logits.index_select(1, logit_positions)
+            elif logit_positions is not None:
                 logits = logits[:, logit_positions]
         elif hidden.shape[0] == 0:  # slice(0, 0): no head
             width = self.padded_vocab_size // self.config.tensor_model_parallel_size
@@ -228,14 +257,54 @@ class DLLMModel(LanguageModule):
         if not gather_output:
             return logits
         if self.config.tensor_model_parallel_size > 1:
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
         return logits[..., : self.vocab_size] if self.padded_vocab_size != self.vocab_size else logits
 
-    def _decode(self, hidden, mask, rotary, logit_positions: Optional[slice]):
+    def _decode(self, hidden, mask, rotary, logit_positions):
         """The transformer block, then (last stage) the rows of ``logit_positions``."""
-        hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        if self._records_nothing():
+            hidden = self._inference_layers(hidden, mask, rotary)
+        else:
+            hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
         if logit_positions is not None and self.post_process and not self.config.sequence_parallel:
-            hidden = hidden[logit_positions]
+            if isinstance(logit_positions, torch.Tensor):
+                hidden = hidden.index_select(0, logit_positions)
+            else:
+                hidden = hidden[logit_positions]
+        return hidden
+
+    def _records_nothing(self) -> bool:
+        """True for a forward that records no autograd graph and runs none of the block's
+        training-time machinery: no gradients, eval mode, and neither fp8/fp4 nor activation
+        offloading configured (their contexts wrap the layers in ``TransformerBlock.forward``)."""
+        config = self.config
+        return (
+            not torch.is_grad_enabled()
+            and not self.training
+            and not config.fp8
+            and not getattr(config, "fp4", None)
+            and not config.cpu_offloading
+        )
+
+    def _inference_layers(self, hidden, mask, rotary):
+        """``TransformerBlock.forward`` at inference, without its ``make_viewless_tensor`` calls.
+
+        Megatron makes the block's input and output "viewless" (``MakeViewlessTensor``, an
+        autograd function that allocates ``torch.empty(..., requires_grad=True)`` and swaps
+        ``.data``) so that pipeline schedules can free an output's storage and activation
+        checkpointing can save it; both act on tensors that carry an autograd graph. Here no
+        graph is recorded (:meth:`_records_nothing`) and the hidden states reach neither a schedule
+        nor a checkpoint, so the detour only costs: it is a graph break for ``torch.compile``
+        (Dynamo refuses ``requires_grad=True`` tensor creation). The layers, their arguments and
+        the final norm are the block's own; nothing of Megatron is patched.
+        """
+        block = self.decoder
+        if not self.pre_process:
+            hidden = block.input_tensor
+        for layer in block.layers:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        if block.final_layernorm is not None:
+            hidden = block.final_layernorm(hidden)
         return hidden
 
     def _seq_len_and_device(self, input_ids: Optional[torch.Tensor]):

@@ -37,7 +37,7 @@ from stabledrl_mcore.diffusion.likelihood import (
 from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.engine.pipeline import pipeline_forward, pipeline_world_size
-from stabledrl_mcore.models.masks import AttentionLayout, left_pad_counts, padding_mask, staircase_position_ids
+from stabledrl_mcore.models.masks import AttentionLayout, padding_mask, staircase_position_ids
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 ESTIMATORS = ("elbo", "mean_field", "spg", "staircase")
@@ -131,7 +131,7 @@ def draw_plan(
         regions = MaskRegions.from_batch(
             batch.sequences[rows],
             batch.prompt_len,
-            completion_mask=batch.completion_mask[rows],
+            completion_mask=batch.completion_mask[rows, batch.prompt_len :],  # the generation: nothing to check
             prompt_valid=batch.prompt_valid[rows],
         )
         plans.append(
@@ -182,7 +182,7 @@ def token_logp_inputs(
         layout = AttentionLayout.staircase(spec.block_size)
     else:
         x, pos, layout = noisy, None, AttentionLayout.bidirectional()
-    pads = left_pad_counts(batch.prompt_valid)
+    pads = batch.prompt_pads()
     if pads is not None:
         mask = layout.with_padding(pads[rows])
     else:  # not a left pad (never made by the rollout): a dense key mask
@@ -212,7 +212,7 @@ def token_logp(
 
     The attention is an :class:`AttentionLayout` (staircase for SDAR, bidirectional for
     LLaDA) carrying the prompts' left-pad counts, so no dense mask is built on GPU;
-    the counts are read once per batch (``left_pad_counts`` remembers the last one).
+    the counts are read once per batch (``RolloutBatch.prompt_pads`` keeps them).
     """
     inputs, reduce = token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
     return reduce(model(**inputs))

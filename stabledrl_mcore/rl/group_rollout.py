@@ -21,6 +21,8 @@ from typing import Callable, List, Optional
 import torch
 
 from stabledrl_mcore.diffusion import generate
+from stabledrl_mcore.models.decoding import decode_row_bytes, decode_rows_for_memory, free_decoding_memory
+from stabledrl_mcore.models.placement import model_device
 
 MAX_DECODE_FACTOR = 4
 """A decoding batch holds at most this many times ``max(micro_batch, G)`` rows (else one micro-batch)."""
@@ -32,6 +34,19 @@ def decode_rows(micro_batch: int, group_size: int) -> int:
     ``MAX_DECODE_FACTOR x max(micro_batch, G)`` rows (odd sizes such as 7 and 16)."""
     rows = math.lcm(micro_batch, group_size)
     return rows if rows <= MAX_DECODE_FACTOR * max(micro_batch, group_size) else micro_batch
+
+
+def memory_decode_rows(model, *, micro_batch: int, group_size: int, rows: int, capacity: int, block: int) -> int:
+    """Rows per decoding batch when ``rollout.decode_rows`` is unset: as many whole groups and
+    micro-batches as the memory left for the KV cache holds (:func:`~..models.decoding.decode_row_bytes`
+    of a ``capacity``-position cache and a ``block``-token step), at most this rank's ``rows``; one
+    micro-batch when not even ``lcm(micro_batch, group_size)`` rows fit."""
+    vocab = int(getattr(model.dllm_config, "vocab_size", 0) or 0)
+    unit = math.lcm(micro_batch, group_size)
+    free, per_row = free_decoding_memory(model_device(model)), decode_row_bytes(model, capacity, block, vocab)
+    if free < unit * per_row:
+        return micro_batch
+    return decode_rows_for_memory(free, per_row, unit, rows)
 
 
 def prompt_counts(start: int, stop: int, group_size: int):
@@ -56,13 +71,20 @@ def group_rollouts(
     chunk_generator: Callable[[int], torch.Generator],
     first_chunk: int = 0,
     progress: bool = False,
+    rows: Optional[int] = None,
     **sampler_options,
 ) -> List[torch.Tensor]:
     """``group_size`` completions of each prompt row (``[B, P]``, each prompt once): the decoded
     batches, rows prompt-major (what ``generate_rollouts`` concatenates). ``sampler_options`` go
-    to :func:`~..diffusion.generate` (LLaDA's ``cache`` and ``stats``)."""
+    to :func:`~..diffusion.generate` (LLaDA's ``cache`` and ``stats``, ``compile``). ``rows``: rows per
+    decoding batch, a multiple of ``lcm(micro_batch, group_size)`` (``rollout.decode_rows``); None =
+    :func:`decode_rows`."""
     total = prompt_ids.shape[0] * group_size
-    rows = decode_rows(micro_batch, group_size)
+    rows = decode_rows(micro_batch, group_size) if rows is None else rows
+    if rows % math.lcm(micro_batch, group_size) and rows != micro_batch:
+        raise ValueError(
+            f"decoding batches of {rows} rows split groups of {group_size} or micro-batches of {micro_batch}"
+        )
     outputs = []
     for start in range(0, total, rows):
         stop = min(start + rows, total)

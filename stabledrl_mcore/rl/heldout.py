@@ -40,6 +40,7 @@ def make_heldout_evaluator(cfg: RunConfig, task, tokenizer) -> Optional[Callable
             temperature=0.0,
             micro_batch=cfg.eval.micro_batch_size,
             seed=cfg.eval.seed,
+            compile=r.compile,
         )
         out = {"test_accuracy": result.accuracy, "test_reward": result.mean_reward}
         if hasattr(task, "pop_failure_report"):  # rollout.reward_fn: its failed calls here, not the next step's

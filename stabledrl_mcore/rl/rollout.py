@@ -15,8 +15,10 @@ import torch
 from stabledrl_mcore.algorithms.advantages import group_advantages
 from stabledrl_mcore.common.isolated_calls import raised
 from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
+from stabledrl_mcore.models.decoding import decoding_forward, prompt_multiple
+from stabledrl_mcore.models.masks import left_pad_counts
 from stabledrl_mcore.models.placement import eval_mode, model_device
-from stabledrl_mcore.rl.group_rollout import group_rollouts
+from stabledrl_mcore.rl.group_rollout import group_rollouts, memory_decode_rows
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.prompts import encode_prompts
 
@@ -57,6 +59,13 @@ class RolloutBatch:
     @property
     def size(self) -> int:
         return self.sequences.shape[0]
+
+    def prompt_pads(self):
+        """The left-pad count of every row (``models.masks.left_pad_counts``: None when the prompt
+        mask is not a left pad), read from the device once per batch and kept."""
+        if "_prompt_pads" not in self.__dict__:
+            self.__dict__["_prompt_pads"] = left_pad_counts(self.prompt_valid)
+        return self.__dict__["_prompt_pads"]
 
     @property
     def completion_tokens(self) -> int:
@@ -112,6 +121,8 @@ def generate_rollouts(
     progress: bool = False,
     cache: str = "none",
     measure_cache_gap: bool = False,
+    compile: str = "none",
+    decode_rows: Optional[int] = None,
 ) -> RolloutBatch:
     """Phase 1: ``group_size`` completions per example, in micro-batches of prompts x G.
 
@@ -123,10 +134,14 @@ def generate_rollouts(
     KV cache (``rollout.cache``); whatever the sampler did, the likelihood phases score with exact
     attention. ``measure_cache_gap`` (LLaDA with a cache) also runs the exact forward at each cached
     step; ``stats`` then holds ``cache_gap_sum`` / ``cache_gap_tokens`` (see ``DecodeStats``).
+    ``compile``: ``rollout.compile`` (prompts then left-padded to a multiple of
+    :data:`~..models.decoding.PROMPT_MULTIPLE` tokens; ``stats`` gets ``rollout_compile_s``, the
+    seconds this call spent compiling graphs). ``decode_rows``: rows per decoding forward
+    (``rollout.decode_rows``; None: :func:`~.group_rollout.decode_rows`).
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
-    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device)
+    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device, multiple=prompt_multiple(compile))
     unique_ids, unique_valid = prompt_ids, prompt_valid
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)
@@ -135,6 +150,18 @@ def generate_rollouts(
     extra = {} if gap is None else {"stats": gap}
     if cache != "none":
         extra["cache"] = cache
+    forward = decoding_forward(model, compile)
+    compiled_s = forward.stats.compile_s
+    if decode_rows is None:  # from the memory left for this shape's KV cache
+        block = block_length if model.dllm_config.arch == "llada" else model.dllm_config.block_size
+        decode_rows = memory_decode_rows(
+            model,
+            micro_batch=micro_batch,
+            group_size=group_size,
+            rows=prompt_ids.shape[0],
+            capacity=prompt_ids.shape[1] + gen_length + block,
+            block=block,
+        )
     with torch.no_grad(), eval_mode(model):  # whole groups per decoding batch (SDAR: prefilled once)
         outputs = group_rollouts(
             model,
@@ -150,6 +177,8 @@ def generate_rollouts(
             chunk_generator=chunk_generator,
             first_chunk=first_chunk,
             progress=progress,
+            rows=decode_rows,
+            compile=forward,
             **extra,
         )
     sequences = torch.cat(outputs)
@@ -166,7 +195,11 @@ def generate_rollouts(
         group_index=group_index,
         completions=[tokenizer.decode(row) for row in completion.tolist()],  # one device->host copy
         references=[ex.reference for ex in examples for _ in range(group_size)],
-        stats={} if gap is None else {"cache_gap_sum": gap.gap_sum, "cache_gap_tokens": float(gap.gap_tokens)},
+        stats={
+            **({} if gap is None else {"cache_gap_sum": gap.gap_sum, "cache_gap_tokens": float(gap.gap_tokens)}),
+            "rollout_decode_rows": float(decode_rows),
+            **({"rollout_compile_s": forward.stats.compile_s - compiled_s} if forward.compiled else {}),
+        },
     )
 
 

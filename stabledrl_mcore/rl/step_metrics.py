@@ -102,6 +102,9 @@ def step_metrics(
             out[f"log_ratio_var{suffix}"] = max(m2 - m1 * m1, 0.0)
     if gap:
         out["rollout_cache_gap"] = total[-2] / max(total[-1], 1.0)
+    for key in ("rollout_decode_rows", "rollout_compile_s"):  # this rank's (every rank decodes alike)
+        if key in batch.stats:
+            out[key] = batch.stats[key]
     for phase, secs in seconds.items():
         out[f"time/{phase}"] = secs
     out["step_s"] = sum(seconds.values())

@@ -18,9 +18,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from stabledrl_mcore.algorithms.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
+from stabledrl_mcore.algorithms.losses_common import first_nonfinite
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.diffusion.masking import MaskPlan
-from stabledrl_mcore.engine.gradients import first_nonfinite
 from stabledrl_mcore.engine.pipeline import pipeline_forward_backward, pipeline_world_size
 from stabledrl_mcore.models.moe import router_loss_scale
 from stabledrl_mcore.rl.estimates import (
@@ -63,18 +63,18 @@ def loss_coefficients(
     plan = batch.plan if plan is None else plan
     old = old_estimate(batch) if old is None else old
     options = dict(loss_options or {})
-    reason = first_nonfinite(
-        [
-            ("current token log-probs", current_tok),
-            ("old token log-probs", old.token_logp),
-            ("reference token log-probs", ref_tok),
-        ]
-    )
-    if reason is not None:
-        return None, {"nonfinite_reason": reason}
     leaf = current_tok.detach().clone().requires_grad_(True)
+    inputs = [
+        ("current token log-probs", current_tok),
+        ("old token log-probs", old.token_logp),
+        ("reference token log-probs", ref_tok),
+        ("advantages", batch.advantages),
+    ]
     try:
         if loss in available_token_policy_losses():  # d1: per-token ratios of the one-step estimate
+            reason = first_nonfinite(inputs)  # the one host read of the inputs
+            if reason is not None:
+                return None, {"nonfinite_reason": reason}
             region = scored_region(batch, spec)
             value, metrics = token_policy_loss(
                 loss,
@@ -89,6 +89,7 @@ def loss_coefficients(
                 kl_coef=kl_coef,
                 kl_estimator=kl_estimator,
                 ref_logp_tok=None if ref_tok is None else ref_tok[0],
+                check_values=False,
                 **options,
             )
             token_log_ratio = (leaf[0].detach() - old.token_logp[0]) * region
@@ -96,8 +97,11 @@ def loss_coefficients(
         else:
             ref_logp = None if ref_tok is None else sequence_estimates(ref_tok, plan, batch, spec)
             logp, elbo = sequence_estimates_and_elbo(leaf, plan, batch, spec)
+            # the one host read of the inputs: the token log-probs first (a non-finite token
+            # log-prob makes its estimates non-finite too; the first cause is named)
             reason = first_nonfinite(
-                [
+                inputs
+                + [
                     ("current sequence estimates", logp),
                     ("current ELBO", elbo),
                     ("old sequence estimates", old.logp),
@@ -122,18 +126,19 @@ def loss_coefficients(
                 kl_coef=kl_coef,
                 ref_logp=ref_logp,
                 kl_estimator=kl_estimator,
+                check_values=False,
                 **options,
             )
             sample_log_ratio = elbo.detach() - old.ratio_logp
     except FloatingPointError as err:  # the losses' one signal of a non-finite loss, with its cause
         return None, {"nonfinite_reason": str(err)[:400]}
-    if not torch.isfinite(value):
-        return None, {"nonfinite_reason": f"{loss} loss is {value.item()}"}
     value.backward()
     coef = leaf.grad
-    reason = first_nonfinite([("loss gradient", coef)])
-    if reason is not None:
-        return None, {"nonfinite_reason": reason}
+    finite_loss, finite_coef = torch.stack([torch.isfinite(value.detach()), torch.isfinite(coef).all()]).tolist()
+    if not finite_loss:  # (a registered loss raises FloatingPointError with its cause first)
+        return None, {"nonfinite_reason": f"{loss} loss is {value.item()}"}
+    if not finite_coef:
+        return None, {"nonfinite_reason": first_nonfinite([("loss gradient", coef)])}
     # [N] the sequence log-ratio each sample's ratio compares (before any injected noise; a
     # tensor, so the trainer's float metrics skip it): read by the sample dumps
     return coef, {**metrics, "sample_log_ratio": sample_log_ratio.float()}

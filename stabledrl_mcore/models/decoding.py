@@ -1,0 +1,313 @@
+"""A model's decoding forwards, eager or captured: one graph per kind of step, whatever the block.
+
+The samplers run three kinds of forward (:class:`DecodingForward`): a full forward (LLaDA's exact
+step), a full forward that also fills a KV cache (the first step of a cached LLaDA block), and a
+slot-addressed cached step (a LLaDA prefix/dual block step, an SDAR block step and its
+store-by-next-block step, see :class:`~stabledrl_mcore.models.kv_cache.KVCache`). Everything that
+changes from one block to the next is a tensor -- the cache slots written, the read positions of
+the head, the pad counts -- and the attended keys are the whole fixed-capacity cache under a mask
+built in the step from those tensors, so a 256-token generation of 8 or 64 blocks runs the same
+graphs. Per generation shape (rows, prompt + generation length, block) that is:
+
+- LLaDA exact (``cache="none"``): 1 graph;
+- LLaDA ``dual``: 2 (the filling forward, the block step);
+- LLaDA ``prefix``: 2 (the filling forward; the block-and-suffix step, compiled once with a
+  dynamic length since the suffix shrinks per block; a CUDA graph is recorded per length);
+- SDAR: 2 (the block step, the store-by-next-block step; the prompt's prefill runs eagerly,
+  once per generation, with flex attention on GPU for long prompts).
+
+``compile``: ``none`` (eager), ``default`` (``torch.compile(fullgraph=True)``: inductor, one graph
+or an error, never a silent graph break) or ``reduce-overhead`` (on CUDA, CUDA graphs over those
+graphs: the KV buffers are marked static addresses and pooled per shape, so a replay writes the
+same memory and nothing the step mutates is copied; on CPU, inductor's C++ wrapper, so no Python
+runs between the kernels). The graphs are compiled at the first step of each shape and reused by
+every later generation of that shape in the process; :attr:`DecodingForward.stats` counts the
+graphs and the seconds their compilation took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+import psutil
+import torch
+from torch import Tensor
+
+from stabledrl_mcore.config.checks import COMPILE_MODES
+from stabledrl_mcore.models.kv_cache import KVCache
+from stabledrl_mcore.models.masks import AttentionLayout
+
+PROMPT_MULTIPLE = 64
+"""Compiled decoding left-pads a batch's prompts to a multiple of this many tokens (rollouts, eval,
+generate): the graphs depend on the prompt width, so a run compiles a graph set per 64-token width
+bucket, not per batch (the extra pads are masked keys; RoPE is relative, so only rounding moves)."""
+
+
+def prompt_multiple(compile) -> int:
+    """What :func:`~stabledrl_mcore.tasks.prompts.encode_prompts` rounds prompt widths to for ``compile``."""
+    mode = compile.mode if isinstance(compile, DecodingForward) else check_compile_mode(compile)
+    return 1 if mode == "none" else PROMPT_MULTIPLE
+
+
+RECOMPILE_LIMIT = 64
+"""Graphs one process may compile for the decoding forward (all shapes and kinds together) before
+it refuses to compile more: Dynamo's own default (8) would silently fall back to eager."""
+
+CACHE_POOL = 4
+"""Cache shapes kept per :class:`DecodingForward` (the oldest is dropped past this)."""
+
+
+def check_compile_mode(mode: str) -> str:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass
+class GraphStats:
+    """What the compiled decoding forwards cost (summed over the process's generations)."""
+
+    graphs: int = 0
+    """Graphs compiled (0 when eager)."""
+    compile_s: float = 0.0
+    """Wall seconds of the forwards that compiled a graph (compilation plus that forward)."""
+    forwards: int = 0
+    """Decoding forwards run (eager or compiled)."""
+
+
+def _decoding_forward(model, input_ids, attention_mask, kv_cache, cache_slots, logit_positions, layout, pads, extra):
+    """The step a graph captures: the mask over the cache slots (from tensors) and the forward."""
+    if layout is not None:
+        over = layout.over_slots(cache_slots, kv_cache.capacity, pads)
+        attention_mask = over if attention_mask is None else attention_mask | over
+    return model(
+        input_ids,
+        attention_mask=attention_mask,
+        kv_cache=kv_cache,
+        cache_slots=cache_slots,
+        logit_positions=logit_positions,
+        **extra,
+    )
+
+
+def _model_device(model) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+class DecodingForward:
+    """The decoding forwards of ``model``, eager (``compile="none"``) or compiled.
+
+    Get the model's own with :func:`decoding_forward` (one per model and mode, so graphs and
+    caches are shared by every generation of a process). ``model`` follows the samplers'
+    protocol: ``model(input_ids, attention_mask=..., kv_cache=..., cache_slots=...,
+    logit_positions=...)`` and ``model.kv_cache_layers()``.
+    """
+
+    def __init__(self, model, compile: str = "none", *, backend: str = "inductor"):
+        self.model = model
+        self.mode = check_compile_mode(compile)
+        self.backend = backend
+        """``torch.compile``'s backend: inductor; a test may count graphs with ``eager``/``aot_eager``."""
+        self.stats = GraphStats()
+        self._caches: Dict[Tuple, KVCache] = {}
+        self._fn = _decoding_forward
+        device = _model_device(model).type
+        self._replayed = self.mode == "reduce-overhead" and device == "cuda" and backend == "inductor"
+        """CUDA graphs: outputs live in the graphs' memory pool, which the next replay reuses."""
+        if self.mode != "none":
+            compiler = checked_backend(backend, self.mode, device)
+            self._fn = torch.compile(_decoding_forward, fullgraph=True, dynamic=False, backend=compiler)
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode != "none"
+
+    def cache(self, rows: int, capacity: int) -> KVCache:
+        """A zeroed KV cache of ``rows`` x ``capacity`` positions for one generation: the same
+        buffers for every generation of that shape (static addresses for captured graphs)."""
+        if not hasattr(self.model, "kv_cache_layers"):  # a wrapper: buffers made by the first write
+            if self.compiled:
+                raise ValueError(
+                    f"compile={self.mode!r} needs a model with kv_cache_layers() (its KV buffers are "
+                    f"allocated before the step is captured); {type(self.model).__name__} has none"
+                )
+            return KVCache(capacity=capacity)
+        layers = self.model.kv_cache_layers()
+        dtype, device = self.model.kv_cache_dtype(), _model_device(self.model)
+        key = (rows, capacity, dtype, str(device))
+        cache = self._caches.pop(key, None)
+        fresh = cache is None
+        if fresh:
+            cache = KVCache(capacity=capacity)
+        buffers = cache.allocate(layers, rows, dtype, device)
+        if fresh and self.compiled:
+            for buffer in buffers:
+                torch._dynamo.mark_static_address(buffer)
+        self._caches[key] = cache  # most recently used last
+        while len(self._caches) > CACHE_POOL:
+            self._caches.pop(next(iter(self._caches)))
+        return cache
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Optional[Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        cache_slots: Optional[Tensor] = None,
+        logit_positions: Union[None, slice, Tensor] = None,
+        layout: Optional[AttentionLayout] = None,
+        pads: Optional[Tensor] = None,
+        position_ids: Optional[Tensor] = None,
+        segment_ids: Optional[Tensor] = None,
+        dynamic_length: bool = False,
+    ) -> Tensor:
+        """One decoding forward: logits ``[B, n, V]`` at ``logit_positions``.
+
+        ``kv_cache`` + ``cache_slots``: a slot-addressed step (``cache_slots=None`` with a cache:
+        every slot ``0..S-1`` written, the cache filled). ``layout`` (without padding) + ``pads``
+        (``[B]`` tensor or None): the mask over the cache slots is built inside the step
+        (:meth:`AttentionLayout.over_slots`), joined with ``attention_mask`` when both are given.
+        ``position_ids`` / ``segment_ids``: as the model's (default: the slots); the separator
+        scheme's, computed by the caller. ``dynamic_length``: the sequence length changes from call
+        to call (LLaDA's prefix step), so the graph is compiled for any length. Runs under
+        ``torch.no_grad()``: nothing of decoding is differentiated, and without autograd the model
+        takes its inference path (no Megatron ``make_viewless_tensor``, a graph break).
+        """
+        if kv_cache is not None and cache_slots is None:
+            cache_slots = _all_slots(input_ids.shape[1], input_ids.device)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
+        if self.compiled and dynamic_length:
+            for tensor in (input_ids, cache_slots, *extra.values()):
+                torch._dynamo.mark_dynamic(tensor, tensor.dim() - 1)
+        args = (self.model, input_ids, attention_mask, kv_cache, cache_slots, logit_positions, layout, pads, extra)
+        self.stats.forwards += 1
+        if not self.compiled:
+            return self._fn(*args)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        if self._replayed:  # every forward is a new step of the graph trees: earlier outputs are not kept
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            with _compile_limits():
+                logits = self._fn(*args)
+            if self._replayed:  # the caller's copy (a sampler may hold two forwards' logits at once)
+                logits = logits.clone()
+        except torch._dynamo.exc.BackendCompilerFailed as failed:  # our refusal, not a compiler bug
+            if isinstance(failed.inner_exception, HostReadInStepError):
+                raise failed.inner_exception from None
+            raise
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        if compiled:
+            self.stats.graphs += compiled
+            self.stats.compile_s += time.perf_counter() - start
+        return logits
+
+
+HOST_READS = ("item", "tolist", "_local_scalar_dense")
+"""Graph nodes that read a tensor's value on the host (a device synchronisation, and a graph
+CUDA-graph capture skips): refused inside the decoding step."""
+
+
+class HostReadInStepError(RuntimeError):
+    """The traced decoding step reads a tensor on the host."""
+
+
+def refuse_host_reads(graph_module: torch.fx.GraphModule) -> None:
+    """Raise :class:`HostReadInStepError` naming the first node of ``graph_module`` that reads a
+    tensor on the host. ``fullgraph=True`` alone does not: Dynamo captures ``Tensor.item()`` /
+    ``int(tensor)`` into the graph as a data-dependent scalar instead of breaking it."""
+    for node in graph_module.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if node.op in ("call_method", "call_function") and name.split(".")[0] in HOST_READS:
+            where = (node.stack_trace or "").strip().splitlines()[-2:]
+            raise HostReadInStepError(
+                f"the decoding step reads a tensor on the host ({name}), which a captured graph cannot "
+                f"do; compute it before the step or keep it a tensor: {' | '.join(w.strip() for w in where)}"
+            )
+
+
+def checked_backend(backend, mode: str, device_type: str):
+    """``torch.compile``'s backend for ``mode``, refusing host reads in every graph it compiles."""
+    if backend == "inductor":
+        if mode == "reduce-overhead" and device_type == "cuda":
+            inner = torch._TorchCompileInductorWrapper("reduce-overhead", None, False)
+        else:  # on CPU, "reduce-overhead" = inductor's C++ wrapper (no Python between kernels)
+            inner = torch._TorchCompileInductorWrapper(None, {"cpp_wrapper": mode == "reduce-overhead"}, False)
+    else:
+        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_checked(graph_module, example_inputs):
+        refuse_host_reads(graph_module)
+        return inner(graph_module, example_inputs)
+
+    return compile_checked
+
+
+def decode_row_bytes(model, capacity: int, block: int, vocab: int) -> int:
+    """Device bytes one decoded row costs while a batch decodes: its KV cache (keys and values of
+    ``capacity`` positions in every layer of this stage) plus the sampler's transient per row (the
+    block's logits and the float64 Gumbel/softmax work: ``width + 28`` bytes per vocabulary entry and
+    block position, ``stabledrl plan``'s figure)."""
+    width = torch.finfo(model.kv_cache_dtype()).bits // 8
+    kv = sum(2 * groups * head_dim * capacity * width for groups, head_dim in model.kv_cache_layers().values())
+    return kv + block * vocab * (width + 28)
+
+
+def decode_rows_for_memory(free_bytes: float, row_bytes: float, unit: int, limit: int) -> int:
+    """The most rows, a multiple of ``unit`` (whole groups and micro-batches) and at most ``limit``
+    rounded up to ``unit``, whose decoding memory (``row_bytes`` each) fits in ``free_bytes``; at
+    least ``unit`` (the smallest decoding batch there is)."""
+    cap = -(-max(limit, 1) // unit) * unit
+    fits = int(free_bytes // max(row_bytes, 1)) // unit * unit
+    return max(unit, min(cap, fits))
+
+
+def free_decoding_memory(device: torch.device, share: float = 0.8) -> float:
+    """Bytes a rollout may use for its KV cache: ``share`` of the free device memory on CUDA (what
+    the weights, the optimizer and the allocator's cache leave), of the available host memory else."""
+    if device.type == "cuda":
+        return share * torch.cuda.mem_get_info(device)[0]
+    return share * psutil.virtual_memory().available
+
+
+_ALL_SLOTS: Dict[Tuple[int, str], Tensor] = {}
+
+
+def _all_slots(length: int, device) -> Tensor:
+    """``arange(length)`` on ``device``, one tensor per (length, device)."""
+    key = (length, str(device))
+    slots = _ALL_SLOTS.get(key)
+    if slots is None:
+        slots = _ALL_SLOTS[key] = torch.arange(length, device=device)
+    return slots
+
+
+@contextlib.contextmanager
+def _compile_limits():
+    """Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` for the decoding forward, and
+    an error instead of a silent eager fallback past it."""
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        yield
+
+
+def decoding_forward(model, compile: Union[str, DecodingForward] = "none") -> DecodingForward:
+    """``model``'s :class:`DecodingForward` for ``compile`` (made once, kept on the model), or
+    ``compile`` itself when it is one (of this model)."""
+    if isinstance(compile, DecodingForward):
+        if compile.model is not model:
+            raise ValueError("the DecodingForward passed as compile belongs to another model")
+        return compile
+    held = model.__dict__.setdefault("_decoding_forwards", {})
+    found = held.get(check_compile_mode(compile))
+    if found is None:
+        found = held[compile] = DecodingForward(model, compile)
+    return found

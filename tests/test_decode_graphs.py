@@ -1,0 +1,245 @@
+"""The captured decoding step (issue: one compiled graph per generation, ready for CUDA graphs).
+
+Every decoding mode compiles with ``fullgraph=True`` (a graph break or a host read inside the
+step is an error), a multi-block generation compiles the documented number of graphs and a second
+generation none, the tokens equal the eager sampler's, and the KV buffers are the static inputs of
+the captured step (the only inputs it mutates). The mode tests trace with ``aot_eager`` (Dynamo and
+AOT's functionalisation, no code generation: CI time); one test runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
+from torch._dynamo.backends.common import aot_autograd
+
+from stabledrl_mcore.diffusion import generate_llada, generate_sdar
+from stabledrl_mcore.models import build_model, get_preset
+from stabledrl_mcore.models.decoding import DecodingForward, HostReadInStepError, checked_backend, decoding_forward
+
+
+def _model(arch, layers=1, dtype=torch.float32):
+    torch.manual_seed(0)
+    return build_model(get_preset(f"{arch}-tiny", init_std=0.2, num_layers=layers), params_dtype=dtype).eval()
+
+
+def _prompt(rows=2, length=6):
+    ids = torch.randint(3, 250, (rows, length), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(rows, length, dtype=torch.bool)
+    valid[-1, :2] = False
+    return ids, valid
+
+
+MODES = {
+    # (arch, sampler options, graphs per generation shape: see models/decoding.py)
+    "llada-exact": ("llada", dict(cache="none", steps=8, block_length=4), 1),
+    "llada-prefix": ("llada", dict(cache="prefix", steps=8, block_length=4), 2),
+    "llada-dual": ("llada", dict(cache="dual", steps=8, block_length=4), 2),
+    "llada-dual-threshold": ("llada", dict(cache="dual", steps=16, block_length=4, threshold=0.2), 2),
+    "sdar": ("sdar", dict(steps=2), 2),
+    "sdar-threshold-chunks": (
+        "sdar",
+        dict(
+            steps=4,
+            threshold=0.3,
+            temperature=1.0,
+            stop_at_eos=True,
+            repeats=2,
+            row_chunks=[(2, torch.Generator().manual_seed(3)), (2, torch.Generator().manual_seed(4))],
+        ),
+        2,
+    ),
+}
+
+
+def _generate(model, arch, options, compile):
+    ids, valid = _prompt()
+    options = dict(options)
+    if "row_chunks" in options:  # fresh generators: every run draws the same
+        options["row_chunks"] = [
+            (n, torch.Generator().manual_seed(k)) for k, (n, _) in enumerate(options["row_chunks"])
+        ]
+    sample = options.get("temperature", 0.0) > 0 and "row_chunks" not in options
+    gen = torch.Generator().manual_seed(5) if sample else None
+    fn = generate_llada if arch == "llada" else generate_sdar
+    return fn(model, ids, prompt_valid=valid, gen_length=16, generator=gen, progress=False, compile=compile, **options)
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_each_decoding_mode_is_a_fixed_number_of_graphs_equal_to_eager(megatron_tp1, name):
+    arch, options, graphs = MODES[name]
+    torch._dynamo.reset()
+    model = _model(arch)
+    compiled = DecodingForward(model, "default", backend="aot_eager")
+    first = _generate(model, arch, options, compiled)
+    assert compiled.stats.graphs == graphs, "4 blocks, the same graphs from the first block on"
+    again = _generate(model, arch, options, compiled)
+    assert compiled.stats.graphs == graphs, "a second generation of the same shape compiles nothing"
+    eager = _generate(model, arch, options, "none")
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    assert compiled.stats.forwards > 2 * graphs
+
+
+def test_the_kv_buffers_are_the_static_inputs_the_captured_step_mutates(megatron_tp1):
+    """What CUDA-graph capture needs: every input the step mutates is a static address (else
+    torch skips the capture), and those are exactly the KV buffers."""
+    torch._dynamo.reset()
+    seen, real = [], []
+
+    def capture(gm, fake_inputs):  # AOT's metadata of the graph's inputs, in Dynamo's order
+        meta = torch._guards.TracingContext.get().fw_metadata
+        inputs = real[-1]
+        seen.append(
+            dict(
+                static={inputs[i].data_ptr() for i in meta.static_input_indices},
+                mutated={inputs[i].data_ptr() for i, info in enumerate(meta.input_info) if info.mutates_data},
+            )
+        )
+        return gm
+
+    aot = aot_autograd(fw_compiler=capture)
+
+    def backend(gm, example_inputs):  # Dynamo hands the real tensors to the backend
+        real.append(list(example_inputs))
+        return aot(gm, example_inputs)
+
+    for arch, options in (("sdar", MODES["sdar"][1]), ("llada", MODES["llada-dual"][1])):
+        model = _model(arch)
+        compiled = DecodingForward(model, "reduce-overhead", backend=backend)
+        seen.clear()
+        _generate(model, arch, options, compiled)
+        (cache,) = compiled._caches.values()
+        buffers = {t.data_ptr() for pair in cache._buffers.values() for t in pair}
+        assert len(buffers) == 2 * model.config.num_layers
+        slot_steps = [graph for graph in seen if graph["mutated"]]
+        assert slot_steps, arch
+        for graph in slot_steps:
+            assert graph["mutated"] == buffers, arch
+            assert buffers <= graph["static"], arch
+        assert all(getattr(t, "_dynamo_static_input_type", None) for pair in cache._buffers.values() for t in pair)
+
+
+def test_a_step_called_where_autograd_records_is_still_one_graph(megatron_tp1):
+    """A caller outside ``torch.no_grad()`` (a tool filling the cache): the step records nothing,
+    so the model takes its inference path, not Megatron's ``make_viewless_tensor`` (a break)."""
+    torch._dynamo.reset()
+    model = _model("llada")
+    compiled = DecodingForward(model, "default", backend="aot_eager")
+    ids, _ = _prompt(rows=1, length=12)
+    cache = compiled.cache(1, 12)
+    assert torch.is_grad_enabled()
+    logits = compiled(ids, kv_cache=cache, logit_positions=torch.arange(4, 8))
+    assert compiled.stats.graphs == 1 and not logits.requires_grad
+    with torch.no_grad():
+        eager = model(ids, logit_positions=torch.arange(4, 8))
+    torch.testing.assert_close(logits, eager)
+
+
+def test_the_cache_buffers_keep_their_addresses_across_generations(megatron_tp1):
+    model = _model("sdar")
+    forward = decoding_forward(model, "none")
+    first = forward.cache(4, 16)
+    addresses = [t.data_ptr() for pair in first._buffers.values() for t in pair]
+    for pair in first._buffers.values():
+        for t in pair:
+            t.fill_(1.0)
+    second = forward.cache(4, 16)
+    assert second is first and [t.data_ptr() for pair in second._buffers.values() for t in pair] == addresses
+    assert all(not t.any() for pair in second._buffers.values() for t in pair), "zeroed for the new generation"
+    assert forward.cache(2, 16) is not first
+
+
+def test_inductor_compiles_the_sdar_and_llada_steps_to_the_eager_tokens(megatron_tp1):
+    """The shipped backend (inductor, C++ on CPU): the SDAR recipe's sampler (threshold, chunks)
+    and LLaDA's dual cache give the eager tokens, and the logits agree to rounding."""
+    torch._dynamo.reset()
+    for arch, name in (("sdar", "sdar-threshold-chunks"), ("llada", "llada-dual")):
+        model = _model(arch)
+        options = MODES[name][1]
+        compiled = DecodingForward(model, "default")
+        assert torch.equal(_generate(model, arch, options, compiled), _generate(model, arch, options, "none"))
+        assert compiled.stats.graphs == MODES[name][2] and compiled.stats.compile_s > 0
+
+
+def test_a_compiled_sampler_refuses_what_it_cannot_capture(megatron_tp1):
+    model = _model("sdar")
+    ids, valid = _prompt()
+    with pytest.raises(ValueError, match="use_cache=False is the eager reference"):
+        generate_sdar(model, ids, gen_length=8, steps=2, use_cache=False, compile="default")
+    with pytest.raises(ValueError, match="compile must be one of"):
+        generate_sdar(model, ids, gen_length=8, steps=2, compile="max-autotune")
+    with pytest.raises(ValueError, match="another model"):
+        generate_sdar(_model("sdar"), ids, gen_length=8, steps=2, compile=decoding_forward(model, "default"))
+
+
+def test_a_host_read_inside_the_step_is_refused():
+    """Dynamo captures ``int(tensor)`` into a ``fullgraph`` graph instead of breaking it; the
+    decoding step's backend refuses it by name (a CUDA graph cannot hold a host read)."""
+    step = torch.compile(lambda t: t * int(t[0]), fullgraph=True, backend=checked_backend("eager", "default", "cpu"))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="reads a tensor on the host") as raised:
+        step(torch.arange(3))
+    assert isinstance(raised.value.inner_exception, HostReadInStepError)
+
+
+def test_compile_and_decode_rows_are_refused_by_name_where_they_cannot_work():
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.checks import check_model_options
+    from stabledrl_mcore.config.schema import load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.compile must be one of"):
+        load_config(None, ["rollout.compile=max-autotune"])
+    for layout in ("parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"):
+        with pytest.raises(ConfigError, match=r"rollout\.compile=default captures one rank's whole model"):
+            load_config(None, ["rollout.compile=default", layout])
+    moe = get_preset("sdar-moe-tiny")
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        check_model_options(load_config(None, ["rollout.compile=default", "rollout.block_length=4"]), moe)
+    with pytest.raises(
+        ConfigError, match=r"multiple of lcm\(parallel\.micro_batch_size=4, rollout\.group_size=8\) = 8"
+    ):
+        load_config(None, ["rollout.decode_rows=12"])
+    assert load_config(None, ["rollout.decode_rows=24"]).rollout.decode_rows == 24
+
+
+def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows(tmp_path, capsys):
+    """``rollout.compile=default`` through the trainer (the shipped inductor backend): the first
+    step compiles and logs its seconds, the second compiles nothing; the decoding rows chosen from
+    memory (every row of the rank here) are logged once and kept."""
+    import json
+
+    from test_trainer import CONFIG, in_process_trainer, overrides
+
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.rl.trainer import train
+
+    torch._dynamo.reset()
+    run_dir = tmp_path / "run"
+    extra = {"logging.progress": False, "steps": 2, "rollout.prompts_per_step": 2, "rollout.compile": "default"}
+    extra["model.overrides.num_layers"] = 1  # compile time (CI)
+    with in_process_trainer():
+        train(load_config(CONFIG, overrides(str(run_dir), **extra)))
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert rows[0]["rollout_compile_s"] > 0 and rows[1]["rollout_compile_s"] == 0.0
+    assert rows[0]["rollout_decode_rows"] == rows[1]["rollout_decode_rows"] == 2 * 4  # 2 prompts x G=4
+    assert "rollouts decode 8 rows per forward (set by the memory left for the KV cache)" in capsys.readouterr().out
+
+
+def test_decode_rows_follow_the_memory_left_for_the_kv_cache(megatron_tp1, monkeypatch):
+    from stabledrl_mcore.models.decoding import decode_row_bytes, decode_rows_for_memory
+    from stabledrl_mcore.rl import group_rollout
+
+    model = _model("sdar", layers=2)
+    cfg = model.dllm_config
+    # keys and values of 2 layers x 2 query groups x 16 dims x 40 positions in fp32, plus the block's
+    # logits (fp32) and the sampler's float64 work per vocabulary entry
+    assert decode_row_bytes(model, 40, 4, cfg.vocab_size) == 2 * 2 * 2 * 16 * 40 * 4 + 4 * cfg.vocab_size * (4 + 28)
+    assert decode_rows_for_memory(1000, 100, 4, 64) == 8  # 10 rows fit: whole units of 4
+    assert decode_rows_for_memory(1e12, 100, 4, 10) == 12  # at most the rank's rows, rounded up to a unit
+    assert decode_rows_for_memory(50, 100, 4, 64) == 4  # never below one unit
+    row = decode_row_bytes(model, 40, 4, cfg.vocab_size)
+    monkeypatch.setattr(group_rollout, "free_decoding_memory", lambda device: 7.5 * row)
+    kw = dict(micro_batch=2, group_size=3, capacity=40, block=4)
+    assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 6  # 7 fit: one unit of lcm(2, 3)
+    monkeypatch.setattr(group_rollout, "free_decoding_memory", lambda device: 5.0 * row)
+    assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 2  # not a whole unit: one micro-batch
