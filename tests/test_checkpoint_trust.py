@@ -205,19 +205,22 @@ def test_a_crafted_sharded_object_runs_no_code(sources, tmp_path):
     assert not marker.exists(), "loading the checkpoint ran code from a sharded object"
 
 
-def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(sources, tmp_path):
+@pytest.mark.parametrize("name", ["../../etc/hostname", "..", "."])
+def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(sources, tmp_path, name):
+    """Refused by its name: ``..`` and ``.`` are directories (the read would fail anyway, with another
+    error), so only the message shows the name check ran."""
     from stabledrl_mcore.checkpoint.loader import load_model
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     with open(os.path.join(evil, ".metadata"), "rb") as handle:
         metadata = pickle.load(handle)
     index, info = next(iter(metadata.storage_data.items()))
-    metadata.storage_data[index] = type(info)(relative_path="../../etc/hostname", offset=0, length=8)
+    metadata.storage_data[index] = type(info)(relative_path=name, offset=0, length=8)
     with open(os.path.join(evil, ".metadata"), "wb") as handle:
         pickle.dump(metadata, handle)
     with pytest.raises(CheckpointError) as err:
         load_model(evil)
-    _one_line_refusal(err.value, "'../../etc/hostname', not in a file of the checkpoint")
+    _one_line_refusal(err.value, f"a shard is stored in {name!r}, not in a file of the checkpoint")
 
 
 # ---------------------------------------------------------------------------- checksums.json

@@ -1,11 +1,16 @@
-"""Megatron's checkpoint writer never hangs a run: a write worker that fails or dies is one
-error on every rank, a missing ``psutil`` is refused by name, and a training run whose writer
-fails exits with that error (bounded by the spawn timeouts below: a hang fails the test)."""
+"""Megatron's checkpoint writer never hangs a run: a write worker that fails, dies or stalls is one
+error on every rank naming it and its file, a missing ``psutil`` is refused by name, SIGTERM during a
+stalled write ends it within seconds, and a training run whose writer fails exits with that error
+(bounded by the spawn timeouts and watchdogs below: a hang fails the test)."""
 
+import errno
 import json
+import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 
 import pytest
 
@@ -30,7 +35,8 @@ def test_bind_refuses_a_missing_psutil_by_name(monkeypatch):
 
 def _break_writer(how: str) -> None:
     """Make this rank's forked write workers fail the way Megatron's do: its worker reads the
-    process memory (psutil) before writing, outside its own error handling."""
+    process memory (psutil) before writing, outside its own error handling; ``hang`` stalls there
+    as on a stalled file system (nothing fails, nothing ends)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def missing_psutil():
@@ -39,52 +45,76 @@ def _break_writer(how: str) -> None:
     def killed():
         os.kill(os.getpid(), signal.SIGKILL)
 
-    filesystem_async._process_memory = {"psutil": missing_psutil, "sigkill": killed}[how]
+    def hangs():
+        time.sleep(600)
+
+    filesystem_async._process_memory = {"psutil": missing_psutil, "sigkill": killed, "hang": hangs}[how]
 
 
-def _save_worker(out_dir, how, broken_rank):
+def _save_worker(out_dir, cases):
+    """Rank r of 2 (TP=2: each writes its own shards): a good save, then one save per ``(how,
+    broken rank)`` case with that rank's writer broken; a record per case and rank."""
     import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from stabledrl_mcore.checkpoint.state import TrainState, list_checkpoints, save_checkpoint
     from stabledrl_mcore.models import build_model, get_preset
     from stabledrl_mcore.parallel import bootstrap
 
-    bootstrap.initialize(2, 1, backend="gloo")  # TP=2: each rank writes its own shards
+    bootstrap.initialize(2, 1, backend="gloo")
     rank = torch.distributed.get_rank()
     model = build_model(get_preset("llada-tiny"), device="cpu")
     root = os.path.join(out_dir, "ckpts")
     save_checkpoint(
         root, TrainState(step=1, world_size=2, tensor_parallel=2), model.sharded_state_dict
     )  # a good one first
-    if rank == broken_rank:
-        _break_writer(how)
-    try:
-        save_checkpoint(root, TrainState(step=2, world_size=2, tensor_parallel=2), model.sharded_state_dict)
-        outcome = {"type": None}
-    except Exception as err:  # noqa: BLE001 - the record names the type
-        outcome = {"type": type(err).__name__, "message": str(err)}
-    outcome["checkpoints"] = [os.path.basename(p) for p in list_checkpoints(root)]
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump(outcome, handle)
+    working = filesystem_async._process_memory
+    for case, (how, broken_rank) in enumerate(cases):
+        if rank == broken_rank:
+            _break_writer(how)
+        try:
+            save_checkpoint(
+                root,
+                TrainState(step=2 + case, world_size=2, tensor_parallel=2),
+                model.sharded_state_dict,
+                write_timeout_s=3.0 if how == "hang" else None,
+            )
+            outcome = {"type": None}
+        except Exception as err:  # noqa: BLE001 - the record names the type
+            outcome = {"type": type(err).__name__, "message": str(err)}
+        filesystem_async._process_memory = working
+        outcome["checkpoints"] = [os.path.basename(p) for p in list_checkpoints(root)]
+        with open(os.path.join(out_dir, f"case{case}.rank{rank}.json"), "w") as handle:
+            json.dump(outcome, handle)
 
 
 @pytest.mark.parametrize(
-    "how,broken_rank,expected",
+    "cases,expected",
     [
-        ("psutil", 1, "a checkpoint write worker failed (rank 1, writing __1_"),
-        ("sigkill", 0, "died with signal SIGKILL before reporting"),
+        (
+            [("psutil", 1), ("hang", 0)],
+            [
+                "a checkpoint write worker failed (rank 1, writing __1_",
+                "the checkpoint write timed out after 3 s (checkpoint.write_timeout_s): a checkpoint write "
+                "worker (pid ",
+            ],
+        ),
+        ([("sigkill", 0)], ["died with signal SIGKILL before reporting"]),
     ],
 )
-def test_a_failed_or_dead_write_worker_is_an_error_on_every_rank(tmp_path, how, broken_rank, expected):
-    spawn(_save_worker, 2, (str(tmp_path), how, broken_rank), timeout=240)
-    records = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    for rank, record in enumerate(records):
-        assert record["type"] == "CheckpointError", (rank, record)
-        assert "\n" not in record["message"]
-        assert record["checkpoints"] == ["step_00000001"], "the failed save must not replace the good one"
-    assert expected in records[broken_rank]["message"]
-    if how == "psutil":
-        assert PSUTIL_MESSAGE in records[broken_rank]["message"]
+def test_a_failed_dead_or_stalled_write_worker_is_an_error_on_every_rank(tmp_path, cases, expected):
+    """Every rank's one line names the failing rank's worker and file (rank 0 stalled: rank 1 too)."""
+    spawn(_save_worker, 2, (str(tmp_path), cases), timeout=240)
+    for case, ((how, broken_rank), words) in enumerate(zip(cases, expected)):
+        records = [json.load(open(tmp_path / f"case{case}.rank{r}.json")) for r in range(2)]
+        for rank, record in enumerate(records):
+            assert record["type"] == "CheckpointError", (how, rank, record)
+            assert "\n" not in record["message"]
+            assert record["checkpoints"] == ["step_00000001"], "the failed save must not replace the good one"
+            assert words in record["message"], (how, rank, record["message"])
+            assert f"rank {broken_rank}, writing __{broken_rank}_" in record["message"], (how, rank, record)
+        if how == "psutil":
+            assert all(PSUTIL_MESSAGE in record["message"] for record in records)
 
 
 def _train_worker(run_dir):
@@ -103,3 +133,161 @@ def test_a_training_run_whose_writer_fails_ends_with_that_error(tmp_path):
     assert "CheckpointError" in str(err.value) and PSUTIL_MESSAGE in str(err.value)
     saved = [n for n in os.listdir(run_dir / "checkpoints")] if (run_dir / "checkpoints").is_dir() else []
     assert not [n for n in saved if n.startswith("step_")], saved
+
+
+# ----------------------------------------------------------------- write_buckets in this process
+def _fake_write(transform_list, index, bucket, results, count_queue, use_fsync, **kwargs):
+    """Stands in for Megatron's ``write_preloaded_data`` in a forked worker: writes its pid beside the
+    bucket's file, then fails (``fail*``), hangs as on a stalled file system (``hang*``) or reports."""
+    path = bucket[0]
+    with open(path + ".pid", "w") as handle:
+        handle.write(str(os.getpid()))
+    name = os.path.basename(path)
+    if name.startswith("fail"):  # once every sibling has started (a loaded machine may not have run it yet)
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(p) for p in _PID_FILES) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise OSError(errno.EIO, "Input/output error", path)
+    if name.startswith("hang"):
+        time.sleep(600)
+    if name.startswith("slow"):
+        time.sleep(2)
+    results.put((index, [f"wrote {name}"]))
+
+
+_PID_FILES: list = []
+"""The pid files of the write in progress (the forked workers inherit it)."""
+
+
+def _left(pids, bound_s=30.0):
+    """Which of ``pids`` are still this process's unreaped children after a bounded wait (a SIGKILLed
+    worker may take a while to exit on a loaded machine; by their handles: no pid is reused)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        left = [child.pid for child in multiprocessing.active_children() if child.pid in set(pids)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _pids(tmp_path):
+    return [int(p.read_text()) for p in tmp_path.rglob("*.pid") if p.read_text()]
+
+
+def _ours(tmp_path):
+    """This test's write workers not yet reaped, by their handles (a reaped pid may be another's now)."""
+    pids = set(_pids(tmp_path))
+    return [child for child in multiprocessing.active_children() if child.pid in pids]
+
+
+@pytest.fixture
+def workers_stopped(tmp_path):
+    """After the test (its asserts first), any write worker it left running is killed by its handle."""
+    yield
+    for child in _ours(tmp_path):
+        child.kill()
+        child.join(30)
+
+
+def _write(tmp_path, monkeypatch, names, timeout_s=None):
+    """``write_buckets`` over one bucket per name; returns what it put on the results queue. A
+    watchdog kills the workers after 60 s, so a hang fails instead of blocking."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from stabledrl_mcore.checkpoint import writers
+
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(_fake_write))
+    monkeypatch.setitem(writers._SAVE, "timeout_s", timeout_s)
+    buckets = [(str(tmp_path / f"{n}.distcp"), f"{n}.distcp", ([], [])) for n in names]
+    monkeypatch.setattr(sys.modules[__name__], "_PID_FILES", [b[0] + ".pid" for b in buckets])
+    fired = threading.Event()
+
+    def watchdog():
+        fired.set()
+        for child in _ours(tmp_path):
+            child.kill()
+
+    timer = threading.Timer(60, watchdog)
+    timer.start()
+    out = queue.Queue()
+    try:
+        writers.write_buckets([], False, 3, buckets, out)
+    finally:
+        timer.cancel()
+    assert not fired.is_set(), "write_buckets did not return by itself: the watchdog killed its workers"
+    return out.get_nowait()
+
+
+def test_a_write_that_fails_while_another_hangs_ends_and_kills_the_hung_one(tmp_path, monkeypatch, workers_stopped):
+    outcome = _write(tmp_path, monkeypatch, ["fail", "hang"])
+    assert isinstance(outcome, CheckpointError), outcome
+    assert "a checkpoint write worker failed (rank 3, writing fail.distcp): OSError:" in str(outcome)
+    assert len(_pids(tmp_path)) == 2 and not _left(_pids(tmp_path)), "a worker was left"
+
+
+def test_a_stalled_write_times_out_naming_the_file_and_the_worker(tmp_path, monkeypatch, workers_stopped):
+    outcome = _write(tmp_path, monkeypatch, ["ok", "hang", "ok2"], timeout_s=1.0)
+    assert isinstance(outcome, CheckpointError), outcome
+    hung = int((tmp_path / "hang.distcp.pid").read_text())
+    message = str(outcome)
+    assert "\n" not in message and "timed out after 1 s (checkpoint.write_timeout_s)" in message, message
+    assert f"(pid {hung}, rank 3, writing hang.distcp) had not finished" in message, message
+    assert not _left([hung])
+    again = tmp_path / "again"
+    again.mkdir()
+    done = _write(again, monkeypatch, ["ok", "ok2"])
+    assert done == {0: ["wrote ok.distcp"], 1: ["wrote ok2.distcp"]}, done
+
+
+def test_sigterm_during_a_stalled_write_ends_it_within_the_grace(tmp_path, monkeypatch, workers_stopped):
+    """The pre-emption handler's SIGTERM reaches the writer: the write (limit 10 min) ends
+    ``TERM_GRACE_S`` after the signal; SIGUSR1 (a warning with a lead) leaves the write alone, and a
+    write that starts after the SIGTERM (the pre-emption checkpoint) keeps its whole limit."""
+    from stabledrl_mcore.checkpoint import writers
+    from stabledrl_mcore.engine import preemption
+
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGUSR1", "SIGTERM")}
+    monkeypatch.setattr(preemption, "_PREEMPTION", {"caught": False, "installed": False, "terms": 0})
+    monkeypatch.setattr(preemption, "take_held_signals", lambda: [])
+    monkeypatch.setattr(writers, "TERM_GRACE_S", 0.5)
+    try:
+        preemption.install_preemption_handlers()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption._PREEMPTION["caught"] and preemption.terminations() == 0
+
+        def sigterm_once_writing():  # the signal must land during the write (after its worker started)
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "hang.distcp.pid").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        sender = threading.Thread(target=sigterm_once_writing, daemon=True)
+        sender.start()
+        outcome = _write(tmp_path, monkeypatch, ["hang"], timeout_s=600.0)
+        sender.join()
+        assert preemption.terminations() == 1
+        after = tmp_path / "after"
+        after.mkdir()
+        later = _write(after, monkeypatch, ["slow"], timeout_s=600.0)  # 2 s > the 0.5 s grace
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+    assert isinstance(outcome, CheckpointError), outcome
+    assert "SIGTERM arrived during a checkpoint write and 0.5 s later" in str(outcome), outcome
+    assert "writing hang.distcp) had not finished" in str(outcome)
+    assert later == {0: ["wrote slow.distcp"]}, later
+
+
+def test_the_automatic_write_limit_grows_with_the_bytes_a_rank_writes():
+    import io
+
+    import torch
+
+    from stabledrl_mcore.checkpoint.writers import bucket_bytes, write_limit_s
+
+    bucket = ("f", "f", ([(None, io.BytesIO(b"x" * 1000))], [(None, torch.zeros(10 * 2**20 // 4))]))
+    assert bucket_bytes(bucket) == 1000 + 10 * 2**20
+    assert write_limit_s([bucket, bucket]) == pytest.approx(600.0 + 2 + 2000 / 2**20 / 10)
+    assert write_limit_s([bucket], 30.0) == 30.0

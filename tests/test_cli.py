@@ -135,3 +135,15 @@ def test_a_run_that_trained_nothing_is_one_line_and_exit_1(capsys, monkeypatch, 
     assert capsys.readouterr().err.strip().splitlines() == [
         "stabledrl train: error: every one of this run's 4 optimizer updates was skipped (loss is nan)"
     ]
+
+
+def test_convert_help_says_remote_code_executes_the_file(capsys):
+    """``--remote-code FILE.py`` and ``--reference remote`` run code: their help says so."""
+    with pytest.raises(SystemExit) as info:
+        main(["convert", "mcore-to-hf", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    remote_code = text[text.index("--remote-code FILE.py") :]
+    assert "EXECUTES the file (and that configuration_*.py) as Python" in remote_code, remote_code[:600]
+    reference = text[text.index("--reference {public,remote}") :]
+    assert "runs that code as Python (trust_remote_code)" in reference, reference[:400]

@@ -15,6 +15,7 @@ import os
 import signal
 import textwrap
 import threading
+import time
 
 import datasets
 import pytest
@@ -104,6 +105,30 @@ HOSTILE = textwrap.dedent('''
     def dies_on_a(completion, reference):
         if completion == "a":
             os._exit(7)
+        return 1.0
+
+    def daemonizes(completion, reference):
+        """Starts two sleepers that leave the worker's session: one by setsid(), one double-forked
+        (its parent exits at once) and setsid()ed; appends their pids to $PIDS, then scores 1 (or,
+        for the completion "hang", sleeps past any time limit)."""
+        import subprocess
+        direct = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        read, write = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            grandchild = os.fork()
+            if grandchild == 0:
+                os.setsid()
+                os.execvp("sleep", ["sleep", "600"])
+            os.write(write, str(grandchild).encode())
+            os._exit(0)
+        os.close(write)
+        orphan = int(os.read(read, 64))
+        os.waitpid(middle, 0)
+        with open(os.environ["PIDS"], "a") as handle:
+            handle.write(f"{os.getpid()} {direct.pid} {orphan}\\n")
+        if completion == "hang":
+            time.sleep(600)
         return 1.0
 
     def signals_itself(completion, reference):
@@ -417,3 +442,86 @@ def test_a_short_qa_run_on_parquet_calls_the_reward_function(inprocess, reward_f
     assert len(calls) == 16 and set(calls) <= {r["gold"] for r in rows}  # called with the references
     (metrics,) = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"reward_mean"' in line]
     assert metrics["reward_errors"] == 4 and metrics["reward_mean"] == pytest.approx(12 * 0.25 / 16)
+
+
+def _started(pids_file):
+    """``[worker, setsid child, orphaned setsid grandchild]`` pids of each ``daemonizes`` call."""
+    with open(pids_file) as handle:
+        return [[int(p) for p in line.split()] for line in handle if line.strip()]
+
+
+def _none_left(pids, bound_s=30.0):
+    """Wait (bounded) until none of ``pids`` runs (zombies do not count); the ones still running."""
+    from stabledrl_mcore.common.process_tree import running
+
+    deadline = time.monotonic() + bound_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if running(p)]
+
+
+@contextlib.contextmanager
+def _killed_afterwards(pids_file):
+    """Whatever the test leaves running among the recorded pids is SIGKILLed by PID: a ``sleep 600``
+    or a reward worker, checked by its command line first (a pid that ended may be another's now)."""
+    try:
+        yield
+    finally:
+        recorded = [p for line in _started(pids_file) for p in line] if os.path.exists(pids_file) else []
+        for pid in recorded:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    command = handle.read()
+            except OSError:
+                continue
+            if command == b"sleep\x00600\x00" or b"isolated_calls import serve" in command:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("end", ["close", "timeout"])
+def test_what_a_reward_starts_goes_with_its_worker_even_after_setsid(hostile_file, tmp_path, monkeypatch, end):
+    """A reward that starts sleepers in sessions of their own (setsid, and a double fork whose middle
+    process exits): once its worker is stopped (closed, or killed at the time limit) none is left."""
+    pids = str(tmp_path / "pids")
+    monkeypatch.setenv("PIDS", pids)
+    task = _task(hostile_file, "daemonizes", "process", timeout_s=60.0 if end == "close" else 3.0)
+    with _killed_afterwards(pids):
+        if end == "close":
+            assert task.reward("a", "7") == 1.0
+            task.close()
+        else:
+            assert task.reward("hang", "7") == 0.0 and task.pop_failures() == 1
+        ((worker, direct, orphan),) = _started(pids)
+        assert direct != orphan and worker not in (direct, orphan)
+        assert _none_left([worker, direct, orphan]) == []
+
+
+CALLER = """
+import os, signal, sys
+sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[2])]
+from hostile_reward import daemonizes
+from stabledrl_mcore.common.isolated_calls import IsolatedFunction
+assert IsolatedFunction(daemonizes).call(("a", "7"), 60.0) == 1.0
+os.kill(os.getpid(), signal.SIGKILL)  # no finaliser runs: the worker is on its own
+"""
+
+
+def test_what_a_reward_starts_goes_when_the_trainer_is_killed(hostile_file, tmp_path):
+    """The calling process SIGKILLed: its worker notices (its parent is gone) and ends with
+    everything it started, the setsid()ed sleepers included."""
+    import subprocess
+    import sys
+
+    pids = str(tmp_path / "pids")
+    with _killed_afterwards(pids):
+        proc = subprocess.run(
+            [sys.executable, "-c", CALLER, ROOT, hostile_file],
+            env={**os.environ, "PIDS": pids},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        ((worker, direct, orphan),) = _started(pids)
+        assert _none_left([worker, direct, orphan]) == []

@@ -384,3 +384,31 @@ def test_a_rank_exits_0_only_once_its_loop_finished(tmp_path, monkeypatch):
     assert run_with_preemption_marker(run, lambda: _Setup(preempted=True)) == EXIT_PREEMPTED
     marker = json.loads(open(os.path.join(run, PREEMPTED_MARKER)).read())
     assert marker["exit_status"] == 75 and marker["slurm_job_id"] == "12" and marker["slurm_restart_count"] == "3"
+
+
+def _marker_here(run_dir, name, **env):
+    """slurm/common.sh's ``sdrl_marker_here NAME`` in a bash with this job id / restart count."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    script = f'source "{ROOT}/slurm/common.sh"; RUN_DIR="$1"; sdrl_marker_here "$2"'
+    proc = subprocess.run(
+        ["bash", "-c", script, "bash", str(run_dir), name], env={**clean, **env}, capture_output=True, timeout=60
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode == 0
+
+
+@pytest.mark.parametrize("name,state", [("FINISHED", dict(finished=True)), ("PREEMPTED", dict(preempted=True))])
+def test_the_job_script_believes_only_this_attempts_marker(tmp_path, monkeypatch, name, state):
+    """A marker that rank 0 wrote in restart 0 of job 12 is that attempt's only: the job's requeue
+    (restart 1) and another job must not take it for theirs."""
+    from stabledrl_mcore.engine.preemption import run_with_preemption_marker
+
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    run_with_preemption_marker(str(tmp_path), lambda: _Setup(**state))
+    assert _marker_here(tmp_path, name, SLURM_JOB_ID="12", SLURM_RESTART_COUNT="0")
+    assert _marker_here(tmp_path, name, SLURM_JOB_ID="12"), "no SLURM_RESTART_COUNT: the first attempt"
+    assert not _marker_here(tmp_path, name, SLURM_JOB_ID="12", SLURM_RESTART_COUNT="1"), "a requeue's marker"
+    assert not _marker_here(tmp_path, name, SLURM_JOB_ID="13", SLURM_RESTART_COUNT="0"), "another job's marker"
+    assert not _marker_here(tmp_path, "FINISHED" if name == "PREEMPTED" else "PREEMPTED", SLURM_JOB_ID="12")

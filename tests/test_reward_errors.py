@@ -375,3 +375,27 @@ def test_every_data_parallel_rank_stops_together_on_the_jobs_share(reward_file, 
     assert messages[0].startswith("step 1: 8 reward calls failed and scored 0, 0.5 of the step's samples (> ")
     assert "raised ValueError: broken on rank 0" in messages[0]
     assert [(r["reward_errors"], r["reward_error_frac"]) for r in _rows(run_dir)] == [(8, 0.5)]
+
+
+def test_map_in_threads_returns_in_index_order_and_raises_the_lowest_index_error():
+    """``common/thread_map.py`` directly: results in index order whatever order the calls end in; when
+    two calls raise, the error of the lower index is raised, even though the higher one raised first
+    (index 0 raises only once index 1 has raised; bounded wait)."""
+    from stabledrl_mcore.common.thread_map import map_in_threads
+
+    assert map_in_threads(lambda slot, i: i * i, 7, 3) == [i * i for i in range(7)]
+    assert map_in_threads(lambda slot, i: (slot, i), 3, 1) == [(0, 0), (0, 1), (0, 2)]
+    first_raised = threading.Event()
+    raised = []
+
+    def call(slot, index):
+        if index == 0:
+            assert first_raised.wait(RENDEZVOUS_BOUND_S), "index 1 never raised"
+        raised.append(index)
+        if index == 1:
+            first_raised.set()
+        raise ValueError(f"call {index}")
+
+    with pytest.raises(ValueError, match=r"^call 0$"):
+        map_in_threads(call, 2, 2)
+    assert raised == [1, 0], "the case under test: the higher index raised first"

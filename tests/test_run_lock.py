@@ -189,6 +189,29 @@ def test_a_held_lock_is_refused_at_once_unless_the_holder_is_this_jobs_earlier_i
     assert not run_lock.holds(run_dir)
 
 
+def test_without_slurm_a_held_lock_is_refused_at_once(tmp_path, holder_of, monkeypatch):
+    """Two plain ``stabledrl train`` runs (no SLURM_JOB_ID on either side) are not one job's
+    instances: the second is refused at once, not after ``logging.lock_wait_s``."""
+    from stabledrl_mcore.engine import run_lock
+    from stabledrl_mcore.engine.run_lock import RunDirLockedError
+
+    run_dir = str(tmp_path / "run")
+    holder = holder_of(run_dir)  # no SLURM variables in its environment
+    assert run_lock.read_holder(run_lock.lock_path(run_dir))["slurm_job_id"] is None
+    for name in SLURM_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for attempt in (
+        lambda: run_lock.wait_until_unlocked(run_dir, wait_s=3),
+        lambda: run_lock.acquire(run_dir, wait_s=3),
+    ):
+        with pytest.raises(RunDirLockedError) as info:
+            attempt()
+        message = str(info.value)
+        assert "waited" not in message and "waiting" not in message, message
+        assert f"pid {holder.pid}" in message and "another logging.run_dir" in message, message
+    assert not run_lock.holds(run_dir)
+
+
 def test_a_file_system_without_locks_is_one_line_naming_the_fixes(tmp_path, monkeypatch, capsys):
     from stabledrl_mcore import cli
     from stabledrl_mcore.config.schema import load_config

@@ -428,3 +428,28 @@ def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--overwrite" in err and run in err, err
     assert builds == []
+
+
+@pytest.mark.parametrize("task", ["sudoku", "countdown"])
+def test_a_generated_tasks_prompts_do_not_depend_on_steps(tmp_path, task):
+    """``--resume ... steps=20`` after a 12-step run: steps 0..11 get the prompts the 12-step run
+    got, on every data-parallel rank (the set drawn for 20 steps begins with the one for 12 and the
+    stream takes it in order); later steps continue the draw."""
+    from stabledrl_mcore.rl.setup import prompt_stream
+    from stabledrl_mcore.tasks.from_config import build_task, load_train_examples
+
+    streams, drawn = {}, {}
+    for steps in (12, 20):
+        cfg = tiny_config(str(tmp_path), **{"rollout.task": task, "rollout.prompts_per_step": 8, "steps": steps})
+        drawn[steps] = load_train_examples(cfg, build_task(cfg))
+        assert len(drawn[steps]) == 8 * steps
+        streams[steps] = [prompt_stream(cfg, drawn[steps], rank, 2) for rank in (0, 1)]
+
+    def prompts(stream, step):
+        return [(e.prompt, json.dumps(e.reference, sort_keys=True)) for e in stream.for_step(step)]
+
+    for step in range(12):
+        for rank in (0, 1):
+            assert prompts(streams[12][rank], step) == prompts(streams[20][rank], step), (step, rank)
+    seen = [p for step in range(20) for rank in (0, 1) for p in prompts(streams[20][rank], step)]
+    assert len(set(seen)) == len(seen) == 160, "a run's prompts are distinct until the set is used up"

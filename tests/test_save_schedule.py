@@ -3,6 +3,7 @@ pre-emption margin warning; wandb (offline) and TensorBoard across a simulated r
 
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -179,3 +180,44 @@ def test_a_requeue_continues_the_wandb_run_tensorboard_and_saves_on_the_clock(ti
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
+
+
+def test_a_signal_during_a_save_stops_the_run_after_that_save(tiny_run, tmp_path, monkeypatch):
+    """SIGUSR1/SIGTERM caught while step 1's checkpoint is written: the run stops pre-empted right
+    after it (that checkpoint is the step's), instead of training step 2 and saving again."""
+    from stabledrl_mcore.engine import preemption
+    from stabledrl_mcore.rl import trainer
+
+    monkeypatch.setattr(preemption, "_PREEMPTION", {"caught": False, "installed": True, "terms": 0})
+    real = trainer.save_training_checkpoint
+
+    def signalled(s, root, step):
+        preemption._PREEMPTION["caught"] = True  # what the handler does when the signal lands now
+        return real(s, root, step)
+
+    monkeypatch.setattr(trainer, "save_training_checkpoint", signalled)
+    run_dir = tmp_path / "run"
+    s = tiny_run(run_dir, steps=3, **{"checkpoint.save_every": 1})
+    assert s.preempted and not s.finished
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000001"]
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1]
+
+
+def test_write_timeout_s_takes_effect_or_is_refused_by_name(tiny_run, tmp_path, monkeypatch):
+    """A stalled shard write (the forked worker hangs before writing) ends the run with the
+    setting's error; a limit that is not a positive number is refused before anything starts."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from stabledrl_mcore.checkpoint.integrity import CheckpointError
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
+
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match=rf"checkpoint.write_timeout_s must be > 0 seconds or null .*got {bad}"):
+            load_config(None, [f"checkpoint.write_timeout_s={bad}"])
+    from stabledrl_mcore.checkpoint import writers
+
+    monkeypatch.setattr(writers, "AUTO_LIMIT_BASE_S", 30.0)  # were the setting ignored: 30 s, not 2
+    monkeypatch.setattr(filesystem_async, "_process_memory", lambda: time.sleep(600))
+    with pytest.raises(CheckpointError, match=r"timed out after 2 s \(checkpoint.write_timeout_s\).*had not finished"):
+        tiny_run(tmp_path / "run", steps=1, **{"checkpoint.write_timeout_s": 2})

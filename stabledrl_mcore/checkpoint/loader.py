@@ -66,6 +66,13 @@ class InspectionModel(torch.nn.Module):
         """The wrapped model's config (what the samplers and estimators read)."""
         return self.model.dllm_config
 
+    def kv_cache_layers(self):
+        """The wrapped model's KV-cache shape (what a compiled decoding step allocates)."""
+        return self.model.kv_cache_layers()
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.model.kv_cache_dtype()
+
     def default_layout(self) -> Optional[AttentionLayout]:
         if self.config.arch == "sdar":
             return AttentionLayout.block_causal(self.config.block_size)

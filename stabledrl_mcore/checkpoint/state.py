@@ -175,8 +175,12 @@ def save_checkpoint(
     extra_files: Optional[Dict[str, str]] = None,
     assets: Optional[Dict[str, str]] = None,
     extra_modules: Optional[Dict[str, Any]] = None,
+    write_timeout_s: Optional[float] = None,
 ) -> str:
     """Write a complete checkpoint for ``state.step`` and prune old ones; returns its path.
+
+    ``write_timeout_s``: the time limit of the shard writes (``checkpoint.write_timeout_s``; None =
+    automatic, :func:`~.writers.write_limit_s`); a write past it is a :class:`CheckpointError`.
 
     ``extra_modules`` (name -> Megatron module) are saved beside the model under keys
     prefixed ``<name>.`` (e.g. a KL reference policy that is synced during training).
@@ -213,7 +217,7 @@ def save_checkpoint(
                 fmt[optimizer_reshard.MAP_FIELD] = mapping
     for name, module in (extra_modules or {}).items():
         sharded[name] = module.sharded_state_dict(prefix=f"{name}.")
-    save_sharded(sharded, tmp)
+    save_sharded(sharded, tmp, timeout_s=write_timeout_s)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     save_rng_file(
         os.path.join(tmp, "rng", f"rank{_rank():05d}.pt"), rng_state if rng_state is not None else capture_rng_state()

@@ -14,7 +14,17 @@ a forked worker and waits for them with ``JoinableQueue.join()``. Three ways tha
 worker die with its parent, refuses to start without ``psutil`` (one line naming it), and
 replaces the wait by :func:`write_buckets`, which watches each worker and turns one that fails
 or dies into a :class:`CheckpointError` naming it and its file, on every rank (Megatron's own
-finalisation broadcasts the failure). Every save in :mod:`stabledrl_mcore.checkpoint` calls it.
+finalisation broadcasts the failure; :func:`save_sharded` then gives every rank the failing
+rank's words). Every save in :mod:`stabledrl_mcore.checkpoint` calls it.
+
+A write that neither fails nor ends (a stalled file system) has a time limit,
+``checkpoint.write_timeout_s`` (auto: :func:`write_limit_s`, 600 s plus 1 s per 10 MiB the rank
+writes): past it the workers are killed and it is a :class:`CheckpointError` naming the file and
+the worker that had not finished. A SIGTERM (a job being ended: SLURM kills 30 s later by default)
+that arrives during a write gives it :data:`TERM_GRACE_S` more, then the same error: the run exits
+within seconds instead of being killed mid-wait (the pre-emption handler registers the probe,
+:func:`watch_termination`; a write that ends in time lets the trainer take the pre-emption path). A
+write that starts after the signal (the pre-emption checkpoint itself) keeps its whole limit.
 """
 
 from __future__ import annotations
@@ -23,8 +33,10 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-from typing import Any, Dict, List
+import time
+from typing import Any, Callable, Dict, List, Optional
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stabledrl_mcore.checkpoint.integrity import CheckpointError
@@ -32,8 +44,55 @@ from stabledrl_mcore.parallel.launch import bind_forked_children
 
 POLL_SECONDS = 0.2
 """How often the parent looks at its write workers while none has reported."""
+TERM_GRACE_S = 10.0
+"""How long a write still running when SIGTERM arrives may go on before it is stopped."""
+AUTO_LIMIT_BASE_S = 600.0
+AUTO_LIMIT_BYTES_PER_S = 10 * 2**20
+"""The automatic write time limit: ``AUTO_LIMIT_BASE_S`` plus the rank's bytes at this rate."""
+JOIN_S = 5.0
+"""How long a killed worker is waited for (one stuck in the kernel dies when its I/O returns)."""
 _LAST_FAILURE: List[str] = []
 """This rank's last write failure (Megatron details a failure on its coordinator rank only)."""
+_SAVE: Dict[str, Optional[float]] = {"timeout_s": None}
+"""The time limit of the save in progress (:func:`save_sharded`); None = :func:`write_limit_s`'s."""
+_TERMINATING: List[Callable[[], int]] = []
+"""Probes that count the SIGTERMs received so far (:func:`watch_termination`)."""
+
+
+def watch_termination(probe: Callable[[], int]) -> None:
+    """From now on a write in progress when ``probe()`` (a count of SIGTERMs) grows is stopped
+    :data:`TERM_GRACE_S` later (the pre-emption handler's count)."""
+    if probe not in _TERMINATING:
+        _TERMINATING.append(probe)
+
+
+def _terminations() -> int:
+    return sum(int(probe()) for probe in _TERMINATING)
+
+
+def bucket_bytes(bucket: Any) -> int:
+    """Bytes a write bucket ``(path, name, (byte items, tensor items))`` holds (best effort)."""
+    total = 0
+    try:
+        byte_items, tensor_items = bucket[2]
+    except (TypeError, ValueError, IndexError):
+        return 0
+    for _, data in list(byte_items) + list(tensor_items):
+        if hasattr(data, "nbytes"):
+            total += int(data.nbytes)
+        elif hasattr(data, "getbuffer"):
+            total += int(data.getbuffer().nbytes)
+        elif isinstance(data, (bytes, bytearray)):
+            total += len(data)
+    return total
+
+
+def write_limit_s(buckets: List[Any], timeout_s: Optional[float] = None) -> float:
+    """``timeout_s`` (``checkpoint.write_timeout_s``), or the automatic limit: 600 s plus 1 s per
+    10 MiB these buckets hold (a file system that slow is stalled)."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    return AUTO_LIMIT_BASE_S + sum(bucket_bytes(b) for b in buckets) / AUTO_LIMIT_BYTES_PER_S
 
 
 def bind_checkpoint_writers() -> None:
@@ -101,26 +160,43 @@ def write_buckets(
         workers.append(worker)
     done: Dict[int, Any] = {}
     error = None
+    limit = write_limit_s(buckets, _SAVE["timeout_s"])
+    deadline, term_deadline, terms = time.monotonic() + limit, None, _terminations()
 
     def where(index: int) -> str:
         return f"rank {rank}, writing {os.path.basename(str(buckets[index][0]))}"
+
+    def stuck(why: str) -> CheckpointError:
+        index = next(i for i in range(len(workers)) if i not in done)
+        return CheckpointError(
+            f"{why}: a checkpoint write worker (pid {workers[index].pid}, {where(index)}) had not finished; "
+            f"it was killed and nothing was saved (a stalled file system?)"
+        )
 
     while len(done) < len(workers) and error is None:
         try:
             index, outcome = results.get(timeout=POLL_SECONDS)
         except queue.Empty:
             dead = [i for i, w in enumerate(workers) if i not in done and w.exitcode is not None]
-            if not dead:
+            if dead:
+                try:  # one that reported just before it exited: its report is in the pipe
+                    index, outcome = results.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    worker = workers[dead[0]]
+                    error = CheckpointError(
+                        f"a checkpoint write worker (pid {worker.pid}, {where(dead[0])}) died with "
+                        f"{_exit_reason(worker.exitcode)} before reporting; nothing was saved"
+                    )
+                    break
+            else:
+                now = time.monotonic()
+                if term_deadline is None and _terminations() > terms:  # a SIGTERM since the write began
+                    term_deadline = now + TERM_GRACE_S
+                if now >= deadline:
+                    error = stuck(f"the checkpoint write timed out after {limit:.0f} s (checkpoint.write_timeout_s)")
+                elif term_deadline is not None and now >= term_deadline:
+                    error = stuck(f"SIGTERM arrived during a checkpoint write and {TERM_GRACE_S:g} s later")
                 continue
-            try:  # one that reported just before it exited: its report is in the pipe
-                index, outcome = results.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                worker = workers[dead[0]]
-                error = CheckpointError(
-                    f"a checkpoint write worker (pid {worker.pid}, {where(dead[0])}) died with "
-                    f"{_exit_reason(worker.exitcode)} before reporting; nothing was saved"
-                )
-                break
         if index in done:
             continue
         if isinstance(outcome, BaseException):
@@ -130,7 +206,7 @@ def write_buckets(
     for worker in workers:
         if error is not None and worker.is_alive():
             worker.kill()
-        worker.join()
+        worker.join(JOIN_S if error is not None else None)
     _LAST_FAILURE[:] = [str(error)] if error is not None else []
     global_results_queue.put(error if error is not None else done)
 
@@ -138,21 +214,35 @@ def write_buckets(
 _BOUND = staticmethod(write_buckets)
 
 
-def save_sharded(sharded_state_dict: Dict[str, Any], directory: str) -> None:
+def save_sharded(sharded_state_dict: Dict[str, Any], directory: str, *, timeout_s: Optional[float] = None) -> None:
     """``dist_checkpointing.save`` through the bound writer (:func:`bind_checkpoint_writers`), a
-    write failure on any rank raised on every rank as one :class:`CheckpointError` line."""
+    write failure on any rank raised on every rank as one :class:`CheckpointError` line naming the
+    failing rank's worker and file. ``timeout_s``: the write time limit (None: :func:`write_limit_s`)."""
     from megatron.core import dist_checkpointing
 
     bind_checkpoint_writers()
     _LAST_FAILURE.clear()
+    _SAVE["timeout_s"] = timeout_s
     try:
         dist_checkpointing.save(sharded_state_dict, directory)
     except CheckpointException as err:
-        if _LAST_FAILURE:  # this rank's own worker
-            raise CheckpointError(f"writing checkpoint {directory} failed: {_LAST_FAILURE[0]}") from None
-        failures = getattr(err, "failures", {}) or {}
-        causes = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
-        first = next((c for c in causes if isinstance(c, BaseException)), None)
-        detail = str(first) if first is not None else "another rank's write failed (its error is on rank 0)"
+        detail = _LAST_FAILURE[0] if _LAST_FAILURE else None
+        detail = _first_failure(detail)  # collective: Megatron raised this on every rank
+        if detail is None:
+            failures = getattr(err, "failures", {}) or {}
+            causes = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+            first = next((c for c in causes if isinstance(c, BaseException)), None)
+            detail = str(first) if first is not None else "another rank's write failed (its error is on rank 0)"
         detail = detail.removeprefix("Worker failure: ")  # Megatron's wrapper of the worker's error
         raise CheckpointError(f"writing checkpoint {directory} failed: {detail}") from None
+    finally:
+        _SAVE["timeout_s"] = None
+
+
+def _first_failure(mine: Optional[str]) -> Optional[str]:
+    """This rank's write failure, else the lowest rank's that had one (every rank calls it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    found: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    return mine if mine is not None else next((f for f in found if f is not None), None)

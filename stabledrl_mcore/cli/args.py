@@ -8,7 +8,7 @@ import sys
 from typing import Optional
 
 from stabledrl_mcore.common.errors import ConfigError, UserError
-from stabledrl_mcore.config.checks import check_sampler_shape
+from stabledrl_mcore.config.checks import COMPILE_MODES, check_sampler_shape
 from stabledrl_mcore.config.schema import RunConfig, load_config
 from stabledrl_mcore.engine import preemption
 from stabledrl_mcore.tasks.prompts import PromptFormat, prompt_format
@@ -42,6 +42,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         choices=("none", "prefix", "dual"),
         help="LLaDA's approximate KV cache (default none: exact decoding)",
+    )
+    parser.add_argument(
+        "--compile",
+        default="none",
+        choices=COMPILE_MODES,
+        help="decoding forwards: none (eager, default), default (one torch.compile graph per kind of step), "
+        "reduce-overhead (CUDA graphs on GPU); prompts are then left-padded to a multiple of 64 tokens",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -102,6 +109,11 @@ def sampling_options(args, cfg):
             f"--cache {args.cache} is LLaDA's prefix/dual cache; this {cfg.arch} model decodes "
             f"with its own KV cache of finished blocks (drop --cache)"
         )
+    if args.compile != "none" and (getattr(args, "tp", 1) > 1 or getattr(cfg, "is_moe", False)):
+        what = f"--tp {args.tp}" if getattr(args, "tp", 1) > 1 else f"this mixture-of-experts {cfg.arch} model"
+        raise UserError(
+            f"--compile {args.compile} captures one rank's whole dense model; not with {what} (drop --compile)"
+        )
     default_block = "" if args.block_length else " (the default)"
     try:
         check_sampler_shape(
@@ -125,6 +137,7 @@ def sampling_options(args, cfg):
         temperature=args.temperature,
         threshold=args.threshold,
         cache=args.cache,
+        compile=args.compile,
     )
 
 

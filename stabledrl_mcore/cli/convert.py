@@ -78,7 +78,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.py",
         help="with --verify: load the export with this upstream modeling file (e.g. modeling_llada.py; "
         "its configuration_*.py beside it is taken too) under the installed transformers and compare "
-        "its logits with the Megatron model (implies --reference remote; repeatable)",
+        "its logits with the Megatron model (implies --reference remote; repeatable). This EXECUTES the "
+        "file (and that configuration_*.py) as Python, with your permissions (trust_remote_code): give "
+        "only code you trust",
     )
     for p in (a, b):
         p.add_argument("--out", required=True, metavar="DIR")
@@ -97,7 +99,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
             choices=("public", "remote"),
             default=None,
             help="public transformers classes (default) or the upstream remote code (the export's own *.py, "
-            "or --remote-code)",
+            "or --remote-code), which runs that code as Python (trust_remote_code)",
         )
         p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference")
         p.add_argument(

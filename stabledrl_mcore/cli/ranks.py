@@ -92,6 +92,7 @@ def eval_command(cfg, path: str) -> List[str]:
         cmd += ["--block-length", str(r.block_length)]
         cmd += ["--cache", r.cache] if r.cache != "none" else []
     cmd += ["--threshold", str(r.threshold)] if r.threshold is not None else []
+    cmd += ["--compile", r.compile] if r.compile != "none" else []
     cmd += ["--prompt-style", r.prompt_style]
     if r.prompt_style == "chat":  # compact prompts are the bare question (eval refuses the flags)
         cmd += ["--system-prompt", r.system_prompt] if r.system_prompt is not None else []

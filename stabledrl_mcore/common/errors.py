@@ -7,9 +7,12 @@ exits 2; anything else is a bug and keeps its traceback. ``--debug`` or
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 
 class UserError(Exception):
@@ -72,3 +75,28 @@ def one_line(err: BaseException) -> str:
 
 class ConfigError(UserError, ValueError):
     """The configuration cannot be used as written."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""``OSError`` numbers of a write that found no space (or no quota) left."""
+
+
+class DiskFullError(RunFailed):
+    """A write of the run found its file system full (one line: the file, and how to go on)."""
+
+
+@contextmanager
+def disk_full_is_one_line(what: str = "the run") -> Iterator[None]:
+    """An ``OSError`` ENOSPC / EDQUOT raised inside the block becomes :class:`DiskFullError` (one line
+    naming the file where the error names one), not a traceback; other errors pass unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        raise DiskFullError(
+            f"{what} stopped: no space left on the device{where} ({os.strerror(err.errno)}); free space "
+            f"there (an unfinished .tmp-step_* is removed by --resume), or move logging.run_dir / checkpoint.dir "
+            f"to another file system, then continue with --resume auto"
+        ) from None

@@ -4,9 +4,11 @@
 started at the first call): each call sends its arguments down a pipe and waits for the answer
 under a ``poll`` deadline, so no signal and no thread is needed, and whatever ``fn`` does (catch
 ``BaseException`` and go on, block in C code, ``sys.exit``, ``os._exit``, crash the interpreter)
-the caller gets its time back: a call past its limit kills the worker's whole process group
-(``SIGKILL``; the worker runs in a session of its own, so its children go too) and the next call
-starts a fresh one. The worker never takes the job's signals (``SIGINT``, ``SIGTERM``, ``SIGUSR1``
+the caller gets its time back: a call past its limit kills the worker and everything it started
+(``SIGKILL``) and the next call starts a fresh one. The worker runs in a session of its own and is
+the subreaper of everything below it (:mod:`~stabledrl_mcore.common.process_tree`), so a process
+``fn`` starts goes with it even if it called ``setsid()`` or its parent exited; so it does when the
+worker ends by itself (its pipe closed, its parent gone). The worker never takes the job's signals (``SIGINT``, ``SIGTERM``, ``SIGUSR1``
 are ignored there: the caller alone decides on pre-emption and Ctrl-C) and it exits when its pipe
 closes or its parent process is gone (checked every half second).
 
@@ -20,8 +22,8 @@ package's ``common`` layer and ``fn``'s module) at the first call and after each
 A worker that cannot start (``fn``'s module no longer imports, or the start takes longer than
 ``start_timeout_s``) is not tried again: every later call fails at once with the same message.
 
-This module imports the standard library and :mod:`stabledrl_mcore.common.errors` only, so the
-worker starts without torch.
+This module imports the standard library and :mod:`stabledrl_mcore.common` (``errors``,
+``process_tree``) only, so the worker starts without torch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from stabledrl_mcore.common.errors import one_line
+from stabledrl_mcore.common.process_tree import become_subreaper, kill_descendants, kill_session, kill_tree
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start (the interpreter and ``fn``'s imports); not part of any call's limit."""
@@ -132,13 +135,13 @@ def _receive(fd: int, deadline: Optional[float]) -> Any:
 
 
 def _stop(proc: Optional[subprocess.Popen]) -> None:
-    """Kill ``proc``'s process group (its own session: the worker and its children) and reap it."""
+    """Kill ``proc`` and every process below it (its session, and what left it) and reap it."""
     if proc is None:
         return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if proc.poll() is None:
+        kill_tree(proc.pid)
+    else:  # reaped: its pid may be another process's by now, but not while its session lives
+        kill_session(proc.pid)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - a kernel that does not reap
@@ -284,6 +287,7 @@ def _exit_with_parent(parent: int) -> None:
     while True:
         time.sleep(_PARENT_CHECK_S)
         if os.getppid() != parent:
+            kill_descendants(os.getpid())
             os._exit(0)
 
 
@@ -304,10 +308,18 @@ def _answer(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[str, Any]:
 
 def serve() -> None:
     """The worker's loop (run by :class:`IsolatedFunction` as ``python -c``): handshake, then one
-    answer per call until the pipe closes."""
+    answer per call until the pipe closes; then nothing it started is left."""
     for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+    become_subreaper()
+    try:
+        _serve()
+    finally:
+        kill_descendants(os.getpid())
+
+
+def _serve() -> None:
     requests, replies = os.dup(0), os.dup(1)
     quiet = os.open(os.devnull, os.O_RDONLY)
     os.dup2(quiet, 0)  # the function's input() reads nothing, its prints go to stderr

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 
@@ -13,19 +13,6 @@ from stabledrl_mcore.parallel.bootstrap import any_rank
 
 class SkippedUpdatesError(RunFailed):
     """The run skipped too many optimizer updates (non-finite losses or gradients) to go on."""
-
-
-def first_nonfinite(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
-    """``"non-finite values in NAME: k of n entries"`` for the first tensor holding NaN/inf, else
-    None (one host sync for all of them)."""
-    named = [(name, t) for name, t in named if t is not None]
-    if not named:
-        return None
-    ok = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
-    for (name, t), good in zip(named, ok):
-        if not good:
-            return f"non-finite values in {name}: {int((~torch.isfinite(t)).sum())} of {t.numel()} entries"
-    return None
 
 
 def sync_gradients(ddp) -> None:

@@ -43,11 +43,12 @@ def lora_settings(cfg) -> Optional[LoRASettings]:
 def build_policy(cfg, mcfg, dtype):
     """This rank's stage of the trained model: built, its initial weights loaded (``model.checkpoint``)
     and, with ``model.lora``, its adapters attached and everything else frozen (the local layer
-    spec then: Transformer Engine's fused norm+linear hides the adapter's input)."""
+    spec then: Transformer Engine's fused norm+linear hides the adapter's input; also with
+    ``rollout.compile``, whose captured step traces the local spec's modules)."""
     settings = lora_settings(cfg)
-    model = build_model(
-        mcfg, params_dtype=dtype, recompute=cfg.model.recompute, use_te=False if settings is not None else None
-    )
+    rollout = getattr(cfg, "rollout", None)  # SFT configs have no rollouts
+    local = settings is not None or (rollout is not None and rollout.compile != "none")
+    model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute, use_te=False if local else None)
     if cfg.model.checkpoint:
         load_initial_weights(model, cfg.model.checkpoint)
     if settings is not None:

@@ -265,9 +265,14 @@ class PipelinedModel(ModelWrapper):
         return max(1, min(wanted, input_ids.shape[0]))
 
 
+POSITIONAL = ("logit_positions", "cache_slots")
+"""Forward arguments that index positions, never rows (a tensor of 4 read positions is not 4 rows)."""
+
+
 def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
     """``batch`` as ``count`` micro-batches of consecutive rows: per-row tensors (first dim = rows)
-    and an :class:`~..models.masks.AttentionLayout`'s pad counts are sliced, shared ones kept."""
+    and an :class:`~..models.masks.AttentionLayout`'s pad counts are sliced, shared ones kept
+    (``logit_positions`` / ``cache_slots`` name positions, whatever their length)."""
 
     rows = batch["input_ids"].shape[0]
     if count <= 1 or rows <= 1:
@@ -278,7 +283,9 @@ def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
         sl = slice(start, start + size)
         part = {}
         for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            if key in POSITIONAL:
+                pass
+            elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
                 value = value[sl]
             elif isinstance(value, AttentionLayout) and value.pad:
                 value = value.with_padding(value.pad[sl])

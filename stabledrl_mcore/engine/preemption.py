@@ -1,4 +1,11 @@
-"""SIGUSR1/SIGTERM pre-emption: caught on every rank, agreed at the step's end, exit status 75 and the PREEMPTED marker."""
+"""SIGUSR1/SIGTERM pre-emption: caught on every rank, agreed at the step's end, exit status 75 and the PREEMPTED marker.
+
+A SIGTERM that arrives during a checkpoint write also tells the writer
+(:func:`~stabledrl_mcore.checkpoint.writers.watch_termination`): a write that has not ended
+:data:`~stabledrl_mcore.checkpoint.writers.TERM_GRACE_S` later is stopped with a
+``CheckpointError``, so the rank exits within seconds instead of being killed mid-wait (the
+pre-emption checkpoint, written after the signal, keeps its whole time limit).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from stabledrl_mcore.checkpoint.writers import watch_termination
 from stabledrl_mcore.common.errors import RunFailed
 from stabledrl_mcore.engine.run_lock import launch_rank
 from stabledrl_mcore.parallel.bootstrap import any_rank
@@ -20,7 +28,7 @@ from stabledrl_mcore.parallel.launch import take_held_signals
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "stopped early on purpose; requeue me"
 
 
-_PREEMPTION = {"caught": False, "installed": False}
+_PREEMPTION = {"caught": False, "installed": False, "terms": 0}
 
 
 def install_preemption_handlers() -> None:
@@ -29,11 +37,26 @@ def install_preemption_handlers() -> None:
     if _PREEMPTION["installed"] or threading.current_thread() is not threading.main_thread():
         return
     for name in ("SIGUSR1", "SIGTERM"):
-        signal.signal(getattr(signal, name), lambda signum, frame: _PREEMPTION.update(caught=True))
+        signal.signal(getattr(signal, name), _caught)
     _PREEMPTION["installed"] = True
+    watch_termination(terminations)
 
-    if take_held_signals():  # forwarded by the --nproc launcher while this rank was starting
+    held = take_held_signals()
+    if held:  # forwarded by the --nproc launcher while this rank was starting
         _PREEMPTION["caught"] = True
+        _PREEMPTION["terms"] = terminations() + held.count(signal.SIGTERM)
+
+
+def _caught(signum, frame) -> None:
+    _PREEMPTION["caught"] = True
+    if signum == signal.SIGTERM:
+        _PREEMPTION["terms"] = terminations() + 1
+
+
+def terminations() -> int:
+    """SIGTERMs received so far (the job is being ended, not warned): a checkpoint write in progress
+    when one arrives gets seconds (:func:`~stabledrl_mcore.checkpoint.writers.watch_termination`)."""
+    return int(_PREEMPTION.get("terms", 0))
 
 
 def preemption_agreed() -> bool:

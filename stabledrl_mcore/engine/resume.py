@@ -37,6 +37,7 @@ from stabledrl_mcore.engine.run_dir import (
     checkpoint_root,
     continue_metrics,
     prepare_run_dir,
+    remove_unfinished_saves,
     resume_requested,
 )
 from stabledrl_mcore.models.lora import checkpointed
@@ -219,8 +220,9 @@ def check_resume(cfg: RunConfig) -> Optional[ResumePlan]:
 
 
 def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
-    """The refusals of a run's start (read-only but for ``--overwrite`` on rank 0), before any
-    model is built. Returns ``(resume plan or None for a fresh start, console messages)``."""
+    """The refusals of a run's start (read-only but for ``--overwrite`` and, on a resume, the
+    unfinished ``.tmp-step_*`` saves of an earlier launch, on rank 0), before any model is built.
+    Returns ``(resume plan or None for a fresh start, console messages)``."""
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else detect_launch_env().rank
     moved = prepare_run_dir(cfg, resume, rank=rank)
@@ -232,6 +234,10 @@ def prepare_start(cfg: RunConfig, resume: Optional[str] = None):
         if moved
         else []
     )
+    if rank == 0 and resume_requested(resume or cfg.checkpoint.resume):  # first: they may fill the disk
+        stale = remove_unfinished_saves(checkpoint_root(cfg))
+        if stale:
+            notes.append(f"removed {', '.join(stale)} in {checkpoint_root(cfg)}: unfinished saves of an earlier launch")
     return plan_resume(cfg, resume), notes
 
 

@@ -1,4 +1,4 @@
-"""Run directories and checkpoint histories: never silently reused, never mixed, nothing deleted.
+"""Run directories and checkpoint histories: never silently reused, never mixed, nothing complete deleted.
 
 * A fresh run (``checkpoint.resume: none``, or ``auto`` with no checkpoint yet) refuses a
   ``logging.run_dir`` that holds ``metrics.jsonl`` or a checkpoint root that holds
@@ -18,11 +18,14 @@
   and ``metrics.jsonl`` keeps its lines of steps ``<= k`` (the old file goes to
   ``<run_dir>/attic/resumed-<UTC>-at-step_k/``). A resume from a checkpoint outside the root
   into a root that already holds checkpoints is refused (two histories would mix).
+* A resume first deletes the root's ``.tmp-step_*``: saves of an earlier launch that never
+  committed (:func:`remove_unfinished_saves`; the only deletion, of nothing a resume could read).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import List, Optional
 
@@ -141,6 +144,16 @@ def move_run_aside(cfg: RunConfig) -> str:
         for name in entries:
             os.replace(os.path.join(root, name), os.path.join(aside, name))
     return attic
+
+
+def remove_unfinished_saves(root: str) -> List[str]:
+    """Delete the ``.tmp-step_*`` directories at the top of ``root``: saves of an earlier launch of
+    this run that never committed (a crash, a full disk). Call it holding the run directory's lock,
+    before anything else is written (they may be what fills the disk). Returns their names."""
+    stale = [n for n in _checkpoint_entries(root) if n.startswith(".tmp-step_")]
+    for name in stale:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return stale
 
 
 def abandon_later_steps(root: str, step: int) -> Optional[str]:

@@ -3,7 +3,8 @@
 A step ends with a save when it is the last step, a pre-emption was agreed, ``step`` is a
 multiple of ``checkpoint.save_every``, or ``checkpoint.save_every_minutes`` have passed on
 rank 0's clock since the last save (rank 0 decides and broadcasts, so every rank saves the
-same step whatever its own clock says).
+same step whatever its own clock says). A pre-emption signal that arrives during a save stops the
+run right after it (:meth:`SaveSchedule.save_if_due`): that checkpoint is the step's.
 
 Every save is timed; rank 0 keeps the newest measurement in ``<run_dir>/checkpoint_timing.json``
 (``save_s``, the slowest ``max_save_s``, ``step_s``). A pre-emption signal arrives
@@ -26,6 +27,7 @@ import yaml
 from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.engine.model_setup import synced_reference
+from stabledrl_mcore.engine.preemption import preemption_agreed
 from stabledrl_mcore.models.lora import checkpointed
 from stabledrl_mcore.parallel.bootstrap import comm_device
 
@@ -87,6 +89,24 @@ class SaveSchedule:
             return False
         return rank0_decides(self.rank == 0 and clock() - self.last_save >= 60.0 * self.minutes)
 
+    def save_if_due(
+        self,
+        write: Callable[[], object],
+        step: int,
+        end: int,
+        step_s: Optional[float] = None,
+        *,
+        preempted: bool,
+        stop_early: bool = False,
+    ) -> bool:
+        """Save after ``step`` when :meth:`due` (a pre-emption, ``stop_early``, the last step, ...);
+        returns whether the run stops here pre-empted: ``preempted``, or a signal caught during the
+        save (agreed on every rank; the checkpoint just written is this step's)."""
+        if not self.due(step, end, preempted=preempted or stop_early):
+            return preempted
+        self.save(write, step, step_s)
+        return preempted or preemption_agreed()
+
     def save(self, write: Callable[[], object], step: int, step_s: Optional[float] = None):
         start = time.perf_counter()
         result = write()
@@ -142,4 +162,5 @@ def save_training_checkpoint(s, root: str, step: int) -> str:
         extra_files={"model_config.json": model_config},
         assets=assets,
         extra_modules=synced_reference(s),
+        write_timeout_s=s.cfg.checkpoint.write_timeout_s,
     )

@@ -20,7 +20,7 @@ from stabledrl_mcore.engine.optimizer import build_optimizer
 from stabledrl_mcore.engine.seeding import derive_seed
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.tasks.base import Example
-from stabledrl_mcore.tasks.from_config import build_task, load_train_examples
+from stabledrl_mcore.tasks.from_config import build_task, generates_examples, load_train_examples
 from stabledrl_mcore.tasks.tokenizer import load_tokenizer, train_sentencepiece
 
 
@@ -38,6 +38,7 @@ class TrainingSetup:
     dp_size: int
     reference: Any = None  # frozen copy of the initial policy (algo.kl_coef > 0), same layout
     initial: Any = None  # frozen initial policy of the drift metric (logging.drift_to_initial)
+    decode_rows: Optional[int] = None  # rows per decoding forward, chosen at the first rollout when unset
     preempted: bool = False
     finished: bool = False  # the loop reached its last step (only then does a rank exit 0)
 
@@ -46,9 +47,22 @@ class PromptStream:
     """Deterministic prompts for step ``s``: a seeded permutation per epoch, split over DP ranks.
 
     ``prompts_per_step`` is the number generated per step (``rollout.generated_prompts``: with
-    oversampling more than are trained on), so step ``s``'s prompts stay a function of (seed, s)."""
+    oversampling more than are trained on), so step ``s``'s prompts stay a function of (seed, s).
+    ``in_order``: the examples are already a random draw whose first ``k`` do not depend on how many
+    were drawn (a generated task: :func:`~stabledrl_mcore.tasks.from_config.load_train_examples`);
+    the first epoch takes them as they are, so a step's prompts do not depend on the set's size
+    (i.e. on ``steps``); later epochs are shuffled."""
 
-    def __init__(self, examples: List[Example], prompts_per_step: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(
+        self,
+        examples: List[Example],
+        prompts_per_step: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        *,
+        in_order: bool = False,
+    ):
         if prompts_per_step % dp_size:
             raise ValueError(
                 f"rollout.prompts_per_step + oversample_prompts ({prompts_per_step}) must be "
@@ -57,7 +71,7 @@ class PromptStream:
         if not examples:
             raise ValueError("the task produced no training examples")
         self.examples, self.per_step, self.seed = examples, prompts_per_step, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.in_order = dp_rank, dp_size, in_order
 
     def position(self, step: int) -> int:
         """Index of the first prompt of ``step`` in the endless stream (saved in checkpoints)."""
@@ -69,6 +83,9 @@ class PromptStream:
         out = []
         for index in range(start, start + local):
             epoch, offset = divmod(index, len(self.examples))
+            if epoch == 0 and self.in_order:
+                out.append(self.examples[offset])
+                continue
             order = torch.randperm(
                 len(self.examples),
                 device="cpu",  # host-side data order
@@ -76,6 +93,12 @@ class PromptStream:
             )
             out.append(self.examples[int(order[offset])])
         return out
+
+
+def prompt_stream(cfg: RunConfig, examples: List[Example], dp_rank: int, dp_size: int) -> PromptStream:
+    """The run's :class:`PromptStream` (a generated task's examples in their drawn order first)."""
+    in_order = generates_examples(cfg)
+    return PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed, in_order=in_order)
 
 
 def resolve_tokenizer(cfg: RunConfig, task, run_dir: str):
@@ -134,7 +157,7 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     total = max(cfg.steps * cfg.algo.inner_iterations, 1)  # the schedule counts optimizer updates
     ddp, optimizer, scheduler = build_optimizer(cfg, model, dtype, total)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    prompts = PromptStream(examples, cfg.rollout.generated_prompts, dp_rank, dp_size, cfg.parallel.seed)
+    prompts = prompt_stream(cfg, examples, dp_rank, dp_size)
     return TrainingSetup(
         cfg,
         model,

@@ -11,6 +11,7 @@ each data-parallel rank takes its own prompts, tensor-parallel ranks share them.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -19,6 +20,7 @@ import torch
 
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.common.errors import disk_full_is_one_line
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.config.schema import RunConfig, load_config, save_config
 from stabledrl_mcore.engine.expert import (
@@ -196,10 +198,11 @@ def train(
     config cannot continue are refused (:mod:`~stabledrl_mcore.engine.run_dir`, :mod:`~stabledrl_mcore.engine.resume`).
     Rank 0 holds the run directory's lock for the whole call, taken before anything in it is
     moved, pruned or deleted: a second run into it is refused (:mod:`~stabledrl_mcore.engine.run_lock`).
-    ``sys.exit`` inside (e.g. in a reward function) is :class:`~stabledrl_mcore.common.errors.RunFailed`;
+    ``sys.exit`` inside (e.g. in a reward function) is :class:`~stabledrl_mcore.common.errors.RunFailed`,
+    a full disk (ENOSPC) one line (:class:`~stabledrl_mcore.common.errors.DiskFullError`);
     ``setup.finished`` says the loop reached its last step.
     """
-    with run_dir_lock(cfg), exits_are_errors():
+    with disk_full_is_one_line("the training run"), run_dir_lock(cfg), exits_are_errors():
         return _train(cfg, resume or cfg.checkpoint.resume, setup, stop_after, hooks)
 
 
@@ -237,7 +240,7 @@ def _train(
             timer.seconds.clear()
             dummies = lockstep_dummy_rounds()
             with timer("rollout"):
-                batch = rollout_phase(s, step)
+                batch = rollout_phase(s, step, logger)
             with timer("score"):
                 batch = score_rollouts(batch, s.task, advantage=cfg.algo.advantage)
             kept = filter_phase(s, batch, timer)  # None: dynamic sampling dropped every group
@@ -278,9 +281,13 @@ def _train(
             )
             health.after_step(step + 1, update["update_skips"], metrics, final=step + 1 == end)
             bar.update(1)
-            stop = preemption_agreed()
-            if saves.due(step + 1, end, preempted=stop):
-                saves.save(lambda: save_training_checkpoint(s, ckpt_root, step + 1), step + 1, metrics.get("step_s"))
+            stop = saves.save_if_due(
+                lambda: save_training_checkpoint(s, ckpt_root, step + 1),
+                step + 1,
+                end,
+                metrics.get("step_s"),
+                preempted=preemption_agreed(),
+            )
             if stop:
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
                 s.preempted = True
@@ -304,7 +311,10 @@ def train_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
 
     bind_checkpoint_writers()  # no checkpoint-writer process outlives this one
     cfg = load_config(config, list(overrides))
-    with run_dir_lock(cfg):  # rank 0, before the marker of an earlier launch is removed
+    with (
+        disk_full_is_one_line("the training run"),
+        run_dir_lock(cfg),
+    ):  # rank 0, before the marker of an earlier launch is removed
         return run_with_preemption_marker(cfg.logging.run_dir, lambda: train(cfg))
 
 
@@ -332,11 +342,15 @@ def no_update(s: TrainingSetup, step: int, logger) -> Dict[str, Any]:
     return {"skipped_updates": 0.0, "update_skips": []}
 
 
-def rollout_phase(s: TrainingSetup, step: int):
-    """Phase 1: this rank's prompts of ``step``, ``group_size`` completions each."""
+def rollout_phase(s: TrainingSetup, step: int, logger=None):
+    """Phase 1: this rank's prompts of ``step``, ``group_size`` completions each. The rows per
+    decoding forward chosen at the first rollout (``rollout.decode_rows`` unset) are kept for the
+    run and logged once."""
     r = s.cfg.rollout
+    unit = math.lcm(s.cfg.parallel.micro_batch_size, r.group_size)
+    chosen = s.decode_rows if s.decode_rows and s.decode_rows % unit == 0 else None  # (a bench may change mb)
     with phase_model(s.model) as model:
-        return generate_rollouts(
+        batch = generate_rollouts(
             model,
             s.tokenizer,
             s.task,
@@ -352,7 +366,20 @@ def rollout_phase(s: TrainingSetup, step: int):
             first_chunk=first_chunk(s),
             cache=r.cache,
             measure_cache_gap=bool(r.cache_gap_every) and (step + 1) % r.cache_gap_every == 0,
+            compile=r.compile,
+            decode_rows=r.decode_rows if r.decode_rows is not None else chosen,
         )
+    if chosen is None:
+        s.decode_rows = int(batch.stats["rollout_decode_rows"])
+        if logger is not None:
+            how = "rollout.decode_rows" if r.decode_rows is not None else "the memory left for the KV cache"
+            logger.info(f"rollouts decode {s.decode_rows} rows per forward (set by {how})")
+    if batch.stats.get("rollout_compile_s") and logger is not None:
+        logger.info(
+            f"step {step + 1}: compiled the rollout's decoding graphs in {batch.stats['rollout_compile_s']:.1f} s "
+            f"(rollout.compile={r.compile}; once per shape and process)"
+        )
+    return batch
 
 
 def old_logp_phase(s: TrainingSetup, batch, spec: LikelihoodSpec, step: int):

@@ -21,6 +21,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from stabledrl_mcore.checkpoint.writers import bind_checkpoint_writers
+from stabledrl_mcore.common.errors import disk_full_is_one_line
 from stabledrl_mcore.config.io import to_dict
 from stabledrl_mcore.config.schema import load_config, save_config
 from stabledrl_mcore.diffusion.pretrain import sft_sequence_losses
@@ -58,9 +59,9 @@ def train_sft(
     checkpoint (the demo stops at a validation accuracy; it must decide the same on every rank, e.g.
     from DP-reduced metrics); ``stop_after`` ends early (tests). Rank 0 holds the run directory's
     lock for the whole call (:mod:`~stabledrl_mcore.engine.run_lock`); ``sys.exit`` inside is
-    :class:`~stabledrl_mcore.common.errors.RunFailed`."""
+    :class:`~stabledrl_mcore.common.errors.RunFailed`, a full disk one line (``DiskFullError``)."""
 
-    with run_dir_lock(cfg), exits_are_errors("the SFT run"):
+    with disk_full_is_one_line("the SFT run"), run_dir_lock(cfg), exits_are_errors("the SFT run"):
         return _train_sft(cfg, hooks, stop_when, stop_after)
 
 
@@ -102,9 +103,14 @@ def _train_sft(cfg: SFTConfig, hooks: Sequence[Hook], stop_when, stop_after: Opt
             bar.update(1)
             s.stopped_early = bool(stop_when and stop_when(metrics)) and step + 1 < end
             health.after_step(step + 1, [skip_reason], metrics, final=step + 1 == end or s.stopped_early)
-            s.preempted = preemption_agreed()
-            if saves.due(step + 1, end, preempted=s.preempted or s.stopped_early):
-                saves.save(lambda: save_training_checkpoint(s, root, step + 1), step + 1, metrics["step_s"])
+            s.preempted = saves.save_if_due(
+                lambda: save_training_checkpoint(s, root, step + 1),
+                step + 1,
+                end,
+                metrics["step_s"],
+                preempted=preemption_agreed(),
+                stop_early=s.stopped_early,
+            )
             if s.preempted:
                 logger.info(f"pre-empted: checkpoint written at step {step + 1}; exiting for requeue")
             if s.preempted or s.stopped_early:
@@ -170,5 +176,5 @@ def sft_rank(config: Optional[str], overrides: Sequence[str] = ()) -> int:
 
     bind_checkpoint_writers()
     cfg = load_config(config, list(overrides), cls=SFTConfig)
-    with run_dir_lock(cfg):  # rank 0, before the marker of an earlier launch is removed
+    with disk_full_is_one_line("the SFT run"), run_dir_lock(cfg):  # rank 0, before an earlier marker is removed
         return run_with_preemption_marker(cfg.logging.run_dir, lambda: train_sft(cfg))

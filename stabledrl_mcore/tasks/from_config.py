@@ -57,11 +57,21 @@ def build_task(cfg):
     return task
 
 
+def generates_examples(cfg) -> bool:
+    """The run's task generates its training examples (no data file is read)."""
+    return cfg.rollout.task in GENERATED_TASKS and not cfg.rollout.data_path
+
+
 def load_train_examples(cfg, task, *, sample: Optional[int] = None) -> List[Example]:
-    """The training examples of ``cfg`` (a generated task draws ``sample`` of them when given)."""
+    """The training examples of ``cfg``. A data file is read whole. A generated task draws
+    ``max(rollout.generated_prompts x steps, 64)`` (``sample`` when given): enough that the prompt
+    stream never wraps within the run. Its generators are prefix-stable (the first ``k`` of ``n``
+    are the ``k`` of a smaller draw) and the stream takes a generated set in order
+    (:class:`~stabledrl_mcore.rl.setup.PromptStream`), so the prompts of a step do not depend on
+    ``steps``: a resume that raises it continues the same data."""
     kwargs = {"path": cfg.rollout.data_path} if cfg.rollout.data_path else {}
-    if cfg.rollout.task in GENERATED_TASKS and not cfg.rollout.data_path:  # a data file is read whole
-        kwargs["n"] = sample or max(cfg.rollout.prompts_per_step * max(cfg.steps, 1), 64)
+    if generates_examples(cfg):
+        kwargs["n"] = sample or max(cfg.rollout.generated_prompts * max(cfg.steps, 1), 64)
     seed = cfg.parallel.seed if cfg.rollout.data_seed is None else cfg.rollout.data_seed
     return task.load(cfg.rollout.split, seed=seed, **kwargs)
 
