@@ -34,7 +34,9 @@ setup(
         "datasets>=3",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6"],  # ruff: `make test` lints and checks the format
+        # ruff: `make test` lints and checks the format; peft: tests/test_lora_export.py loads a --peft-out
+        # adapter with the real library (0.21.2 works with the transformers 5 of CI)
+        "test": ["pytest>=8", "ruff==0.17.6", "peft==0.21.2"],
         # GPU-only: needs CUDA headers to build. apex: see README ("GPU install").
         "gpu": ["transformer-engine[pytorch]"],
     },

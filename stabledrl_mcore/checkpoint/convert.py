@@ -327,7 +327,7 @@ def mcore_to_hf(
         writer = SafetensorsWriter(tmp, engine.hf_plan(target, omit_head=tied), max_shard_bytes)
         if source is None:
             items = iter_full_tensors(ckpt, shell, engine.groups(), info.dtype)
-        else:  # the base, streamed; each adapted weight gets its adapter's change
+        else:  # the base as stored, streamed; each adapted weight gets its adapter's change in float32
             items = ((g, name, found.merged(name, full)) for g, name, full in source(shell, engine))
         for _, name, full in _by_group(items, len(engine.groups()), "mcore-to-hf", progress):
             if tied and name == "output_layer.weight":
@@ -335,10 +335,10 @@ def mcore_to_hf(
             if not allow_nonfinite:
                 check_finite(name, full, ckpt)
             for hf_name, tensor in engine.to_hf(name, full):
-                tensor = tensor.to(target)
-                if not allow_nonfinite and target != info.dtype:  # beyond the range of --dtype?
-                    check_finite(hf_name, tensor, f"{ckpt} cast to {HF_DTYPE_NAMES[target]}")
-                writer.write(hf_name, tensor)
+                cast = tensor.to(target)  # the one rounding (a merged LoRA weight arrives in float32)
+                if not allow_nonfinite and cast.dtype != tensor.dtype:  # beyond the range of the output?
+                    check_finite(hf_name, cast, f"{ckpt} cast to {HF_DTYPE_NAMES[target]}")
+                writer.write(hf_name, cast)
         writer.close()
         if assets:
             copy_assets(assets, tmp)

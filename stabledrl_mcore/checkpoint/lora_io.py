@@ -5,7 +5,8 @@ A LoRA run's checkpoint holds the adapters only (``*.lora.a`` / ``*.lora.b``, an
 upstream HF directory). :func:`read_lora_run` finds both; :class:`Adapters` loads the adapters into
 a TP=1 shell and gives, per Megatron weight, the full change ``scale (B * mask) A`` that
 ``mcore-to-hf`` adds to the base tensor as it streams by (so the export is the adapted model,
-merged). :func:`write_peft_adapter` writes PEFT's ``adapter_config.json`` +
+merged): in float32, from the base's stored values, rounded once to the dtype written (the run's
+``model.dtype`` or ``--dtype``), never first to the base's dtype. :func:`write_peft_adapter` writes PEFT's ``adapter_config.json`` +
 ``adapter_model.safetensors``: per targeted upstream projection ``lora_A`` = its ``A`` rows and
 ``lora_B`` = the rows of ``B`` its output occupies in Megatron's fused layout (PEFT computes
 ``W x + (lora_alpha / r) B A x``, the same function).
@@ -56,8 +57,10 @@ class Adapters:
         return None if adapter is None else adapter.delta_weight()
 
     def merged(self, megatron_name: str, full: torch.Tensor) -> torch.Tensor:
+        """The adapted weight in float32, ``W + delta`` from the base's stored values ``full`` (the
+        caller rounds it once, to the dtype it writes); an unadapted weight unchanged."""
         delta = self.delta(megatron_name)
-        return full if delta is None else (full.float() + delta).to(full.dtype)
+        return full if delta is None else full.float() + delta.float()
 
     def peft_tensors(self) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor]]:
         """``(upstream module path, lora_A [r, in], lora_B [out, r])`` of every adapted projection."""
