@@ -70,13 +70,15 @@ DYNAMIC_IMPORTS = {
     f"{PACKAGE}.tasks.custom_reward",
     f"{PACKAGE}.models",
     f"{PACKAGE}.sft",
+    f"{PACKAGE}.bench.check_parts",
 }
 """Modules allowed to call ``importlib.import_module``: the package facade (``load_model`` on first
 use), the command dispatcher (only the chosen command's module is loaded), the user's reward function
 (``rollout.reward_fn=package.module:fn``), the error table (an
 exception class named by another rank), and the ``models`` and ``sft`` package APIs, whose names built
 on megatron-core load on first use (their own submodules only), so the presets, configs and checks
-that ``--print-config`` runs import without it."""
+that ``--print-config`` runs import without it; and the device check's part runner, whose child process
+imports the part named in its registry (``bench/check_parts.py``, ``module:function``)."""
 
 MARKER_BEGIN, MARKER_END = "<!-- layers:begin (tests/test_layers.py) -->", "<!-- layers:end -->"
 

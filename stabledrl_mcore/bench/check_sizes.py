@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -30,6 +30,19 @@ TINY_CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 
 
 @dataclasses.dataclass
+class RolloutSizes:
+    """The rollout parts' shapes (:mod:`.rollout_checks`): GPU, the 8B models at the recipes' rollout;
+    CPU, the 8B layer counts at the tiny width, shorter."""
+
+    prompt: int
+    gen: int
+    rows: Optional[int]  # rows per decoding forward; None: the recipe's
+    width: Optional[int]  # None: the 8B presets' own width; else the tiny presets (this width)
+    dtype: str  # "bf16" | "fp32"
+    backend: str  # torch.compile backend of the captured step
+
+
+@dataclasses.dataclass
 class Sizes:
     """Shapes of one mode (GPU: the 8B widths; CPU: tiny)."""
 
@@ -40,9 +53,11 @@ class Sizes:
     moe_preset: str  # the MoE layer check's preset, at ``layers`` layers
     moe_batch: int  # rows of ``seq`` tokens the MoE layer check routes and times
     moe_repeats: int  # timed forward + backward passes of one MoE layer
-    bench_layers: int
+    bench_layers: Optional[int]  # the recipe step's layers; None: as many as fit the GPU (workload_checks)
     bench_overrides: Dict[str, List[str]]  # per arch, and "all"
     timeout_s: int
+    rollout: RolloutSizes
+    gpu_memory_gib: Optional[float] = None  # the recipe step's layer count is planned for this (None: measured)
 
 
 MATH500 = os.path.join(ROOT, "tests", "fixtures", "math500_test.jsonl")  # the SDAR recipe's task is file-backed
@@ -54,17 +69,13 @@ GPU = Sizes(
     moe_preset="sdar-30b-a3b",
     moe_batch=4,
     moe_repeats=5,
-    bench_layers=4,
+    bench_layers=None,
     timeout_s=300,
-    bench_overrides={
-        "llada": ["rollout.gen_length=256", "rollout.steps=128", "rollout.block_length=32"],
-        "sdar": ["rollout.gen_length=256", f"rollout.data_path={MATH500}"],
-        "all": [
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=8",
-            "parallel.micro_batch_size=16",
-            "model.recompute=false",
-        ],
+    rollout=RolloutSizes(prompt=256, gen=256, rows=None, width=None, dtype="bf16", backend="inductor"),
+    bench_overrides={  # the recipe's micro-batch, recompute and dtype stay; the rollout only makes the batch
+        "llada": ["rollout.gen_length=256", "rollout.steps=8", "rollout.block_length=32"],
+        "sdar": ["rollout.gen_length=256", "rollout.steps=1", f"rollout.data_path={MATH500}"],
+        "all": ["rollout.prompts_per_step=1", "rollout.group_size=16"],
     },
 )
 CPU = Sizes(
@@ -77,15 +88,15 @@ CPU = Sizes(
     moe_repeats=2,
     bench_layers=2,
     timeout_s=300,
+    rollout=RolloutSizes(prompt=64, gen=64, rows=4, width=64, dtype="fp32", backend="eager"),
+    gpu_memory_gib=139.0,  # the H200 we may be lent: the layer count printed beside the CPU's run
     bench_overrides={
-        "llada": ["rollout.steps=8", "rollout.block_length=8"],
-        "sdar": [f"rollout.data_path={MATH500}"],
+        "llada": ["rollout.steps=2", "rollout.block_length=8"],
+        "sdar": ["rollout.steps=1", f"rollout.data_path={MATH500}"],
         "all": [
             "rollout.prompts_per_step=1",
             "rollout.group_size=4",
             "rollout.gen_length=16",
-            "parallel.micro_batch_size=4",
-            "model.recompute=false",
             "parallel.threads=1",
         ],
     },
