@@ -1,8 +1,10 @@
-"""``stabledrl study``: GRPO vs StableDRL under natural ratio noise, several seeds (the instability study)."""
+"""``stabledrl study``: GRPO vs StableDRL under natural ratio noise, several seeds, over a grid of regimes
+(the instability study)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from stabledrl_mcore.experiments.study import REGIMES, StudyOptions, format_study
 from stabledrl_mcore.experiments.study import run_study as run
@@ -13,13 +15,35 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = StudyOptions()
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides for every arm")
-    parser.add_argument("--out", default=d.out, help=f"output directory (default {d.out}); a rerun resumes it")
+    parser.add_argument(
+        "--out", default=d.out, help=f"output directory (default {d.out}); a rerun with the same options resumes it"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the embedded setting (data, SFT, held-out set)")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds), help="RL seeds per algo (default 0 1 2)")
     parser.add_argument("--algos", nargs="+", default=list(d.algos), help="losses compared (default grpo stabledrl)")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"RL steps per arm (default {d.steps})")
     parser.add_argument(
-        "--regime", default=d.regime, choices=tuple(REGIMES), help=f"LR / inner iterations / draws (default {d.regime})"
+        "--regime",
+        nargs="+",
+        default=list(d.regimes),
+        choices=tuple(REGIMES),
+        help=f"LR / inner iterations / draws; several make several cells (default {' '.join(d.regimes)})",
+    )
+    parser.add_argument(
+        "--lr-scale",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="X",
+        help="grid: cells with optim.lr = X times the regime's, one per X",
+    )
+    parser.add_argument(
+        "--inner",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="grid: cells with algo.inner_iterations = N (instead of the regime's), one per N",
     )
     parser.add_argument(
         "--likelihood", default=d.likelihood, choices=LIKELIHOODS, help=f"estimator (default {d.likelihood})"
@@ -40,7 +64,9 @@ def run_study(args: argparse.Namespace) -> int:
     opts = StudyOptions(
         out=args.out,
         setting=TinySudoku(seed=args.seed),
-        regime=args.regime,
+        regimes=tuple(args.regime),
+        lr_scales=tuple(args.lr_scale),
+        inner=tuple(args.inner),
         overrides=tuple(args.overrides),
         algos=tuple(args.algos),
         seeds=tuple(args.seeds),
@@ -53,5 +79,6 @@ def run_study(args: argparse.Namespace) -> int:
     )
     record = run(opts, log=lambda m: print(m, flush=True))
     print(format_study(record))
-    print(f"\nwritten: {args.out}/{args.regime}/study_summary.json, {args.out}/{args.regime}/study.png")
+    cells = ", ".join(os.path.join(args.out, cell, "study_summary.json") for cell in record["table"])
+    print(f"\nwritten: {cells} (and study.png beside each); {args.out}/grid_summary.json, {args.out}/grid.png")
     return 0

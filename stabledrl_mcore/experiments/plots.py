@@ -117,3 +117,81 @@ def plot_study(runs: Sequence[Dict[str, object]], out_png: str, window: int = 5)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
+
+
+GRID_PANELS = (
+    # title, (hollow marker's key, filled marker's key), log scale
+    ("train reward: start (o) -> end (*)", ("reward_start", "reward_end"), False),
+    ("held-out accuracy: start (o) -> end (*)", ("test_accuracy_start", "test_accuracy_end"), False),
+    ("grad norm: p99 (o), max (*)", ("p99_grad_norm", "max_grad_norm"), True),
+    (
+        "log-ratio var (1st iter.): start (o) -> end (*)",
+        ("log_ratio_var_first", "log_ratio_var_last"),
+        True,
+    ),
+    ("drift to the initial policy (k1): end (o), max (*)", ("drift_end", "drift_max"), False),
+)
+
+
+def plot_grid(table: Dict[str, Dict[str, Dict]], out_png: str, title: str = "") -> None:
+    """One figure of a study grid: per cell (x axis) and algo, the mean over seeds of each panel's
+    two summaries (hollow and filled marker) with a min/max bar, and the collapsed count."""
+    plt = _pyplot()
+    cells = list(table)
+    algos = list(dict.fromkeys(a for row in table.values() for a in row))
+    fig, axes = plt.subplots(2, 3, figsize=(max(9.0, 0.8 * len(cells) + 5.0), 6.2))
+    colors = {"grpo": "tab:red", "stabledrl": "tab:blue"}
+    width = 0.8 / max(len(algos), 1)
+    for k, algo in enumerate(algos):
+        color = colors.get(algo)
+        xs = [i + (k - (len(algos) - 1) / 2) * width for i in range(len(cells))]
+        for axis, (name, keys, log) in zip(axes.flat, GRID_PANELS):
+            for j, (key, face) in enumerate(zip(keys, ("none", color))):
+                pts = [
+                    (x + (j - 0.5) * width * 0.45, table[c][algo][key]) for x, c in zip(xs, cells) if algo in table[c]
+                ]
+                if not pts:
+                    continue
+                x, stats = zip(*pts)
+                mean = [s[0] for s in stats]
+                err = [[m - s[1] for m, s in zip(mean, stats)], [s[2] - m for m, s in zip(mean, stats)]]
+                axis.errorbar(
+                    x,
+                    mean,
+                    yerr=err,
+                    fmt="o",
+                    ms=4,
+                    mfc=face,
+                    mec=color,
+                    ecolor=color,
+                    lw=0.8,
+                    label=algo if j else None,
+                )
+            axis.set_title(name, fontsize=8)
+            if log and any(table[c][a][key][0] > 0 for c in cells for a in table[c] for key in keys):
+                axis.set_yscale("log")
+        axes.flat[5].bar(
+            xs,
+            [table[c][algo]["collapsed"] if algo in table[c] else 0 for c in cells],
+            width=width,
+            color=color,
+            label=algo,
+        )
+    axes.flat[5].set_title("collapsed (reward end < start - 0.1), seeds", fontsize=8)
+    regimes = {c.split("_lr")[0] for c in cells}
+    shared = f"{regimes.pop()}_" if len(regimes) == 1 and all("_lr" in c for c in cells) else ""
+    labels = [c[len(shared) :] for c in cells]  # one regime: named in the title, not on every tick
+    rotate = len(cells) > 4
+    for axis in axes.flat:
+        axis.set_xticks(range(len(cells)))
+        axis.set_xticklabels(
+            labels, rotation=40 if rotate else 0, ha="right" if rotate else "center", rotation_mode="anchor", fontsize=7
+        )
+        axis.tick_params(axis="y", labelsize=7)
+    axes.flat[0].legend(fontsize=7)
+    title = ", ".join(t for t in (f"regime {shared[:-1]}" if shared else "", title) if t)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
