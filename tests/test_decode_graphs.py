@@ -9,6 +9,8 @@ AOT's functionalisation, no code generation: CI time); one test runs inductor it
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron TP=1 state)
@@ -200,9 +202,12 @@ def test_compile_and_decode_rows_are_refused_by_name_where_they_cannot_work():
     ):
         load_config(None, ["rollout.decode_rows=12"])
     assert load_config(None, ["rollout.decode_rows=24"]).rollout.decode_rows == 24
+    with pytest.raises(ConfigError, match=r"rollout\.compile=none compiles nothing"):
+        load_config(None, ["rollout.compile_cache_dir=/tmp/x"])
+    assert load_config(None, ["rollout.compile=default", "rollout.compile_cache_dir=/tmp/x"]).rollout.compile_cache_dir
 
 
-def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows(tmp_path, capsys):
+def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows(tmp_path, capsys, monkeypatch):
     """``rollout.compile=default`` through the trainer (the shipped inductor backend): the first
     step compiles and logs its seconds, the second compiles nothing; the decoding rows chosen from
     memory (every row of the rank here) are logged once and kept."""
@@ -214,6 +219,7 @@ def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows
     from stabledrl_mcore.rl.trainer import train
 
     torch._dynamo.reset()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
     run_dir = tmp_path / "run"
     extra = {"logging.progress": False, "steps": 2, "rollout.prompts_per_step": 2, "rollout.compile": "default"}
     extra["model.overrides.num_layers"] = 1  # compile time (CI)
@@ -223,6 +229,8 @@ def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows
     assert rows[0]["rollout_compile_s"] > 0 and rows[1]["rollout_compile_s"] == 0.0
     assert rows[0]["rollout_decode_rows"] == rows[1]["rollout_decode_rows"] == 2 * 4  # 2 prompts x G=4
     assert "rollouts decode 8 rows per forward (set by the memory left for the KV cache)" in capsys.readouterr().out
+    cache = run_dir / "inductor-cache"  # rollout.compile_cache_dir's default: a requeued job reuses it
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache) and any(p.is_file() for p in cache.rglob("*"))
 
 
 def test_decode_rows_follow_the_memory_left_for_the_kv_cache(megatron_tp1, monkeypatch):

@@ -85,6 +85,12 @@ def _validate_decoding(cfg) -> None:
             f"be inside the graph, which this project has not verified: set rollout.compile=none, or "
             f"decode at tensor_parallel=1 and pipeline_parallel=1"
         )
+    if r.compile_cache_dir is not None and r.compile == "none":
+        raise ConfigError(
+            f"rollout.compile_cache_dir={r.compile_cache_dir!r} is where compiled decoding graphs are kept, "
+            f"but rollout.compile=none compiles nothing: set rollout.compile=default (or reduce-overhead), "
+            f"or drop rollout.compile_cache_dir"
+        )
     rows = r.decode_rows
     if rows is None:
         return

@@ -135,6 +135,11 @@ class RolloutSection:
     logged (``rollout_compile_s``). The model then uses the local layer spec (Transformer Engine's
     modules are not captured). Refused with tensor or pipeline parallelism and with mixture-of-experts
     models. See docs/performance.md."""
+    compile_cache_dir: Optional[str] = None
+    """With ``rollout.compile`` set: where inductor keeps what it compiled (kernels, graphs; torch's
+    ``TORCHINDUCTOR_CACHE_DIR``, which this replaces for the run). None = ``<logging.run_dir>/inductor-cache``,
+    so a requeued or resumed job reuses it (measured 4-6 s per graph warm against 20-130 s cold on a
+    CPU, docs/performance.md). Refused with ``rollout.compile=none`` (nothing would be compiled)."""
     decode_rows: Optional[int] = None
     """Rollout rows (whole groups) decoded together by one forward, independent of
     ``parallel.micro_batch_size``; a multiple of ``lcm(micro_batch_size, group_size)`` (a decoding batch

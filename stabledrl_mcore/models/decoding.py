@@ -28,6 +28,7 @@ graphs and the seconds their compilation took.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
@@ -76,6 +77,21 @@ class GraphStats:
     """Wall seconds of the forwards that compiled a graph (compilation plus that forward)."""
     forwards: int = 0
     """Decoding forwards run (eager or compiled)."""
+
+
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+"""Where inductor reads its on-disk cache directory from, at every compilation
+(``torch._inductor.runtime.cache_dir_utils.cache_dir``)."""
+
+
+def use_compile_cache(path: str) -> str:
+    """Keep this process's compiled graphs and kernels under ``path`` (created), from the next
+    compilation on; returns the absolute path. A later process pointed at the same directory
+    compiles from that cache (warm) instead of from scratch."""
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    os.environ[INDUCTOR_CACHE_VARIABLE] = path
+    return path
 
 
 def _decoding_forward(model, input_ids, attention_mask, kv_cache, cache_slots, logit_positions, layout, pads, extra):

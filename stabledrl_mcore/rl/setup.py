@@ -18,6 +18,7 @@ from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine.model_setup import build_policy, model_config, reference_policy
 from stabledrl_mcore.engine.optimizer import build_optimizer
 from stabledrl_mcore.engine.seeding import derive_seed
+from stabledrl_mcore.models.decoding import use_compile_cache
 from stabledrl_mcore.parallel import bootstrap
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.from_config import build_task, generates_examples, load_train_examples
@@ -149,6 +150,8 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     check_model_options(cfg, mcfg)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_policy(cfg, mcfg, dtype)
+    if cfg.rollout.compile != "none":
+        use_compile_cache(cfg.rollout.compile_cache_dir or os.path.join(cfg.logging.run_dir, "inductor-cache"))
     reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
     initial = None  # the drift metric's frozen initial policy (logging.drift_to_initial)
     if cfg.logging.drift_to_initial:
