@@ -227,6 +227,23 @@ def test_a_write_that_fails_while_another_hangs_ends_and_kills_the_hung_one(tmp_
     assert len(_pids(tmp_path)) == 2 and not _left(_pids(tmp_path)), "a worker was left"
 
 
+def test_a_write_that_fails_beside_a_hung_one_ends_at_once_not_at_the_time_limit(
+    tmp_path, monkeypatch, workers_stopped
+):
+    """With a write time limit (``checkpoint.write_timeout_s``), a worker that fails while another
+    hangs still ends the write as soon as it reports, naming its own error -- not when the limit
+    has run out, as a write waiting for every worker would (a timeout naming the hung one)."""
+    limit = 20.0
+    started = time.monotonic()
+    outcome = _write(tmp_path, monkeypatch, ["fail", "hang"], timeout_s=limit)
+    elapsed = time.monotonic() - started
+    assert isinstance(outcome, CheckpointError), outcome
+    message = str(outcome)
+    assert "timed out" not in message and "failed (rank 3, writing fail.distcp): OSError:" in message, message
+    assert elapsed < limit / 2, f"the write ended {elapsed:.1f} s after it began (limit {limit:.0f} s)"
+    assert not _left(_pids(tmp_path)), "the hung worker was left"
+
+
 def test_a_stalled_write_times_out_naming_the_file_and_the_worker(tmp_path, monkeypatch, workers_stopped):
     outcome = _write(tmp_path, monkeypatch, ["ok", "hang", "ok2"], timeout_s=1.0)
     assert isinstance(outcome, CheckpointError), outcome

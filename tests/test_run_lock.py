@@ -189,27 +189,44 @@ def test_a_held_lock_is_refused_at_once_unless_the_holder_is_this_jobs_earlier_i
     assert not run_lock.holds(run_dir)
 
 
-def test_without_slurm_a_held_lock_is_refused_at_once(tmp_path, holder_of, monkeypatch):
+def test_without_slurm_a_held_lock_is_refused_at_once(tmp_path, holder_of, monkeypatch, capsys):
     """Two plain ``stabledrl train`` runs (no SLURM_JOB_ID on either side) are not one job's
-    instances: the second is refused at once, not after ``logging.lock_wait_s``."""
-    from stabledrl_mcore.engine import run_lock
+    instances: the second is refused at once, not after ``logging.lock_wait_s`` -- by the lock
+    itself and by the CLI a user runs (exit 2, one line naming the holder, well inside the wait)."""
+    from stabledrl_mcore import cli
+    from stabledrl_mcore.engine import preemption, run_lock
     from stabledrl_mcore.engine.run_lock import RunDirLockedError
 
     run_dir = str(tmp_path / "run")
     holder = holder_of(run_dir)  # no SLURM variables in its environment
     assert run_lock.read_holder(run_lock.lock_path(run_dir))["slurm_job_id"] is None
-    for name in SLURM_VARS:
+    for name in SLURM_VARS + ("RANK",):
         monkeypatch.delenv(name, raising=False)
+    wait_s = 3.0
     for attempt in (
-        lambda: run_lock.wait_until_unlocked(run_dir, wait_s=3),
-        lambda: run_lock.acquire(run_dir, wait_s=3),
+        lambda: run_lock.wait_until_unlocked(run_dir, wait_s=wait_s),
+        lambda: run_lock.acquire(run_dir, wait_s=wait_s),
     ):
+        started = time.monotonic()
         with pytest.raises(RunDirLockedError) as info:
             attempt()
+        elapsed = time.monotonic() - started
         message = str(info.value)
         assert "waited" not in message and "waiting" not in message, message
         assert f"pid {holder.pid}" in message and "another logging.run_dir" in message, message
+        assert elapsed < wait_s / 2, f"refused after {elapsed:.1f} s (wait {wait_s:.0f} s)"
     assert not run_lock.holds(run_dir)
+    # the second plain `stabledrl train` into the live run (the preflight, before any rank starts)
+    monkeypatch.setattr(preemption, "install_preemption_handlers", lambda: None)
+    wait_s = 10.0
+    started = time.monotonic()
+    code = cli.main(["train", "--config", CONFIG, *TINY, f"logging.run_dir={run_dir}", f"logging.lock_wait_s={wait_s}"])
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"pid {holder.pid}" in err, err
+    assert "waited" not in err and "waiting" not in err, err
+    assert elapsed < wait_s / 2, f"the second train was refused after {elapsed:.1f} s (lock_wait_s {wait_s:.0f})"
+    assert holder.poll() is None
 
 
 def test_a_file_system_without_locks_is_one_line_naming_the_fixes(tmp_path, monkeypatch, capsys):

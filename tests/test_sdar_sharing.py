@@ -223,11 +223,16 @@ def test_rollout_batch_is_the_same_with_sharing(megatron_tp1, monkeypatch, arch,
         assert torch.equal(getattr(shared, name), getattr(plain, name)), name
 
 
+@pytest.mark.parametrize(
+    "rows,sizes", [(None, [6, 2]), (6, [6, 2]), (3, [3, 3, 2])], ids=["default", "decode_rows6", "decode_rows3"]
+)
 @pytest.mark.parametrize("arch", ["sdar", "llada"])
-def test_rollouts_past_one_decoding_batch_draw_from_the_global_micro_batch(arch):
-    """4 prompts x G=2 at micro-batch 3 decode in two batches (lcm(3, 2) = 6 rows, then 2): the
-    second batch's micro-batch is global micro-batch 2, so it draws from chunk_generator(first + 2),
-    not again from the first batch's generators; the rows equal micro-batch by micro-batch decoding."""
+def test_rollouts_past_one_decoding_batch_draw_from_the_global_micro_batch(arch, rows, sizes):
+    """4 prompts x G=2 at micro-batch 3 decode in more than one batch: by default and with
+    ``rollout.decode_rows=6`` (``rows``) lcm(3, 2) = 6 rows, then 2; with ``rollout.decode_rows=3``
+    (one micro-batch) 3, 3, 2. A later batch's micro-batch is its global one, so it draws from
+    chunk_generator(first + k), not again from the first batch's generators; the rows equal
+    micro-batch by micro-batch decoding."""
     from stabledrl_mcore.rl.group_rollout import group_rollouts
 
     model = toy()
@@ -242,8 +247,10 @@ def test_rollouts_past_one_decoding_batch_draw_from_the_global_micro_batch(arch)
         return torch.Generator().manual_seed(100 + k)
 
     kw = dict(gen_length=8, steps=2, block_length=4, temperature=1.0, threshold=None, micro_batch=3)
-    batches = group_rollouts(model, ids, valid, group_size=2, chunk_generator=chunk_generator, first_chunk=5, **kw)
-    assert [b.shape[0] for b in batches] == [6, 2], "two decoding batches: the case under test"
+    batches = group_rollouts(
+        model, ids, valid, group_size=2, chunk_generator=chunk_generator, first_chunk=5, rows=rows, **kw
+    )
+    assert [b.shape[0] for b in batches] == sizes, "more than one decoding batch: the case under test"
     assert asked == [5, 6, 7], asked
     reference = _micro_batch_rollouts(
         model,

@@ -509,7 +509,8 @@ def test_submit_refuses_missing_files_before_anything_is_queued(tmp_path):
 # Stand-ins for SLURM's commands, for a job script run by bash outside any cluster: scontrol knows
 # two nodes; srun runs a one-task step (the config check) with SLURM_NTASKS=1, as a real srun sets
 # it for the step. The ranks' step is recorded and, standing in for ranks that ran the loop to its
-# end, leaves this attempt's FINISHED record; with SRUN_STANDIN_RANKS=run it runs as one rank instead.
+# end, leaves this attempt's FINISHED record; with SRUN_STANDIN_RANKS=run it runs as one rank instead,
+# with SRUN_STANDIN_RANKS=exit0 it stands in for ranks that all exit 0 without finishing (no record).
 SCONTROL_STANDIN = """#!/bin/bash
 case "$1 $2" in
     "show hostnames") printf 'n1\\nn2\\n' ;;
@@ -523,8 +524,9 @@ while [[ "$1" == -* ]]; do [[ "$1" == --ntasks=1 ]] && one_task=1; echo -n "$1 "
 args="$*"; echo "| ${args//$'\\n'/ }" >>"$SRUN_STUB_LOG"
 if [[ -n "$one_task" ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 exec "$@"; fi
 if [[ "${SRUN_STANDIN_RANKS:-}" == run ]]; then SLURM_NTASKS=1 SLURM_NPROCS=1 SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@"; fi
-printf '{"exit_status": 0, "slurm_job_id": "%s", "slurm_restart_count": "0"}\\n' "$SLURM_JOB_ID" \\
-    >"$STABLEDRL_RUN_DIR/FINISHED"
+if [[ "${SRUN_STANDIN_RANKS:-}" == exit0 ]]; then exit 0; fi
+printf '{"exit_status": 0, "slurm_job_id": "%s", "slurm_restart_count": "%s"}\\n' "$SLURM_JOB_ID" \\
+    "${SLURM_RESTART_COUNT:-0}" >"$STABLEDRL_RUN_DIR/FINISHED"
 """
 
 
@@ -654,3 +656,33 @@ def test_ranks_that_all_exit_0_before_the_end_fail_the_job(tmp_path, exits_early
         assert proc.returncode == 0, proc.stderr[-3000:]
         record = json.loads((run_dir / "FINISHED").read_text())
         assert (record["exit_status"], record["slurm_job_id"], record["slurm_restart_count"]) == (0, "4444", "0")
+
+
+def test_a_requeue_does_not_take_the_earlier_attempts_finished_for_its_own(tmp_path):
+    """Restart 1 of job 4444 finds restart 0's FINISHED in the run directory; its ranks all exit 0
+    without finishing (no record of their own): the job exits 1 naming the missing marker instead
+    of believing the run finished. The same restart whose ranks write its own record exits 0."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"exit_status": 0, "slurm_job_id": "4444", "slurm_restart_count": "0"}
+    (run_dir / "FINISHED").write_text(json.dumps(earlier) + "\n")
+    env = dict(
+        SLURM_JOB_ID="4444",
+        SLURM_RESTART_COUNT="1",
+        SLURM_JOB_NODELIST="n1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="1",
+        STABLEDRL_DEVICE="cpu",
+        STABLEDRL_CONFIG=str(ROOT / "examples/configs/tiny_cpu.yaml"),
+        STABLEDRL_OVERRIDES=TINY,
+        STABLEDRL_RUN_DIR=str(run_dir),
+    )
+    for attempt in ("requeue", "finishes"):
+        (tmp_path / attempt).mkdir()
+    proc = _run_with_standins(tmp_path / "requeue", TRAIN_SCRIPT, SRUN_STANDIN_RANKS="exit0", **env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "FINISHED of this attempt is missing" in proc.stderr, proc.stderr[-3000:]
+    proc = _run_with_standins(tmp_path / "finishes", TRAIN_SCRIPT, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((run_dir / "FINISHED").read_text())
+    assert (record["slurm_job_id"], record["slurm_restart_count"]) == ("4444", "1"), record
