@@ -8,14 +8,18 @@ test (76 + 38 of them were left at the end of one whole-suite run, which then to
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import sys
 
 import pytest
 
-THREAD_LIMIT = 32
-"""Live native threads allowed in the pytest process when the suite ends (measured: 8 after a
-Megatron start-up and its teardown; one start-up left behind adds ~60)."""
+GLOO_THREAD_LIMIT = 32
+"""gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) allowed in the pytest process when the suite
+ends: one Megatron start-up left alive holds 63 of them; after its teardown 6 stay (measured), and
+24 were left at the end of the quick tier."""
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
 
 def native_threads() -> collections.Counter:
@@ -31,25 +35,38 @@ def native_threads() -> collections.Counter:
     return names
 
 
+def gloo_threads() -> int:
+    threads = native_threads()
+    return sum(threads[name] for name in GLOO_THREADS)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _no_process_group_left_behind(request):
+def _no_process_group_left_behind():
     """After each module (its own fixtures torn down first): destroy whatever process group and
-    Megatron state it left, and restore the CPU redirections."""
+    Megatron state it left, restore the CPU redirections, and collect the groups nothing holds
+    (a group's threads stop when it is freed)."""
     yield
     torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if torch is None or not torch.distributed.is_available():
         return
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if torch.distributed.is_initialized() or (parallel_state and parallel_state.model_parallel_is_initialized()):
+        from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
-    bootstrap.destroy()
-    cpu_compat.disable()
+        bootstrap.destroy()
+        cpu_compat.disable()
+    gc.collect()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    gc.collect()
     threads = native_threads()
-    if sum(threads.values()) > THREAD_LIMIT and session.config.option.collectonly is False:
+    if gloo_threads() > GLOO_THREAD_LIMIT and not session.config.option.collectonly:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        line = f"{sum(threads.values())} live threads at the end of the suite (limit {THREAD_LIMIT}): {dict(threads.most_common(6))}"
+        line = (
+            f"{gloo_threads()} gloo threads alive at the end of the suite (limit {GLOO_THREAD_LIMIT}): a test "
+            f"module left a process group running; threads by name: {dict(threads.most_common(6))}"
+        )
         if reporter is not None:
             reporter.write_line(line, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
