@@ -25,7 +25,9 @@ and breaks the peers' transformers 4.53.3), with torch, this repository (editabl
 4.53.3. Nothing of the peers enters the repo; from the repository root::
 
     tools/peers_env.sh /tmp/peers/venv
-    # clones (or `git archive` exports) of the peers
+    # clones (or `git archive` exports) of the peers; the output's "peers:" line names each one's
+    # commit (`git rev-parse HEAD`; an export has no .git: write the commit to DIR/PEER_COMMIT,
+    # e.g. `git -C <clone> rev-parse HEAD > /tmp/peers/sdar/PEER_COMMIT`, or it reads "unknown")
     git clone https://github.com/NVlabs/Fast-dLLM /tmp/peers/fast-dllm
     git clone https://github.com/ML-GSAI/LLaDA /tmp/peers/llada
     git clone https://github.com/JetAstra/SDAR /tmp/peers/sdar
