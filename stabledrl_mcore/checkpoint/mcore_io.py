@@ -7,6 +7,8 @@ A converted checkpoint is a directory::
     <out>/hf/                    non-weight upstream files: config.json, tokenizer
                                  files, generation_config.json, upstream *.py code
     <out>/.metadata, *.distcp, common.pt, metadata.json   dist_checkpointing files
+    <out>/checksums.json         size and SHA-256 of every file above (:mod:`.integrity`),
+                                 written last; a load without it is refused unless trusted
 
 Tensors are stored under Megatron-Core's own sharded keys (e.g.
 ``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis)
