@@ -198,3 +198,17 @@ def test_a_fifo_as_the_data_path_is_refused_by_name(tmp_path):
     os.mkfifo(folder / "train.jsonl")  # found as the split's file, refused by name
     code, err = _run([*run, f"rollout.data_path={folder}", "--print-config"])
     assert code == 2 and f"{folder / 'train.jsonl'} is a FIFO" in err, (code, err)
+
+
+def test_a_fifo_as_an_hf_weight_file_is_named(tmp_path):
+    """An HF directory has no manifest; its weight file was already never opened unless a regular
+    file, and is now named rather than reported missing."""
+    from stabledrl_mcore.checkpoint.errors import ConversionError
+    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+
+    hf = write_hf_checkpoint(str(tmp_path / "hf"), "llada", seed=3)
+    weights = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors"))[0]
+    os.remove(os.path.join(hf, weights))
+    os.mkfifo(os.path.join(hf, weights))
+    with pytest.raises(ConversionError, match="is a FIFO"):
+        SafetensorsReader(hf)
