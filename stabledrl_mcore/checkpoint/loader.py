@@ -168,15 +168,15 @@ def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
 def load_weights(model, path: str, *, allow_nonfinite: bool = False, trust_unverified: bool = False) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint into ``model``
     (any TP/PP). A LoRA run's checkpoint (adapters only) loads as its base with the adapters merged
-    in (:func:`load_lora_merged`). A Megatron checkpoint is verified before anything of it is read
-    (:func:`~.integrity.verify_checksums`: one without ``checksums.json`` is refused unless
-    ``trust_unverified``; links, FIFOs and devices always)."""
+    in (:func:`load_lora_merged`). A Megatron checkpoint is checked before anything of it is read
+    (:func:`check_loadable`) and its checksums verified (once) before its tensors are: one without
+    ``checksums.json`` is refused unless ``trust_unverified``; links, FIFOs and devices always."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
     if is_hf_dir(path):
         load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
         return
-    verify_checksums(path, trust_unverified=trust_unverified)
+    check_verifiable(path, trust_unverified=trust_unverified)
     lora = read_lora_run(path)
     if lora is not None:
         load_lora_merged(model, path, lora, trust_unverified=trust_unverified)
