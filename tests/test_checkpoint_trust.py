@@ -73,6 +73,12 @@ def _copy(src, dst):
     return str(dst)
 
 
+def _reseal(path):
+    """Rewrite ``checksums.json`` after tampering, as whoever crafts a checkpoint can: what is left
+    to refuse the crafted file is the reader itself."""
+    write_checksums(str(path))
+
+
 def _one_line_refusal(err, *parts):
     text = str(err)
     assert "\n" not in text and all(p in text for p in parts), text
@@ -147,6 +153,7 @@ def test_a_crafted_metadata_runs_no_code(sources, tmp_path, capsys, opener):
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     marker = tmp_path / "exploit_ran"
     write_metadata_exploit(os.path.join(evil, ".metadata"), marker)
+    _reseal(evil)
     try:
         refusal = _open(opener, evil, sources["ckpt"], capsys, tmp_path)
     finally:
@@ -170,6 +177,7 @@ def test_a_crafted_common_state_is_one_line(sources, tmp_path):
     marker = tmp_path / "exploit_ran"
     with open(os.path.join(evil, "common.pt"), "wb") as handle:
         pickle.dump({"rng": _Exploit(marker)}, handle, protocol=2)
+    _reseal(evil)
     with pytest.raises(CheckpointError) as info:
         load_model(evil)
     _one_line_refusal(info.value, f"{evil}/common.pt: refused to unpickle {SYSTEM}", "not trusted")
@@ -199,6 +207,7 @@ def test_a_crafted_sharded_object_runs_no_code(sources, tmp_path):
     metadata.storage_data[index] = type(info)(relative_path=info.relative_path, offset=offset, length=len(payload))
     with open(os.path.join(evil, ".metadata"), "wb") as handle:
         pickle.dump(metadata, handle)
+    _reseal(evil)
     with pytest.raises(CheckpointError) as err:
         load_model(evil)
     _one_line_refusal(err.value, f"{evil}: refused to unpickle {SYSTEM} from the sharded object {index.fqn}")
@@ -218,6 +227,7 @@ def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(sources, tmp_
     metadata.storage_data[index] = type(info)(relative_path=name, offset=0, length=8)
     with open(os.path.join(evil, ".metadata"), "wb") as handle:
         pickle.dump(metadata, handle)
+    _reseal(evil)
     with pytest.raises(CheckpointError) as err:
         load_model(evil)
     _one_line_refusal(err.value, f"a shard is stored in {name!r}, not in a file of the checkpoint")

@@ -47,6 +47,8 @@ from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.info import DTYPES, HF_ASSETS, read_checkpoint_info, write_json
+from stabledrl_mcore.checkpoint.integrity import verify_checksums, write_checksums
+from stabledrl_mcore.checkpoint.loader import is_hf_dir
 from stabledrl_mcore.checkpoint.lora_io import Adapters, base_source, write_peft_adapter
 from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
@@ -253,6 +255,7 @@ def hf_to_mcore(
                 "seconds": round(time.time() - started, 2),
             },
         )
+        write_checksums(tmp)  # last: size and SHA-256 of every file above, verified at every load
         _fault_injection_pause()
         if before_commit is not None:
             before_commit(tmp)
@@ -284,6 +287,7 @@ def mcore_to_hf(
     before_commit: Optional[Callable[[str], None]] = None,
     lora_base: Optional[str] = None,
     peft_out: Optional[str] = None,
+    trust_unverified: bool = False,
 ) -> str:
     """Export a converted (or training) checkpoint to an upstream-format HF directory.
 
@@ -292,12 +296,19 @@ def mcore_to_hf(
     ``allow_nonfinite``/``before_commit``: as in :func:`hf_to_mcore`. A LoRA run's checkpoint
     (adapters only, :mod:`.lora_export`) is exported merged into its base (``lora_base`` replaces
     the base its ``config.yaml`` names); ``peft_out`` also writes the adapter in PEFT's format.
+    ``ckpt`` (and a Megatron base) is verified first (``checksums.json``: one without is refused
+    unless ``trust_unverified``; links and FIFOs always).
     """
+    if not os.path.isdir(ckpt):
+        raise ConversionError(f"{ckpt} is not a directory")
+    verify_checksums(ckpt, trust_unverified=trust_unverified)
     lora = read_lora_run(ckpt, lora_base)
     if peft_out and lora is None:
         raise ConversionError(f"--peft-out: {ckpt} holds no LoRA adapters (its run had model.lora.rank=0)")
     source = None
     if lora is not None:
+        if not is_hf_dir(lora.base):
+            verify_checksums(lora.base, trust_unverified=trust_unverified)
         base_info, source = base_source(lora.base, ckpt)
         own_assets = os.path.join(ckpt, HF_ASSETS)
         info = dataclasses.replace(  # the adapted model ran in the run's model.dtype

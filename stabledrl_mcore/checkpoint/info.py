@@ -15,6 +15,7 @@ import torch
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.trust import METADATA_FILE, stored_tensors, verify_metadata
+from stabledrl_mcore.common.files import special_kind
 from stabledrl_mcore.models import DLLMConfig
 
 MARKER = "stabledrl_model.json"
@@ -54,6 +55,9 @@ def is_model_checkpoint(path: str) -> bool:
 
 
 def read_json(path: str) -> Any:
+    kind = special_kind(path)
+    if kind:  # reading a FIFO would block
+        raise ConversionError(f"cannot read {path}: it is {kind}, not a regular file")
     try:
         with open(path) as handle:
             return json.load(handle)

@@ -9,7 +9,10 @@
   with SHA-NI, i.e. a 100 GB checkpoint on 64 ranks adds about a second. Before any file is
   hashed, every manifest entry must name a file inside the checkpoint (no absolute path, no
   ``..``, nothing that resolves elsewhere) and the checkpoint must hold no symbolic link (file
-  or directory): each is refused by name, so a crafted manifest reads nothing outside.
+  or directory): each is refused by name, so a crafted manifest reads nothing outside. Nor may it
+  hold a FIFO, a device or a socket (refused by name before any file is read: reading one blocks).
+  A checkpoint without ``checksums.json`` is refused (:data:`TRUST_OPTION` loads it unverified,
+  still without links or special files).
 * :func:`check_finite`: a NaN or inf parameter is an error after a load and before a save
   (decided on all ranks together), so a corrupt checkpoint never trains and a diverged model
   is never committed.
@@ -29,9 +32,12 @@ from typing import Any, Dict, Iterable, List, Tuple
 import torch
 
 from stabledrl_mcore.common.errors import UserError
+from stabledrl_mcore.common.files import special_kind
 
 CHECKSUM_FILE = "checksums.json"
 CHECKSUM_ALGORITHM = "sha256"
+# how a user says "load it without checksums": the flag of eval/generate/convert, the config field of train/sft
+TRUST_OPTION = "--trust-unverified (eval, generate, convert) or checkpoint.trust_unverified=true (train, sft)"
 RNG_FORMAT = 1
 _CHUNK = 8 << 20
 
@@ -125,9 +131,9 @@ def read_manifest(directory: str) -> Dict[str, Dict[str, Any]]:
         return files
     except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {directory} has no {CHECKSUM_FILE} (incomplete, or written "
-            f"by an older stabledrl), so it cannot be verified; its weights still load "
-            f"as model.checkpoint={directory} in a new run"
+            f"checkpoint {directory} has no {CHECKSUM_FILE} (incomplete, written by an older stabledrl, "
+            f"or the file was removed), so its files cannot be verified; re-save or re-convert it, or "
+            f"load it unverified with {TRUST_OPTION}"
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is unreadable ({err}); the checkpoint is corrupt") from None
@@ -141,6 +147,18 @@ def symlinks(directory: str) -> List[str]:
         for name in dirs + names:
             if os.path.islink(os.path.join(base, name)):
                 found.append(os.path.relpath(os.path.join(base, name), directory))
+    return sorted(found)
+
+
+def special_files(directory: str) -> List[Tuple[str, str]]:
+    """``(relative path, kind)`` of every FIFO, device or socket under ``directory`` (sorted; links
+    are :func:`symlinks`' and not followed). Nothing is opened."""
+    found = []
+    for base, _, names in os.walk(directory):
+        for name in names:
+            kind = special_kind(os.path.join(base, name), follow_symlinks=False)
+            if kind and kind != "a symbolic link":
+                found.append((os.path.relpath(os.path.join(base, name), directory), kind))
     return sorted(found)
 
 
@@ -165,6 +183,14 @@ def untrusted_entries(directory: str, files: Dict[str, Any]) -> str:
             f"{path} is a symbolic link (to {os.readlink(path)}){more}; a checkpoint holds only its own "
             f"files, the checkpoint is not trusted"
         )
+    special = special_files(directory)
+    if special:
+        name, kind = special[0]
+        more = f" (and {len(special) - 1} more)" if len(special) > 1 else ""
+        return (
+            f"{os.path.join(directory, name)} is {kind}, not a regular file{more}; a checkpoint holds only "
+            f"regular files, the checkpoint is not trusted"
+        )
     outside = [name for name in sorted(files, key=str) if _outside(directory, name)]
     if outside:
         return (
@@ -188,12 +214,27 @@ def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
     return ""
 
 
-def verify_checksums(directory: str) -> None:
+def check_verifiable(directory: str, *, trust_unverified: bool = False) -> None:
+    """Raise :class:`CheckpointError` if ``directory`` holds a link, a FIFO or a device, or has no
+    ``checksums.json`` (unless ``trust_unverified``). Local and cheap (nothing is hashed): the
+    pre-run check of a checkpoint to load; :func:`verify_checksums` does it first too."""
+    problem = untrusted_entries(directory, {})
+    if problem:
+        raise CheckpointError(problem)
+    if not trust_unverified and not os.path.lexists(os.path.join(directory, CHECKSUM_FILE)):
+        read_manifest(directory)  # raises, naming the file and the way to load it anyway
+
+
+def verify_checksums(directory: str, *, trust_unverified: bool = False) -> None:
     """Raise :class:`CheckpointError` (on every rank) unless every file of the manifest is
     intact. Collective where distributed: each rank hashes its share of the files (after every
-    rank has checked that the manifest names only files of the checkpoint, :func:`untrusted_entries`)."""
+    rank has checked that the checkpoint holds no link or special file and that the manifest names
+    only files of the checkpoint, :func:`untrusted_entries`). No manifest is refused unless
+    ``trust_unverified`` (then only the links and special files are checked)."""
     try:
-        files = read_manifest(directory)
+        check_verifiable(directory, trust_unverified=trust_unverified)
+        manifest = os.path.join(directory, CHECKSUM_FILE)
+        files: Dict[str, Any] = read_manifest(directory) if os.path.lexists(manifest) else {}
         local = untrusted_entries(directory, files)
         if local:
             raise CheckpointError(local)

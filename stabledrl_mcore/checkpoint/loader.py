@@ -28,8 +28,8 @@ from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.info import is_model_checkpoint, read_checkpoint_info
-from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, verify_checksums
 from stabledrl_mcore.checkpoint.integrity import check_finite as check_all_finite
+from stabledrl_mcore.checkpoint.integrity import check_verifiable, verify_checksums
 from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     build_shell,
@@ -96,6 +96,14 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not is_model_checkpoint(path)
 
 
+def check_loadable(path: str, *, trust_unverified: bool = False) -> None:
+    """The cheap pre-load check of :func:`load_weights` (nothing hashed): an HF directory passes; a
+    Megatron checkpoint with a link, a FIFO or a device, or without ``checksums.json`` (unless
+    ``trust_unverified``) raises :class:`~.integrity.CheckpointError` naming it."""
+    if not is_hf_dir(path):
+        check_verifiable(path, trust_unverified=trust_unverified)
+
+
 def _global_names(model):
     """``(global parameter name, parameter)`` with pipeline-local layer indices and this
     expert-parallel rank's local expert indices made global."""
@@ -157,28 +165,32 @@ def read_config(path: str, arch: Optional[str] = None) -> DLLMConfig:
     return read_checkpoint_info(path).config
 
 
-def load_weights(model, path: str, *, allow_nonfinite: bool = False) -> None:
+def load_weights(model, path: str, *, allow_nonfinite: bool = False, trust_unverified: bool = False) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint into ``model``
     (any TP/PP). A LoRA run's checkpoint (adapters only) loads as its base with the adapters merged
-    in (:func:`load_lora_merged`)."""
+    in (:func:`load_lora_merged`). A Megatron checkpoint is checked before anything of it is read
+    (:func:`check_loadable`) and its checksums verified (once) before its tensors are: one without
+    ``checksums.json`` is refused unless ``trust_unverified``; links, FIFOs and devices always."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model.checkpoint {path} is not a directory")
+    if is_hf_dir(path):
+        load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
+        return
+    check_verifiable(path, trust_unverified=trust_unverified)
     lora = read_lora_run(path)
     if lora is not None:
-        load_lora_merged(model, path, lora)
-    elif is_hf_dir(path):
-        load_hf_weights(model, path, allow_nonfinite=allow_nonfinite)
+        load_lora_merged(model, path, lora, trust_unverified=trust_unverified)
     else:
-        load_model_weights(model, path)
+        load_model_weights(model, path, trust_unverified=trust_unverified)
 
 
-def load_lora_merged(model, path: str, lora: LoRARun) -> None:
+def load_lora_merged(model, path: str, lora: LoRARun, *, trust_unverified: bool = False) -> None:
     """The base of a LoRA checkpoint (``lora.base``), its adapters loaded from ``path`` (at any TP/PP:
-    Megatron reshards them) and folded into the weights; ``model`` is plain again afterwards."""
-    load_weights(model, lora.base)
+    Megatron reshards them) and folded into the weights; ``model`` is plain again afterwards. Both
+    are verified as :func:`load_weights` does."""
+    load_weights(model, lora.base, trust_unverified=trust_unverified)
     apply_lora(model, lora.settings)
-    if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
-        verify_checksums(path)
+    verify_checksums(path, trust_unverified=trust_unverified)
     load_adapters(model, path)
     merge_adapters(model, detach=True)
     check_all_finite(model.named_parameters(), f"after merging the LoRA adapters of {path}")
@@ -203,6 +215,7 @@ def load_model(
     arch: Optional[str] = None,
     device: Union[str, torch.device] = "cpu",
     allow_nonfinite: bool = False,
+    trust_unverified: bool = False,
 ) -> InspectionModel:
     """A single-process model from an HF directory (``config.json`` + safetensors) or a
     converted checkpoint (``stabledrl_model.json``), in eval mode, on ``device`` (CPU by default).
@@ -211,6 +224,7 @@ def load_model(
     ``arch``: expected ``"llada"``/``"sdar"`` (checked against an HF config).
     ``allow_nonfinite``: load NaN/inf weights of an HF directory (refused by tensor name otherwise;
     a converted or training checkpoint's are always refused: :func:`~.mcore_io.load_model_weights`).
+    ``trust_unverified``: load a converted or training checkpoint that has no ``checksums.json``.
     """
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -221,7 +235,7 @@ def load_model(
         raise ConversionError(f"{path} holds a {cfg.arch} model, not {arch}")
     ensure_single_process()
     model = build_shell(cfg, dtype)
-    load_weights(model, path, allow_nonfinite=allow_nonfinite)
+    load_weights(model, path, allow_nonfinite=allow_nonfinite, trust_unverified=trust_unverified)
     model.to(device=device).eval()
     for param in model.parameters():
         param.requires_grad_(False)

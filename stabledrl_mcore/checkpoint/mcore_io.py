@@ -7,6 +7,8 @@ A converted checkpoint is a directory::
     <out>/hf/                    non-weight upstream files: config.json, tokenizer
                                  files, generation_config.json, upstream *.py code
     <out>/.metadata, *.distcp, common.pt, metadata.json   dist_checkpointing files
+    <out>/checksums.json         size and SHA-256 of every file above (:mod:`.integrity`),
+                                 written last; a load without it is refused unless trusted
 
 Tensors are stored under Megatron-Core's own sharded keys (e.g.
 ``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis)
@@ -49,7 +51,7 @@ from stabledrl_mcore.checkpoint.info import (
     read_json,
     write_json,
 )
-from stabledrl_mcore.checkpoint.integrity import CHECKSUM_FILE, check_finite, verify_checksums
+from stabledrl_mcore.checkpoint.integrity import check_finite, verify_checksums, write_checksums
 from stabledrl_mcore.checkpoint.trust import load_sharded, stored_tensors, verify_metadata
 from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.common.version import __version__
@@ -267,6 +269,9 @@ def save_model_checkpoint(
                 source={"saved_from_layout": layout},
                 padded_vocab=model.padded_vocab_size,
             )
+        torch.distributed.barrier()
+        write_checksums(tmp)  # collective; after the marker, so that it is covered too
+        if rank == 0:
             finalize_output(tmp, out)
     finally:
         if rank == 0:
@@ -414,14 +419,14 @@ def _as_list(entry: Any) -> List[Any]:
     return entry if isinstance(entry, list) else [entry]
 
 
-def load_model_weights(model, path: str) -> None:
+def load_model_weights(model, path: str, *, trust_unverified: bool = False) -> None:
     """Load a converted (or training) checkpoint into ``model`` at this process's TP/PP layout.
 
     Every rank calls it with its own stage of :func:`build_model`; missing tensors raise, and so
-    do a training checkpoint's corrupt files (``checksums.json``) and non-finite parameters; nothing
-    in the directory is unpickled beyond plain data (:mod:`.trust`)."""
-    if os.path.isfile(os.path.join(path, CHECKSUM_FILE)):
-        verify_checksums(path)
+    do corrupt files (``checksums.json``; a checkpoint without one unless ``trust_unverified``),
+    links, FIFOs and non-finite parameters; nothing in the directory is unpickled beyond plain
+    data (:mod:`.trust`)."""
+    verify_checksums(path, trust_unverified=trust_unverified)  # collective
     verify_metadata(path)
     check_keys_present(expanded_sharded_state_dict(model), path)
     # a TE model asks for _extra_state that a local-spec checkpoint (every conversion) lacks

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
+from stabledrl_mcore.common.files import special_kind
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -110,6 +111,9 @@ class SafetensorsReader:
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             weight_map, files = None, [SINGLE_FILE]
+        elif special_kind(single) or special_kind(index):  # never opened: a FIFO would block the read
+            which = single if special_kind(single) else index
+            raise ConversionError(f"{which} is {special_kind(which)}, not a regular file")
         else:
             others = [n for n in os.listdir(hf_dir) if n.endswith((".bin", ".pt", ".pth"))]
             hint = f" (found {others}: convert them to safetensors first)" if others else ""
@@ -117,6 +121,8 @@ class SafetensorsReader:
         self._entries: Dict[str, Tuple[str, dict]] = {}
         for name in files:
             path = os.path.join(hf_dir, name)
+            if special_kind(path):
+                raise ConversionError(f"{path} is {special_kind(path)}, not a regular file")
             if not os.path.isfile(path):
                 raise ConversionError(f"{INDEX_FILE} lists {name}, which is missing from {hf_dir}")
             for key, info in _read_header(path).items():

@@ -335,18 +335,25 @@ def read_train_state(path: str) -> TrainState:
 
 
 def load_checkpoint(
-    path: str, model, *, optimizer=None, restore_rng: bool = True, extra_modules: Optional[Dict[str, Any]] = None
+    path: str,
+    model,
+    *,
+    optimizer=None,
+    restore_rng: bool = True,
+    extra_modules: Optional[Dict[str, Any]] = None,
+    trust_unverified: bool = False,
 ) -> TrainState:
     """Load model (and optimizer, and ``extra_modules``) shards from ``path`` into the current layout.
 
     ``model`` is a module (or list of chunks) with ``sharded_state_dict()`` and
     ``load_state_dict()``. Returns the :class:`TrainState`. RNG streams are
     restored when the world size matches the one that saved. Verifies the
-    checksums first and the loaded parameters after (:class:`CheckpointError`).
+    checksums first (one without ``checksums.json`` only with ``trust_unverified``; links and
+    FIFOs never) and the loaded parameters after (:class:`CheckpointError`).
     """
     path = _broadcast_str(path)
+    verify_checksums(path, trust_unverified=trust_unverified)  # collective; before any file is read
     state = read_train_state(path)
-    verify_checksums(path)  # collective
     verify_metadata(path)  # before anything unpickles it
     rng_file = os.path.join(path, "rng", f"rank{_rank():05d}.pt")
     rng = (

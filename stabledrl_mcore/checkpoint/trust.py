@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 from stabledrl_mcore.checkpoint.integrity import CheckpointError
+from stabledrl_mcore.common.files import special_kind
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
@@ -136,6 +137,9 @@ def _check_structure(metadata: Any, path: str) -> None:
 def read_metadata(directory: str) -> Metadata:
     """``<directory>/.metadata`` through :func:`load_metadata`."""
     path = os.path.join(str(directory), METADATA_FILE)
+    kind = special_kind(path)
+    if kind:  # opening a FIFO blocks until something writes to it
+        raise CheckpointError(f"{path} is {kind}, not a regular file; the checkpoint is not trusted")
     try:
         handle = open(path, "rb")
     except FileNotFoundError:

@@ -219,13 +219,15 @@ def verify(
     seed: int = 0,
     ours: Optional[torch.nn.Module] = None,
     remote_code: Sequence[str] = (),
+    trust_unverified: bool = False,
 ) -> float:
     """Max abs logit difference between the reference (on ``hf_dir``) and
-    :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint); ``remote_code``
-    (with ``reference="remote"``): the upstream modeling files to run on ``hf_dir``."""
+    :func:`load_model` (on ``ckpt``, an HF directory or a converted checkpoint; ``trust_unverified``
+    as there); ``remote_code`` (with ``reference="remote"``): the upstream modeling files to run on
+    ``hf_dir``."""
 
     cfg = read_config(hf_dir)
-    ours = ours if ours is not None else load_model(ckpt, dtype=torch.float32)
+    ours = ours if ours is not None else load_model(ckpt, dtype=torch.float32, trust_unverified=trust_unverified)
     ref = remote_reference(hf_dir, remote_code) if reference == "remote" else public_reference(hf_dir)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     want = reference_logits(ref, cfg, ids, remote=reference == "remote")

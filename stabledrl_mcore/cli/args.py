@@ -15,10 +15,20 @@ from stabledrl_mcore.tasks.prompts import PromptFormat, prompt_format
 from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
 
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="load a converted or training checkpoint that has no checksums.json (written by an older "
+        "stabledrl), unverified; refused by default. Links, FIFOs and devices in it are refused either way",
+    )
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ckpt", required=True, metavar="DIR", help="HF directory, converted checkpoint or training checkpoint"
     )
+    add_trust_argument(parser)
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer (default: the checkpoint's)")
     parser.add_argument("--gen-length", type=int, default=256, help="new tokens (default 256)")
     parser.add_argument(

@@ -54,6 +54,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> Hugging Face safetensors directory")
     b.add_argument("--ckpt", required=True, metavar="DIR")
+    b.add_argument(  # as eval's and generate's (cli/args.py); not imported: convert starts light
+        "--trust-unverified",
+        action="store_true",
+        help="export a checkpoint that has no checksums.json (written by an older stabledrl), unverified; "
+        "refused by default. Links, FIFOs and devices in it are refused either way",
+    )
     b.add_argument("--hf-assets", metavar="DIR", help="config/tokenizer source (default: <ckpt>/hf)")
     b.add_argument(
         "--lora-base",
@@ -158,6 +164,7 @@ def run_convert(args: argparse.Namespace) -> int:
                 max_shard_bytes=args.max_shard_size,
                 lora_base=args.lora_base,
                 peft_out=args.peft_out,
+                trust_unverified=args.trust_unverified,
                 **common,
             )
         print(f"wrote {out}")
@@ -178,7 +185,13 @@ def _verifier(args: argparse.Namespace) -> Callable[[str], None]:
     def check(tmp: str) -> None:
 
         hf_dir, ckpt = (args.hf_dir, tmp) if args.direction == "hf-to-mcore" else (tmp, args.ckpt)
-        diff = verify(hf_dir, ckpt, reference=args.reference, remote_code=getattr(args, "remote_code", None) or ())
+        diff = verify(
+            hf_dir,
+            ckpt,
+            reference=args.reference,
+            remote_code=getattr(args, "remote_code", None) or (),
+            trust_unverified=getattr(args, "trust_unverified", False),
+        )
         ok = diff <= args.tolerance
         print(f"verify: max abs logit difference {diff:.3e} ({'ok' if ok else 'ABOVE'} tolerance {args.tolerance:g})")
         if not ok:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import yaml
 
-from stabledrl_mcore.checkpoint.loader import read_config
+from stabledrl_mcore.checkpoint.loader import check_loadable, read_config
 from stabledrl_mcore.cli.args import (
     PROMPT_FLAGS,
     add_config_args,
@@ -162,6 +162,7 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
 def _check_ckpt(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.ckpt):
         raise FileNotFoundError(f"--ckpt {args.ckpt}: no such checkpoint directory")
+    check_loadable(args.ckpt, trust_unverified=args.trust_unverified)
 
 
 def _eval_inputs(args: argparse.Namespace):
@@ -212,7 +213,7 @@ def _eval_rank(options: dict) -> int:
         ),
     )
     model = build_model(cfg, use_te=False if args.compile != "none" else None)  # compile traces the local spec
-    load_initial_weights(model, args.ckpt)
+    load_initial_weights(model, args.ckpt, trust_unverified=args.trust_unverified)
     tokenizer = cli_tokenizer(args)
     result = evaluate_model(
         model,

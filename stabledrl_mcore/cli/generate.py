@@ -10,7 +10,7 @@ from typing import List
 import torch
 from tqdm.auto import tqdm
 
-from stabledrl_mcore.checkpoint.loader import load_model, read_config
+from stabledrl_mcore.checkpoint.loader import check_loadable, load_model, read_config
 from stabledrl_mcore.cli.args import (
     PROMPT_FLAGS,
     add_config_args,
@@ -98,11 +98,12 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--no-chat-template feeds the prompts as given; drop it or {what}")
     if not os.path.isdir(args.ckpt):
         raise UserError(f"--ckpt {args.ckpt}: no such checkpoint directory")
+    check_loadable(args.ckpt, trust_unverified=args.trust_unverified)
     sampling_options(args, read_config(args.ckpt))  # the sampler's shape rules, before the model loads
     tokenizer = cli_tokenizer(args)
     render = _prompt_renderer(args, tokenizer)
     texts = [render(p) for p in prompts]
-    model = load_model(args.ckpt)
+    model = load_model(args.ckpt, trust_unverified=args.trust_unverified)
     sampling = sampling_options(args, model.config)
     device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(args.seed)

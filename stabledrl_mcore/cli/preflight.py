@@ -24,6 +24,7 @@ from typing import Optional
 
 from stabledrl_mcore.checkpoint import hf_config
 from stabledrl_mcore.checkpoint.info import MARKER, MODEL_CONFIG, read_checkpoint_info
+from stabledrl_mcore.checkpoint.integrity import check_verifiable
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.config.checks import check_layout, check_lora_model, check_model_options, check_pipeline_options
@@ -125,7 +126,8 @@ def model_shape(cfg: RunConfig):
             f"model.preset: unknown preset {cfg.model.preset!r}{hint} (choose from {', '.join(available_presets())})"
         )
     if cfg.model.checkpoint:
-        base, description = checkpoint_config(cfg.model.checkpoint), f"model.checkpoint {cfg.model.checkpoint}"
+        base = checkpoint_config(cfg.model.checkpoint, trust_unverified=cfg.checkpoint.trust_unverified)
+        description = f"model.checkpoint {cfg.model.checkpoint}"
     else:
         base, description = get_preset(cfg.model.preset), f"model.preset {cfg.model.preset}"
     names = [f.name for f in dataclasses.fields(DLLMConfig)]
@@ -147,9 +149,11 @@ def model_shape(cfg: RunConfig):
     return mcfg, f"{description} ({shape})"
 
 
-def checkpoint_config(path: str):
+def checkpoint_config(path: str, *, trust_unverified: bool = False):
     """The :class:`DLLMConfig` of an HF directory, a converted or a training checkpoint; a missing
-    or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``."""
+    or unrecognised directory is a :class:`ConfigError` naming ``model.checkpoint``, one that would
+    not load (a link, a FIFO, no ``checksums.json``: :func:`~..checkpoint.integrity.check_verifiable`)
+    a :class:`CheckpointError`."""
 
     if not os.path.exists(path):
         raise ConfigError(
@@ -160,8 +164,10 @@ def checkpoint_config(path: str):
     if not os.path.isdir(path):
         raise ConfigError(f"model.checkpoint: {path} is a file, not a model directory")
     if os.path.isfile(os.path.join(path, MARKER)):
+        check_verifiable(path, trust_unverified=trust_unverified)  # as load_weights does, before any read
         return read_checkpoint_info(path).config
     if os.path.isfile(os.path.join(path, MODEL_CONFIG)) and os.path.isfile(os.path.join(path, ".metadata")):
+        check_verifiable(path, trust_unverified=trust_unverified)
         with open(os.path.join(path, MODEL_CONFIG)) as handle:  # a training checkpoint
             return DLLMConfig.from_dict(json.load(handle))
     if os.path.isfile(os.path.join(path, "config.json")):

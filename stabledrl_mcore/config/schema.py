@@ -352,6 +352,10 @@ class CheckpointSection:
     """Time limit in seconds of a checkpoint's shard writes on each rank; a write past it (a stalled
     file system) ends the run with a ``CheckpointError`` naming the file and the worker on every rank.
     None = automatic: 600 s plus 1 s per 10 MiB the rank writes."""
+    trust_unverified: bool = False
+    """Load a Megatron checkpoint (``model.checkpoint``, ``checkpoint.resume``) that has no
+    ``checksums.json``, unverified (written by an older stabledrl); refused otherwise. Links, FIFOs
+    and devices in it are refused either way (docs/checkpoints.md)."""
 
 
 @dataclass

@@ -50,7 +50,7 @@ def build_policy(cfg, mcfg, dtype):
     local = settings is not None or (rollout is not None and rollout.compile != "none")
     model = build_model(mcfg, params_dtype=dtype, recompute=cfg.model.recompute, use_te=False if local else None)
     if cfg.model.checkpoint:
-        load_initial_weights(model, cfg.model.checkpoint)
+        load_initial_weights(model, cfg.model.checkpoint, trust_unverified=cfg.checkpoint.trust_unverified)
     if settings is not None:
         apply_lora(model, settings)
     return model
@@ -77,10 +77,11 @@ def sync_reference(reference, model, mixup: float) -> None:
         ref_param.mul_(1.0 - mixup).add_(param.detach().to(ref_param.dtype), alpha=mixup)
 
 
-def load_initial_weights(model, path: str) -> None:
+def load_initial_weights(model, path: str, *, trust_unverified: bool = False) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP; a
-    LoRA run's with its adapters merged into its base: :func:`~..checkpoint.loader.load_weights`)."""
-    load_weights(model, path)
+    LoRA run's with its adapters merged into its base: :func:`~..checkpoint.loader.load_weights`;
+    ``trust_unverified``: a Megatron checkpoint without ``checksums.json`` loads, unverified)."""
+    load_weights(model, path, trust_unverified=trust_unverified)
 
 
 def synced_reference(s) -> Optional[Dict[str, Any]]:

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import yaml
 
-from stabledrl_mcore.checkpoint.integrity import CheckpointError
+from stabledrl_mcore.checkpoint.integrity import CheckpointError, check_verifiable
 from stabledrl_mcore.checkpoint.optimizer_state import MAP_FIELD, read_format
 from stabledrl_mcore.checkpoint.state import TrainState, find_latest, load_checkpoint, read_train_state
 from stabledrl_mcore.common.errors import ConfigError
@@ -141,6 +141,7 @@ def plan_resume(cfg: RunConfig, resume: Optional[str] = None) -> Optional[Resume
     if path is None:
         return None
     state = read_train_state(path)
+    check_verifiable(path, trust_unverified=cfg.checkpoint.trust_unverified)  # no hashing: load_checkpoint does
     if state.step > cfg.steps:
         raise ResumeConfigError(
             f"checkpoint {path} is at step {state.step}, past steps={cfg.steps}; "
@@ -251,7 +252,13 @@ def restore_training_state(s, root: str, plan: Optional[ResumePlan], *, extra_mo
         return 0, [f"no checkpoint to resume: starting at step 0 (old metrics moved to {moved})"] if moved else []
     check_model_config(plan.path, s.model.dllm_config.to_dict())
     fresh = [{k: v for k, v in group.items() if k not in ("params", "step")} for group in s.optimizer.param_groups]
-    state = load_checkpoint(plan.path, checkpointed(s.model), optimizer=s.optimizer, extra_modules=extra_modules)
+    state = load_checkpoint(
+        plan.path,
+        checkpointed(s.model),
+        optimizer=s.optimizer,
+        extra_modules=extra_modules,
+        trust_unverified=s.cfg.checkpoint.trust_unverified,
+    )
     for group, hyper in zip(s.optimizer.param_groups, fresh):
         group.update(hyper)  # lr bounds, betas, weight decay: the current config's
     if state.scheduler:  # the current schedule, advanced to the checkpoint's progress

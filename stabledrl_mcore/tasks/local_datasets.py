@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from stabledrl_mcore.common.errors import DataError
+from stabledrl_mcore.common.files import special_kind
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv")
 """Suffixes of the data files read here, in the order a folder of split files is searched."""
@@ -38,7 +39,8 @@ Row = dict[str, Any]
 
 
 def check_local(path: str | os.PathLike, field: str = "path") -> Path:
-    """``path`` as a :class:`Path`; a URL or a hub name that is not a local path raises :class:`DataError`."""
+    """``path`` as a :class:`Path`; a URL or a hub name that is not a local path, or a FIFO or a
+    device (reading one blocks or never ends), raises :class:`DataError`."""
     text = os.fspath(path)
     if "://" in text or text.startswith(("hf:", "hf.co/", "huggingface.co/")):
         raise DataError(
@@ -46,6 +48,7 @@ def check_local(path: str | os.PathLike, field: str = "path") -> Path:
             f"e.g. datasets.load_dataset(...).save_to_disk(DIR), and give DIR"
         )
     local = Path(text)
+    refuse_special(local, field)
     if not local.exists() and _HUB_NAME.fullmatch(text) and not local.suffix:
         raise DataError(
             f"{field}={text}: no such local file or folder, and only local files are read (a hub "
@@ -53,6 +56,13 @@ def check_local(path: str | os.PathLike, field: str = "path") -> Path:
             f".save_to_disk('data/{local.name}')\" and give that folder"
         )
     return local
+
+
+def refuse_special(path: Path, field: str) -> None:
+    """Raise :class:`DataError` naming ``path`` if it is a FIFO, a device or a socket (not opened)."""
+    kind = special_kind(path)
+    if kind:
+        raise DataError(f"{field}={path} is {kind}, not a regular file; give a data file or folder")
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -64,7 +74,7 @@ def split_file(folder: Path, split: str) -> Path | None:
     """``<folder>/<split>.<ext>`` for the first suffix of :data:`FILE_FORMATS` that exists, else None."""
     for suffix in FILE_FORMATS:
         candidate = folder / f"{split}{suffix}"
-        if candidate.is_file():
+        if candidate.is_file() or special_kind(candidate):  # a FIFO is found, then refused by name
             return candidate
     return None
 
@@ -94,6 +104,7 @@ def load_rows(
                 f"in this folder (it holds: {', '.join(have)})"
             )
         local = found
+    refuse_special(local, field)
     if local.is_dir():
         rows = _saved_rows(local, split)
     elif local.suffix == ".jsonl":
@@ -248,6 +259,10 @@ def _first_bad_utf8(table) -> tuple[int, str, UnicodeDecodeError] | None:
 
 def _saved_rows(path: Path, split: str) -> list[tuple[str, Row]]:
     import datasets
+
+    for inner in sorted(path.rglob("*")):
+        if special_kind(inner):
+            raise DataError(f"{inner} (in the dataset folder {path}) is {special_kind(inner)}, not a regular file")
 
     try:
         data = datasets.load_from_disk(str(path))
