@@ -165,3 +165,76 @@ def test_sigkilled_conversion_leaves_no_process_and_the_next_run_removes_its_own
     )
     conv.hf_to_mcore(sources["clean"], str(out), model="llada", progress=False)
     assert _leftovers(tmp_path) == sorted([foreign.name, live.name, live.name + ".owner.json"])
+
+
+# ------------------------------------------------------------------ one writer per output (issue #62 slice 2)
+@pytest.fixture(scope="module")
+def mcore_ckpt(sources, tmp_path_factory):
+    """A converted (Megatron) checkpoint of the clean tiny LLaDA, to export again and again."""
+    return conv.hf_to_mcore(sources["clean"], str(tmp_path_factory.mktemp("ck") / "ck"), model="llada", progress=False)
+
+
+def _claim(out, pid, **extra):
+    """A claim on ``out`` as another conversion (process ``pid`` of this host) would hold it."""
+    record = {"out": os.path.abspath(out), "tmp": "elsewhere", "host": socket.gethostname(), "pid": pid}
+    record.update(started=time.time(), command="stabledrl convert mcore-to-hf --ckpt CK1 --out R", **extra)
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.claim.json")  # claim_path(out)
+    with open(path, "w") as handle:
+        json.dump(record, handle)
+    return path
+
+
+def test_a_second_conversion_into_one_output_is_refused_and_the_first_result_kept(mcore_ckpt, tmp_path, capsys):
+    out = str(tmp_path / "R")
+    other = subprocess.Popen(["sleep", "60"])  # a live conversion holding the claim
+    try:
+        claim = _claim(out, other.pid)
+        before = open(claim).read()
+        assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", out, "--no-progress") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"is being written by another conversion (pid {other.pid}" in err, err
+        assert "wait for it to finish or choose another --out" in err and claim in err
+        assert not os.path.exists(out) and open(claim).read() == before and _leftovers(tmp_path) == []
+        os.remove(claim)
+    finally:
+        other.kill()
+        other.wait()
+
+    seen = []
+
+    def second_while_first_runs(tmp):  # the first conversion is finished, not yet committed
+        with pytest.raises(ConversionError, match=rf"{out} is being written by another conversion \(pid {os.getpid()}"):
+            conv.mcore_to_hf(mcore_ckpt, out, dtype="bf16", progress=False)
+        seen.append(tmp)
+
+    conv.mcore_to_hf(mcore_ckpt, out, dtype="fp32", progress=False, before_commit=second_while_first_runs)
+    assert seen and json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "float32"
+    assert sorted(os.listdir(tmp_path)) == ["R"], "claim or temporary output left behind"
+
+
+def test_overwrite_moves_the_earlier_output_aside_and_deletes_nothing(mcore_ckpt, tmp_path, capsys):
+    out = tmp_path / "R"
+    assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", str(out), "--no-progress") == 0
+    (out / "precious.txt").write_text("keep me")
+    earlier = sorted(os.listdir(out))
+    capsys.readouterr()
+    assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", str(out), "--no-progress", "--overwrite") == 0
+    err = capsys.readouterr().err
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("R.overwritten-")]
+    assert len(aside) == 1, os.listdir(tmp_path)
+    assert f"moved the earlier contents of {out} to {tmp_path / aside[0]}" in err, err
+    assert (tmp_path / aside[0] / "precious.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path / aside[0])) == earlier
+    assert "precious.txt" not in os.listdir(out) and (out / "config.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == sorted(["R", aside[0]])
+
+
+def test_a_stale_claim_of_a_dead_process_is_taken_over(mcore_ckpt, tmp_path, capsys):
+    out = str(tmp_path / "R")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid no longer runs: a conversion killed before it released its claim
+    _claim(out, gone.pid)
+    assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", out, "--no-progress") == 0
+    err = capsys.readouterr().err
+    assert f"took over the claim on {out} from pid {gone.pid}, which no longer runs" in err, err
+    assert os.path.isfile(os.path.join(out, "config.json")) and sorted(os.listdir(tmp_path)) == ["R"]

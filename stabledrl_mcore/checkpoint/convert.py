@@ -11,11 +11,14 @@ Both run in one process at TP=1/PP=1 and stream: HF -> Megatron reads tensors
 one at a time from memory maps into a never-initialised model shell and saves
 once; Megatron -> HF loads one layer at a time and writes each tensor straight
 into its safetensors shard. Peak memory is about one copy of the weights
-(``tools/bench_convert.py``). Output goes to ``.tmp-<name>-*`` beside the target
-and is renamed into place only when complete (and, with ``--verify``, checked), so
-an interrupted run never leaves anything that looks like a valid checkpoint; any
-failure (an error, Ctrl-C, SIGTERM) removes it, and one left by a SIGKILLed run is
-removed by the next conversion to the same target. Non-finite weights (NaN/inf), in
+(``tools/bench_convert.py``). A conversion first claims its target (``.<name>.claim.json``
+beside it, created atomically): a second conversion into the same target is refused at once,
+naming the first one's pid; a claim whose process is gone is taken over. Output goes to
+``.tmp-<name>-*`` beside the target and is renamed into place only when complete (and, with
+``--verify``, checked), so an interrupted run never leaves anything that looks like a valid
+checkpoint; any failure (an error, Ctrl-C, SIGTERM) removes it, and one left by a SIGKILLed run
+is removed by the next conversion to the same target. ``--overwrite`` moves what the target held
+aside to ``<target>.overwritten-<UTC>`` at the commit; nothing is deleted. Non-finite weights (NaN/inf), in
 either direction, and finite ones that a ``--dtype`` cast turns into inf are refused, naming the
 tensor and the count, unless ``--allow-nonfinite``.
 
@@ -261,7 +264,7 @@ def hf_to_mcore(
             before_commit(tmp)
         return finalize_output(tmp, out)
     finally:
-        discard_output(tmp)  # nothing left once finalized; the unfinished output on any failure
+        discard_output(tmp, out)  # nothing left once finalized; the unfinished output on any failure; the claim
         if owns_megatron:
             bootstrap.destroy()
 
@@ -363,6 +366,6 @@ def mcore_to_hf(
     finally:
         if writer is not None:
             writer.abort()
-        discard_output(tmp)
+        discard_output(tmp, out)
         if owns_megatron:
             bootstrap.destroy()

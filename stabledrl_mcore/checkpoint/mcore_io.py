@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
+import json
 import os
 import random
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -104,36 +105,143 @@ def write_marker(
 
 # ------------------------------------------------------------------ atomic output
 OWNER_SUFFIX = ".owner.json"  # beside each temporary output: who is writing it (stale ones are removed)
+CLAIM_SUFFIX = ".claim.json"  # ``.<name>.claim.json`` beside ``out``: the one writer of ``out``
+
+
+def claim_path(out: str) -> str:
+    """Where the claim on ``out`` lives: ``.<name>.claim.json`` beside it."""
+    out = os.path.abspath(out)
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}{CLAIM_SUFFIX}")
+
+
+def _read_claim(fd: int) -> dict:
+    try:
+        owner = json.loads(os.read(fd, 1 << 16).decode() or "null")
+    except (OSError, ValueError):
+        owner = None
+    return owner if isinstance(owner, dict) else {}
+
+
+def _claim_is_stale(owner: dict) -> bool:
+    """A claim of a process on this host that no longer runs (another host's is never stale)."""
+    pid = owner.get("pid")
+    return owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+
+
+def claim_output(out: str, tmp: str) -> str:
+    """Claim ``out`` for this process (writing ``tmp``), atomically; returns the claim file.
+
+    The claim appears complete or not at all (written aside, then hard-linked into place, which
+    fails if a claim exists). A live claimer's claim is refused, naming its pid and the fix; one of
+    a process of this host that no longer runs is taken over (under a lock on the stale file, so
+    one taker wins), with a line saying so. Release with :func:`release_output`.
+    """
+    out, claim = os.path.abspath(out), claim_path(out)
+    mine = f"{claim}.{os.getpid()}.new"
+    program = os.path.basename(sys.argv[0] or "python")
+    argv = " ".join(["stabledrl" if program == "__main__.py" else program] + sys.argv[1:])
+    record = {"out": out, "tmp": tmp, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    write_json(mine, dict(record, command=argv))
+    try:
+        for _ in range(100):
+            try:
+                os.link(mine, claim)
+                return claim
+            except FileExistsError:
+                pass
+            try:
+                fd = os.open(claim, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.stat(claim).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    continue  # replaced or released meanwhile: look again
+                owner = _read_claim(fd)
+                if not _claim_is_stale(owner):
+                    raise ConversionError(_claimed_message(out, claim, owner))
+                os.replace(mine, claim)
+                print(
+                    f"stabledrl: took over the claim on {out} from pid {owner.get('pid')}, which no longer runs "
+                    f"(an interrupted conversion)",
+                    file=sys.stderr,
+                )
+                return claim
+            finally:
+                os.close(fd)
+        raise ConversionError(f"could not claim {out}: {claim} keeps changing; try again")
+    finally:
+        if os.path.exists(mine):
+            os.remove(mine)
+
+
+def _claimed_message(out: str, claim: str, owner: dict) -> str:
+    if not owner:
+        return (
+            f"output {out} is claimed by another conversion ({claim} is unreadable); choose another --out, "
+            f"or remove {claim} if no conversion into {out} runs"
+        )
+    since = time.strftime("%H:%M:%S UTC", time.gmtime(owner.get("started") or 0))
+    who = f"pid {owner.get('pid')}" + (f" on {owner.get('host')}" if owner.get("host") != socket.gethostname() else "")
+    return (
+        f"output {out} is being written by another conversion ({who}, since {since}: {owner.get('command', '?')}); "
+        f"wait for it to finish or choose another --out (remove {claim} only if that process is gone)"
+    )
+
+
+def release_output(out: str, tmp: str) -> None:
+    """Remove the claim on ``out`` if it is this process's claim for ``tmp``."""
+    claim = claim_path(out)
+    try:
+        fd = os.open(claim, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        owner = _read_claim(fd)
+    finally:
+        os.close(fd)
+    if owner.get("pid") == os.getpid() and owner.get("tmp") == tmp and owner.get("host") == socket.gethostname():
+        os.remove(claim)
 
 
 def prepare_output(out: str, overwrite: bool, protect: Optional[str] = None) -> str:
-    """Check ``out`` may be written and return a fresh temporary directory beside it.
+    """Claim ``out`` (:func:`claim_output`), check it may be written and return a fresh temporary
+    directory beside it.
 
     The directory ``.tmp-<name>-*`` gets an owner file beside it (``<dir>.owner.json``:
     output, host, pid); temporaries of ``out`` whose owner process on this host is
     gone (a killed conversion) are removed first. Finish with :func:`finalize_output`
-    or :func:`discard_output`.
+    (the commit), then :func:`discard_output` in any case (it also releases the claim).
     """
     out = os.path.abspath(out)
     if protect is not None:
         src = os.path.abspath(protect)
         if out == src or src.startswith(out + os.sep) or out.startswith(src + os.sep):
             raise ConversionError(f"output {out} must lie outside the source {src}")
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise ConversionError(f"output {out} exists and is not a directory")
-        if os.listdir(out) and not overwrite:
-            raise ConversionError(f"output directory {out} is not empty; pass --overwrite to replace it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConversionError(f"output {out} exists and is not a directory")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    remove_stale_outputs(out)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out)}-", dir=parent)
-    write_json(
-        tmp + OWNER_SUFFIX, {"out": out, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-    )
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any directory
+    tmp = os.path.join(parent, f".tmp-{os.path.basename(out)}-{os.getpid()}-{time.time_ns()}")
+    claim_output(out, tmp)
+    try:
+        if os.path.isdir(out) and os.listdir(out) and not overwrite:
+            raise ConversionError(
+                f"output directory {out} is not empty; pass --overwrite to move it aside (to {out}{ASIDE}<UTC>) "
+                "and write anew"
+            )
+        remove_stale_outputs(out)
+        os.mkdir(tmp)
+        write_json(
+            tmp + OWNER_SUFFIX, {"out": out, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        )
+    except BaseException:
+        discard_output(tmp, out)
+        raise
     return tmp
 
 
@@ -182,28 +290,45 @@ def remove_stale_outputs(out: str) -> List[str]:
     return removed
 
 
-def discard_output(tmp: str) -> None:
-    """Remove an unfinished temporary output and its owner file."""
+def discard_output(tmp: str, out: Optional[str] = None) -> None:
+    """Remove an unfinished temporary output and its owner file; release the claim on ``out``."""
     shutil.rmtree(tmp, ignore_errors=True)
     if os.path.exists(tmp + OWNER_SUFFIX):
         os.remove(tmp + OWNER_SUFFIX)
+    if out is not None:
+        release_output(out, tmp)
+
+
+ASIDE = ".overwritten-"  # ``<out>.overwritten-<UTC>``: what ``--overwrite`` replaced
 
 
 def finalize_output(tmp: str, out: str) -> str:
-    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
+    """Commit the finished ``tmp`` as ``out`` by rename; a non-empty ``out`` (``--overwrite``) is
+    first moved aside to ``<out>.overwritten-<UTC>``, never deleted (a line says where)."""
     out = os.path.abspath(out)
-    old = None
-    if os.path.isdir(out):
-        if os.listdir(out):
-            old = tempfile.mkdtemp(prefix=f".old-{os.path.basename(out)}-", dir=os.path.dirname(out))
-            os.rename(out, os.path.join(old, "previous"))
-        else:
-            os.rmdir(out)
-    os.rename(tmp, out)
+    aside = None
+    if os.path.isdir(out) and os.listdir(out):
+        aside = candidate = out + ASIDE + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        n = 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = f"{candidate}-{n}"
+        os.rename(out, aside)
+    try:
+        os.rename(tmp, out)  # onto nothing, or an empty directory
+    except OSError as err:
+        if aside is not None:
+            os.rename(aside, out)
+        raise ConversionError(
+            f"cannot commit {out}: {err.strerror}; it was written meanwhile by another program"
+        ) from err
     if os.path.exists(tmp + OWNER_SUFFIX):
         os.remove(tmp + OWNER_SUFFIX)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if aside is not None:
+        print(
+            f"stabledrl: moved the earlier contents of {out} to {aside} (--overwrite; delete it when no longer needed)",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -275,7 +400,7 @@ def save_model_checkpoint(
             finalize_output(tmp, out)
     finally:
         if rank == 0:
-            discard_output(tmp)
+            discard_output(tmp, out)
     torch.distributed.barrier()
     return os.path.abspath(out)
 

@@ -96,7 +96,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
             default="auto",
             help="weight dtype of the output (auto = as stored)",
         )
-        p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace a non-empty --out: what it held is moved aside to OUT.overwritten-<UTC>, not deleted",
+        )
         p.add_argument(
             "--verify", action="store_true", help="compare logits of an independent reference with the converted model"
         )
