@@ -554,3 +554,41 @@ def _pipeline_lines(est: Dict[str, Any], g) -> List[str]:
         f"bubble efficiency training {est['bubble_efficiency']:.2f}, rollout "
         f"{est['rollout_bubble_efficiency']:.2f}; stages idle {100 * est['pipeline_idle']:.0f}% of the step"
     ]
+
+
+def spec_for_run(cfg, mcfg, world: int, *, gpu_memory_gib: float, impl: str) -> PlanSpec:
+    """The :class:`PlanSpec` of a run config (``RunConfig`` ``cfg``, model shape ``mcfg``) on ``world``
+    ranks, as the preflight's memory check uses it: a lower bound of what one rank holds. The
+    sequence is ``rollout.gen_length`` tokens (the prompt, unknown before the data is tokenised, adds to
+    it), no ``overhead``, and a decoding forward holds the fewest rows a run can use: ``rollout.decode_rows``,
+    else ``lcm(parallel.micro_batch_size, rollout.group_size)`` (whole groups and micro-batches)."""
+    import math
+
+    p, r, a = cfg.parallel, cfg.rollout, cfg.algo
+    return PlanSpec(
+        model=mcfg,
+        nodes=1,
+        gpus_per_node=world,
+        gpu_memory_gib=gpu_memory_gib,
+        tp=p.tensor_parallel,
+        pp=p.pipeline_parallel,
+        ep=p.expert_parallel,
+        etp=p.expert_tensor_parallel,
+        micro_batch=p.micro_batch_size,
+        decode_rows=r.decode_rows or math.lcm(p.micro_batch_size, r.group_size),
+        rollout_cache=r.cache if mcfg.arch == "llada" else "none",
+        seq_len=r.gen_length,
+        gen_length=r.gen_length,
+        global_batch=r.generated_prompts * r.group_size,
+        recompute="full" if cfg.model.recompute else "none",
+        dtype="fp32" if cfg.model.dtype == "fp32" else "bf16",
+        optimizer="sgd" if cfg.optim.name == "sgd" else "adam",
+        distributed_optimizer=cfg.optim.distributed,
+        likelihood="staircase" if a.likelihood == "staircase" else "elbo",
+        impl=impl,
+        overhead_gib=0.0,
+        num_mc=a.num_mc,
+        inner_iterations=a.inner_iterations,
+        reference_model=a.kl_coef > 0,
+        lora_rank=cfg.model.lora.rank,
+    ).validate()

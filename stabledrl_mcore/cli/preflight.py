@@ -29,6 +29,7 @@ from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.config.checks import check_layout, check_lora_model, check_model_options, check_pipeline_options
 from stabledrl_mcore.config.io import get_dotted
+from stabledrl_mcore.config.memory import check_memory
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine import metrics
 from stabledrl_mcore.engine.resume import check_resume
@@ -39,7 +40,7 @@ from stabledrl_mcore.sft.checks import check_batch, check_data, sft_tokenizer
 from stabledrl_mcore.sft.config import SFTConfig
 from stabledrl_mcore.sft.data import PlainText, SFTData, load_sft_data, read_rows, render
 from stabledrl_mcore.tasks import GENERATED_TASKS
-from stabledrl_mcore.tasks.from_config import build_task, heldout_examples, load_train_examples
+from stabledrl_mcore.tasks.from_config import build_task, check_prompt_lengths, heldout_examples, load_train_examples
 from stabledrl_mcore.tasks.local_datasets import check_local
 from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
@@ -99,16 +100,20 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
             f"{p.pipeline_parallel}{experts} on {description}: {err}"
         ) from None
     check_model_options(cfg, mcfg, description)
+    check_memory(cfg, mcfg, world_size)  # stabledrl plan's estimate of one rank against its device's memory
     for name in ("rollout.data_path", "eval.data_path"):  # local files only, refused by the field's name
         if get_dotted(cfg, name):
             check_local(get_dotted(cfg, name), name)
     task = _task(cfg)
     train = _load(cfg, task, "train")
+    check_prompt_lengths(train, cfg, mcfg, "rollout")
     report = PreflightReport(
         description, world_size, data_parallel, len(train), generated=cfg.rollout.task in GENERATED_TASKS
     )
     if cfg.eval.every:
-        report.eval_examples = len(_load(cfg, task, cfg.eval.split))  # a sample for generated tasks
+        heldout = _load(cfg, task, cfg.eval.split)  # a sample for generated tasks
+        check_prompt_lengths(heldout, cfg, mcfg, "eval")
+        report.eval_examples = len(heldout)
     check_run_dir_unlocked(cfg)  # another run in logging.run_dir (a requeue waits for its earlier instance)
     return report
 

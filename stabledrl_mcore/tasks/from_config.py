@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.tasks.base import GENERATED_TASKS, Example, get_task
 from stabledrl_mcore.tasks.custom_reward import TASK_REWARD_OPTIONS, CustomRewardTask, load_reward_fn
 from stabledrl_mcore.tasks.prompts import rollout_prompt_format
@@ -84,3 +84,38 @@ def heldout_examples(cfg, task) -> List[Example]:
     if cfg.rollout.task in GENERATED_TASKS:  # a generated task refuses a file unless it reads one
         return task.load(e.split, n=e.num_examples, seed=e.seed, **kwargs)
     return task.load(e.split, limit=e.num_examples, **kwargs)
+
+
+PROMPT_CHARS_PER_TOKEN = 16
+"""A question may hold at most this many characters per token of the prompt budget
+(:func:`prompt_budget`): generous (English text is about 4 characters a token), and it bounds the
+text a tokenizer is ever given."""
+
+
+def prompt_budget(cfg, mcfg) -> int:
+    """Prompt tokens a sequence has room for: the model's ``max_position_embeddings`` less
+    ``rollout.gen_length`` (at least 1)."""
+    return max(mcfg.max_position_embeddings - cfg.rollout.gen_length, 1)
+
+
+def check_prompt_lengths(examples: List[Example], cfg, mcfg, section: str = "rollout") -> None:
+    """Refuse (:class:`DataError`, naming the data, the row and its length) the first example whose
+    question is longer than ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on the
+    text as loaded, before anything tokenises it: a row is refused, never truncated (a cut question is
+    another question). ``section``: ``rollout`` (training data) or ``eval`` (held-out data)."""
+    budget = prompt_budget(cfg, mcfg)
+    limit = PROMPT_CHARS_PER_TOKEN * budget
+    for position, example in enumerate(examples):
+        length = len(example.prompt)
+        if length <= limit:
+            continue
+        path = getattr(getattr(cfg, section), "data_path", None)
+        source = f"{section}.data_path={path}" if path else f"task {cfg.rollout.task}"
+        index = example.meta.get("index", position) if isinstance(example.meta, dict) else position
+        raise DataError(
+            f"{source} row {index}: the question is {length:,} characters, more than the {limit:,} a prompt "
+            f"may hold ({PROMPT_CHARS_PER_TOKEN} characters per token of the prompt budget, {budget} tokens = "
+            f"the model's max_position_embeddings {mcfg.max_position_embeddings} - rollout.gen_length "
+            f"{cfg.rollout.gen_length}); such rows are refused, not truncated: shorten or drop the row "
+            f"(docs/data.md)"
+        )

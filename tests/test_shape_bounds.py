@@ -1,0 +1,122 @@
+"""Issue 62, slice 3: shapes and rows bounded before the run.
+
+``--print-config`` (and so every ``train``) refuses a config whose per-rank memory, by ``stabledrl
+plan``'s estimate, exceeds the memory of the ranks' device (the host's available memory on CPU),
+naming the fields that drive it; a data row whose question is longer than the prompt budget allows
+is refused by its row index and length before anything tokenises it. In-process through
+``stabledrl_mcore.cli.app``; nothing here allocates what the configs ask for.
+"""
+
+import json
+import os
+import time
+from collections import namedtuple
+
+import pytest
+
+from stabledrl_mcore.cli.app import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
+T = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=2",
+    "parallel.micro_batch_size=4",
+    "logging.wandb_mode=disabled",
+    "logging.progress=false",
+    "steps=1",
+]
+PROMPT_CHARS_PER_TOKEN = 16  # the documented rule (docs/data.md; tasks/from_config.py)
+
+
+def _refused(capsys, tmp_path, *overrides):
+    """``train --print-config`` exits 2 with one line on stderr; that line."""
+    argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}", *overrides, "--print-config"]
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert status == 2, captured.out[-2000:]
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    return lines[0]
+
+
+def test_a_completion_of_ten_million_tokens_is_refused_by_print_config(capsys, tmp_path):
+    """The issue's first reproduction: said "preflight ok", then the run allocated ~10 GB and died in a
+    raw RuntimeError. The estimate (over 1000 GiB) exceeds any host's memory."""
+    line = _refused(capsys, tmp_path, "rollout.gen_length=10000000", "rollout.block_length=10000000")
+    assert "memory: one rank needs at least" in line, line
+    assert "rollout.gen_length=10000000" in line and "parallel.micro_batch_size=4" in line, line
+    assert "GiB of host memory available" in line, line
+
+
+def test_a_group_of_a_hundred_thousand_is_refused_where_it_cannot_fit(capsys, tmp_path, monkeypatch):
+    """The issue's second reproduction (~8 GB, then a traceback): a decoding forward holds whole groups,
+    so group_size 1e5 means 1e5 rows at once (about 6 GiB by the planner). On a host with 4 GiB
+    available (a laptop; stubbed here, the test host may have more) it is refused naming the field."""
+    import psutil
+
+    Memory = namedtuple("Memory", "available total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(4 * 2**30, 8 * 2**30))
+    line = _refused(
+        capsys,
+        tmp_path,
+        "rollout.group_size=100000",
+        "rollout.gen_length=8",
+        "rollout.block_length=8",
+        "rollout.steps=4",
+    )
+    assert "memory: one rank needs at least" in line and "rollout.group_size=100000" in line, line
+    assert "has 4.0 GiB of host memory available" in line, line
+
+
+def test_the_tiny_config_still_passes(capsys, tmp_path):
+    assert main(["train", "--config", CONFIG, f"logging.run_dir={tmp_path / 'run'}", "--print-config"]) == 0
+    assert "preflight ok" in capsys.readouterr().out
+
+
+def test_a_row_of_a_million_characters_is_refused_by_index_before_any_tokenizer(capsys, tmp_path, monkeypatch):
+    """The issue's third reproduction: one row of ~1M characters of real text (8 GB resident, then a
+    traceback). It is refused by its row index and length, and no tokenizer ever sees more than the
+    character cap (16 x the prompt budget in tokens)."""
+    from stabledrl_mcore.tasks import tokenizer as tokenizer_module
+
+    seen = []
+    for cls in vars(tokenizer_module).values():
+        if isinstance(cls, type) and "encode" in vars(cls):
+            original = vars(cls)["encode"]
+
+            def encode(self, text, *args, _original=original, **kwargs):
+                seen.append(len(text))
+                return _original(self, text, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "encode", encode)
+    data = tmp_path / "qa.jsonl"
+    text = "The quick brown fox jumps over the lazy dog. " * 23000  # 1,035,000 characters
+    with open(data, "w") as handle:
+        handle.write(json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+        handle.write(json.dumps({"prompt": text, "answer": "4"}) + "\n")
+    start = time.monotonic()
+    line = _refused(
+        capsys,
+        tmp_path,
+        "rollout.task=qa",
+        f"rollout.data_path={data}",
+        "rollout.gen_length=8",
+        "rollout.block_length=8",
+        "rollout.steps=4",
+    )
+    assert f"rollout.data_path={data} row 1: the question is 1,035,000 characters" in line, line
+    assert "refused, not truncated" in line, line
+    budget = 512 - 8  # llada-tiny's max_position_embeddings - rollout.gen_length
+    assert f"more than the {PROMPT_CHARS_PER_TOKEN * budget:,}" in line, line
+    assert all(n <= PROMPT_CHARS_PER_TOKEN * budget for n in seen), seen
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("length", [100, 8000])
+def test_rows_within_the_budget_pass(capsys, tmp_path, length):
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"prompt": "x" * length, "answer": "4"}) + "\n")
+    argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}"]
+    argv += ["rollout.task=qa", f"rollout.data_path={data}", "rollout.gen_length=8", "rollout.block_length=8"]
+    assert main([*argv, "rollout.steps=4", "--print-config"]) == 0, capsys.readouterr().err
