@@ -120,3 +120,24 @@ def test_rows_within_the_budget_pass(capsys, tmp_path, length):
     argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}"]
     argv += ["rollout.task=qa", f"rollout.data_path={data}", "rollout.gen_length=8", "rollout.block_length=8"]
     assert main([*argv, "rollout.steps=4", "--print-config"]) == 0, capsys.readouterr().err
+
+
+def test_gpu_ranks_are_checked_against_the_gpus_total_memory(capsys, tmp_path, monkeypatch):
+    """parallel.backend=nccl: the GPU's total memory as nvidia-smi reports it (a stand-in script here:
+    no GPU on the test host, and no CUDA context is created to read it); where no GPU memory can be
+    read (a login node), nothing is refused."""
+    from stabledrl_mcore.config import memory
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    assert memory._gpu_total_bytes() == 81559 * 2**20
+    line = _refused(
+        capsys, tmp_path, "parallel.backend=nccl", "rollout.gen_length=10000000", "rollout.block_length=10000000"
+    )
+    assert "but has 79.6 GiB of GPU memory per rank" in line and "rollout.gen_length=10000000" in line, line
+    monkeypatch.setattr(memory, "_gpu_total_bytes", lambda: None)
+    cfg_argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}", "parallel.backend=nccl"]
+    assert main([*cfg_argv, "rollout.gen_length=10000000", "rollout.block_length=10000000", "--print-config"]) == 0

@@ -92,10 +92,14 @@ PROMPT_CHARS_PER_TOKEN = 16
 text a tokenizer is ever given."""
 
 
-def prompt_budget(cfg, mcfg) -> int:
-    """Prompt tokens a sequence has room for: the model's ``max_position_embeddings`` less
-    ``rollout.gen_length`` (at least 1)."""
-    return max(mcfg.max_position_embeddings - cfg.rollout.gen_length, 1)
+def prompt_budget(cfg, mcfg) -> tuple:
+    """``(tokens, why)``: the prompt tokens a sequence has room for, the model's ``max_position_embeddings``
+    less ``rollout.gen_length`` (the positions alone when the completion takes them all: the memory
+    check judges such a completion), and how that number was found."""
+    positions, gen = mcfg.max_position_embeddings, cfg.rollout.gen_length
+    if gen < positions:
+        return positions - gen, f"the model's max_position_embeddings {positions} - rollout.gen_length {gen}"
+    return positions, f"the model's max_position_embeddings {positions}"
 
 
 def check_prompt_lengths(examples: List[Example], cfg, mcfg, section: str = "rollout") -> None:
@@ -103,7 +107,7 @@ def check_prompt_lengths(examples: List[Example], cfg, mcfg, section: str = "rol
     question is longer than ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on the
     text as loaded, before anything tokenises it: a row is refused, never truncated (a cut question is
     another question). ``section``: ``rollout`` (training data) or ``eval`` (held-out data)."""
-    budget = prompt_budget(cfg, mcfg)
+    budget, why = prompt_budget(cfg, mcfg)
     limit = PROMPT_CHARS_PER_TOKEN * budget
     for position, example in enumerate(examples):
         length = len(example.prompt)
@@ -115,7 +119,5 @@ def check_prompt_lengths(examples: List[Example], cfg, mcfg, section: str = "rol
         raise DataError(
             f"{source} row {index}: the question is {length:,} characters, more than the {limit:,} a prompt "
             f"may hold ({PROMPT_CHARS_PER_TOKEN} characters per token of the prompt budget, {budget} tokens = "
-            f"the model's max_position_embeddings {mcfg.max_position_embeddings} - rollout.gen_length "
-            f"{cfg.rollout.gen_length}); such rows are refused, not truncated: shorten or drop the row "
-            f"(docs/data.md)"
+            f"{why}); such rows are refused, not truncated: shorten or drop the row (docs/data.md)"
         )
