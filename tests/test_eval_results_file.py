@@ -82,3 +82,17 @@ def test_ranks_write_partial_files_merged_at_the_end(llada, qa_file, tmp_path, m
     capsys.readouterr()
     assert main([*argv, "--out", "three.jsonl", "--nproc", "2"]) == 2
     assert "three.jsonl.rank1.partial exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_ctrl_c_of_eval_nproc_is_one_line(llada, qa_file, tmp_path, monkeypatch, capsys):
+    """The ``--nproc`` launcher stopped its ranks on Ctrl-C (``launch.Interrupted``): one line, 130."""
+    from stabledrl_mcore.parallel import launch
+
+    def interrupted(*args, **kwargs):
+        raise launch.Interrupted()
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "spawn", interrupted)
+    argv = ["eval", "--ckpt", llada, "--task", "qa", "--data-path", qa_file, *SAMPLING, "--nproc", "2"]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["stabledrl eval: interrupted"]

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from stabledrl_mcore.checkpoint.info import MODEL_CONFIG
 from stabledrl_mcore.checkpoint.state import find_latest
-from stabledrl_mcore.cli.app import StartRanks
+from stabledrl_mcore.cli.app import EXIT_INTERRUPTED, StartRanks
 from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 from stabledrl_mcore.engine.run_dir import checkpoint_root
 from stabledrl_mcore.parallel import launch
@@ -28,9 +28,6 @@ from stabledrl_mcore.sft.trainer import sft_rank
 
 _RUN_FLAGS = ("checkpoint.resume=", "checkpoint.overwrite=")
 """Overrides the resume command replaces by ``--resume auto``."""
-
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 
 
 def start_train(args: argparse.Namespace, start: StartRanks) -> int:

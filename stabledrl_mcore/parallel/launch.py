@@ -408,8 +408,8 @@ def _start(procs) -> None:
         for proc in procs:
             proc.start()
     finally:
-        if handler is not None:
-            signal.signal(signal.SIGINT, handler)
+        if main:
+            signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
 
 
 def _unexpected_exit(procs, report_dir: str, expected: Sequence[int]) -> bool:
