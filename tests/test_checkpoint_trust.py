@@ -175,13 +175,51 @@ def test_a_crafted_common_state_is_one_line(sources, tmp_path):
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     marker = tmp_path / "exploit_ran"
+    for legacy in (False, True):  # torch.save's zip format, and its legacy one
+        torch.save(
+            {"rng": _Exploit(marker)}, os.path.join(evil, "common.pt"), _use_new_zipfile_serialization=not legacy
+        )
+        _reseal(evil)
+        with pytest.raises(CheckpointError) as info:
+            load_model(evil)
+        _one_line_refusal(info.value, f"{evil}/common.pt: refused to unpickle {SYSTEM}", "not trusted")
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL])
+@pytest.mark.parametrize("crafted", [False, True])
+def test_a_raw_pickle_common_state_is_named(sources, tmp_path, protocol, crafted):
+    """A ``pickle.dump``-ed ``common.pt`` (issue #62): one line saying what it is, why and what to do
+    (before: torch's 365 characters, or a RuntimeError 'Invalid magic number')."""
+    from stabledrl_mcore.checkpoint.loader import load_model
+
+    evil = _copy(sources["ckpt"], tmp_path / "evil")
+    marker = tmp_path / "exploit_ran"
+    state = {"rng": _Exploit(marker)} if crafted else {}
     with open(os.path.join(evil, "common.pt"), "wb") as handle:
-        pickle.dump({"rng": _Exploit(marker)}, handle, protocol=2)
+        pickle.dump(state, handle, protocol=protocol)
     _reseal(evil)
     with pytest.raises(CheckpointError) as info:
         load_model(evil)
-    _one_line_refusal(info.value, f"{evil}/common.pt: refused to unpickle {SYSTEM}", "not trusted")
+    _one_line_refusal(
+        info.value,
+        f"{evil}/common.pt is a raw pickle, not a torch.save file",
+        "weights_only=True",
+        "would run any code",
+        "re-save the checkpoint with the version that wrote it",
+    )
+    assert len(str(info.value)) < 300 + len(evil), str(info.value)
     assert not marker.exists()
+
+
+def test_a_legacy_torch_save_common_state_still_loads(sources, tmp_path):
+    from stabledrl_mcore.checkpoint.loader import load_model
+
+    old = _copy(sources["ckpt"], tmp_path / "old")
+    common = torch.load(os.path.join(old, "common.pt"), weights_only=True)
+    torch.save(common, os.path.join(old, "common.pt"), _use_new_zipfile_serialization=False)
+    _reseal(old)
+    load_model(old)
 
 
 def test_a_crafted_sharded_object_runs_no_code(sources, tmp_path):

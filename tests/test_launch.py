@@ -6,6 +6,7 @@ launcher runs in a subprocess where a signal is sent to it; every process is sto
 """
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -220,8 +221,9 @@ TINY = [
 ]
 
 
-def _train(run_dir, launcher, *extra, env=None):
-    """A 2-rank tiny run (200 steps: it never ends by itself within the test's time)."""
+def _train(run_dir, launcher, *extra, env=None, **popen):
+    """A 2-rank tiny run (200 steps: it never ends by itself within the test's time); ``popen``: more
+    arguments of ``subprocess.Popen``."""
     over = TINY + [f"logging.run_dir={run_dir}", *extra]
     cli = ["-m", "stabledrl_mcore.cli", "train", "--config", CONFIG, *over]
     cmd = (
@@ -236,6 +238,7 @@ def _train(run_dir, launcher, *extra, env=None):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        **popen,
     )
 
 
@@ -285,6 +288,42 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_reports_the_preempti
     rows = open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()
     assert steps == [len(rows)] and 0 < len(rows) < 200, (steps, len(rows))
     assert os.path.isfile(os.path.join(run_dir, "PREEMPTED"))
+
+
+def _python_ctrl_c():
+    """In the child before exec: SIGINT at its default, unblocked (a suite run in the background
+    inherits it ignored, and Python then never turns it into KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_of_train_nproc_is_one_resume_line_and_no_traceback(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the launcher and its ranks (one process group): exit 130,
+    no traceback from any process, and one line naming the command that resumes the run (issue #62;
+    before: 1-4 tracebacks and no such line)."""
+    from stabledrl_mcore.checkpoint.state import find_latest
+    from stabledrl_mcore.cli.app import main
+
+    run_dir = str(tmp_path / "run")
+    proc = _train(run_dir, "nproc", "checkpoint.save_every=1", start_new_session=True, preexec_fn=_python_ctrl_c)
+    try:
+        root = os.path.join(run_dir, "checkpoints")
+        _wait_for(proc, lambda: os.path.isdir(root) and find_latest(root) is not None)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=90)
+        err = proc.stderr.read()
+    finally:
+        _stop_tree(proc)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and lines[0].startswith("stabledrl train: interrupted; resume with: stabledrl train "), err
+    command, _, where = lines[0].partition("resume with: ")[2].rpartition(" (")
+    resume = shlex.split(command)
+    assert resume[-4:] == ["--nproc", "2", "--resume", "auto"] and f"logging.run_dir={run_dir}" in resume, resume
+    assert where.startswith(f"from {run_dir}/checkpoints/step_"), where
+    assert main([*resume[1:], "--print-config"]) == 0  # the command as printed passes its checks
 
 
 @pytest.mark.multiprocess

@@ -13,7 +13,9 @@ Megatron's ``torch_dist`` format keeps three kinds of pickles beside the tensor 
   each object's bytes are first read with ``weights_only=True`` (torch's own restricted
   unpickler) and refused unless that succeeds.
 * ``common.pt``, which Megatron reads with ``torch.load``'s default (``weights_only=True`` since
-  torch 2.6): its refusal becomes a one-line :class:`CheckpointError` instead of a traceback.
+  torch 2.6): its refusal becomes a one-line :class:`CheckpointError` instead of a traceback, and a
+  file that is not ``torch.save``'s format (a raw ``pickle.dump``, which only a full unpickle could
+  read) is refused by :func:`check_common` before Megatron opens it, saying what it is.
 
 Every load in :mod:`stabledrl_mcore.checkpoint` goes through :func:`load_sharded` (which binds
 the safe readers into Megatron, :func:`bind_safe_reads`, and verifies ``.metadata`` first) and
@@ -237,6 +239,51 @@ def bind_safe_reads() -> None:
         planner.load_bytes = _checked_load_bytes(planner.load_bytes)
 
 
+class _NoGlobals(pickle.Unpickler):
+    """Reads plain values only: the first object of a legacy ``torch.save`` file is an int."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _common_format(path: str) -> str:
+    """``"zip"`` or ``"legacy"`` (the two ``torch.save`` formats), ``"pickle"`` (a raw pickle) or ``""``."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+        if head == b"PK\x03\x04":
+            return "zip"
+        if not head.startswith(b"\x80"):  # every pickle of protocol 2 or later starts with PROTO
+            return ""
+        handle.seek(0)
+        try:
+            first = _NoGlobals(handle).load()
+        except Exception:  # noqa: BLE001 - a pickle of objects: what it names is never built here
+            return "pickle"
+    return "legacy" if first == torch.serialization.MAGIC_NUMBER else "pickle"
+
+
+def check_common(directory: str) -> None:
+    """Raise :class:`CheckpointError` unless ``<directory>/common.pt`` (if present) is ``torch.save``'s
+    format, naming what it is instead: a raw pickle, which ``weights_only`` loading cannot read and a
+    full unpickle would run code from, or something else."""
+    path = os.path.join(str(directory), COMMON_FILE)
+    if not os.path.isfile(path):
+        return  # missing: Megatron names it; a FIFO or a link: refused before any read by the openers
+    try:
+        kind = _common_format(path)
+    except OSError as err:
+        raise CheckpointError(f"{path} is unreadable ({err})") from None
+    if kind == "pickle":
+        raise CheckpointError(
+            f"{path} is a raw pickle, not a torch.save file (zip or legacy): refused, since "
+            "torch.load(weights_only=True) cannot read it and a full unpickle would run any code it names; "
+            "re-save the checkpoint with the version that wrote it, or convert it again "
+            "(--trust-unverified does not waive this)"
+        )
+    if not kind:
+        raise CheckpointError(f"{path} is not a torch.save file (neither zip nor pickle); the checkpoint is corrupt")
+
+
 def _from_common_load(err: BaseException) -> bool:
     return any(frame.name == "load_common" for frame in traceback.extract_tb(err.__traceback__))
 
@@ -248,6 +295,7 @@ def load_sharded(sharded: Dict[str, Any], directory: str, **kwargs: Any) -> Dict
 
     bind_safe_reads()
     verify_metadata(directory)
+    check_common(directory)
     try:
         return dist_checkpointing.load(sharded, directory, **kwargs)
     except pickle.UnpicklingError as err:  # Megatron's torch.load of the common state refused a global

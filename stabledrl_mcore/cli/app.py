@@ -27,6 +27,7 @@ from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C of a --nproc launcher (parallel.launch.Interrupted)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,6 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         return int(args.handler(args) or 0)
+    except KeyboardInterrupt as err:
+        if type(err).__name__ != "Interrupted":  # only the --nproc launcher's: its ranks are stopped
+            raise
+        print(f"stabledrl {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - bugs keep their traceback, input errors get one line
         failed_rank = getattr(err, "first_error", None)  # parallel.launch.WorkerFailed (--nproc)
         if failed_rank is not None:

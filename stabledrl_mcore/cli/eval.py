@@ -6,6 +6,7 @@ sharded over data-parallel ranks, the model under tensor parallelism (``--tp``),
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -27,8 +28,8 @@ from stabledrl_mcore.cli.data_args import EVAL_FIELDS, command_config, command_t
 from stabledrl_mcore.common.errors import DataError, UserError
 from stabledrl_mcore.engine.model_setup import load_initial_weights
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks
-from stabledrl_mcore.evaluation.distributed import evaluate_model
-from stabledrl_mcore.evaluation.scoring import write_jsonl
+from stabledrl_mcore.evaluation.distributed import data_parallel_position, evaluate_model
+from stabledrl_mcore.evaluation.scoring import JsonlAppender, write_jsonl
 from stabledrl_mcore.models.model import build_model
 from stabledrl_mcore.parallel import bootstrap, launch
 from stabledrl_mcore.tasks.base import GENERATED_TASKS, available_tasks
@@ -57,7 +58,8 @@ def run_eval(args: argparse.Namespace) -> int:
     args.out = args.out or default_eval_out(cfg.rollout.task, cfg.eval.split)
     args.summary = args.summary or summary_path(args.out)
     _check_sampling_flags(args)
-    if refuse_existing("eval", args.out, args.overwrite) or refuse_existing("eval", args.summary, args.overwrite):
+    outputs = [args.out, args.summary, *partial_files(args.out)]
+    if any(refuse_existing("eval", path, args.overwrite) for path in outputs):
         return 2
     _check_ckpt(args)
     command_task(cfg, args, EVAL_FLAGS)  # the task and prompt options (its data: _eval_inputs)
@@ -215,7 +217,47 @@ def _eval_rank(options: dict) -> int:
     model = build_model(cfg, use_te=False if args.compile != "none" else None)  # compile traces the local spec
     load_initial_weights(model, args.ckpt, trust_unverified=args.trust_unverified)
     tokenizer = cli_tokenizer(args)
-    result = evaluate_model(
+    out = args.out or default_eval_out(run.rollout.task, run.eval.split)
+    rows = _row_file(out)
+    try:
+        result = _evaluate(args, cfg, model, tokenizer, task, examples, rows)
+    finally:
+        if rows is not None:
+            rows.close()
+    if bootstrap.is_main_rank():
+        write_jsonl(out + ".tmp", result.records)  # every rank's rows, in order
+        os.replace(out + ".tmp", out)
+        for path in partial_files(out):
+            os.remove(path)
+        summary = args.summary or summary_path(out)
+        write_summary(summary, args, result, run)
+        print(
+            f"{run.rollout.task}/{run.eval.split}: accuracy {result.accuracy:.4f} "
+            f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}"
+        )
+        print(" ".join(f"{name} {value:.4f}" for name, value in result.metrics.items()) + f" -> {summary}")
+    return 0
+
+
+def partial_files(out: str) -> list:
+    """The per-rank results files ``<out>.rank<R>.partial`` that exist (a run of several
+    data-parallel ranks writes them as its rows finish; they are merged into ``out`` at the end)."""
+    return sorted(glob.glob(glob.escape(out) + ".rank*.partial"))
+
+
+def _row_file(out: str) -> Optional[JsonlAppender]:
+    """Where this rank appends its rows as they finish: ``out`` itself on one data-parallel rank,
+    else ``<out>.rank<R>.partial``; None on a tensor-parallel peer (it decodes the same rows)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    rank, world = data_parallel_position()
+    return JsonlAppender(out if world == 1 else f"{out}.rank{rank}.partial")
+
+
+def _evaluate(args: argparse.Namespace, cfg, model, tokenizer, task, examples, rows: Optional[JsonlAppender]):
+    return evaluate_model(
         model,
         tokenizer,
         task,
@@ -226,18 +268,8 @@ def _eval_rank(options: dict) -> int:
         n=args.n,
         ks=args.k,
         **sampling_options(args, cfg),
+        on_records=None if rows is None else rows.append,
     )
-    if bootstrap.is_main_rank():
-        out = args.out or default_eval_out(run.rollout.task, run.eval.split)
-        write_jsonl(out, result.records)
-        summary = args.summary or summary_path(out)
-        write_summary(summary, args, result, run)
-        print(
-            f"{run.rollout.task}/{run.eval.split}: accuracy {result.accuracy:.4f} "
-            f"(mean reward {result.mean_reward:.4f}, {result.num_examples} examples) -> {out}"
-        )
-        print(" ".join(f"{name} {value:.4f}" for name, value in result.metrics.items()) + f" -> {summary}")
-    return 0
 
 
 def write_summary(path: str, args: argparse.Namespace, result, cfg=None) -> None:

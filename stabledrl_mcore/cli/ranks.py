@@ -12,11 +12,12 @@ import argparse
 import json
 import os
 import shlex
+import sys
 from typing import List, Optional
 
 from stabledrl_mcore.checkpoint.info import MODEL_CONFIG
 from stabledrl_mcore.checkpoint.state import find_latest
-from stabledrl_mcore.cli.app import StartRanks
+from stabledrl_mcore.cli.app import EXIT_INTERRUPTED, StartRanks
 from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 from stabledrl_mcore.engine.run_dir import checkpoint_root
 from stabledrl_mcore.parallel import launch
@@ -30,11 +31,35 @@ _RUN_FLAGS = ("checkpoint.resume=", "checkpoint.overwrite=")
 
 
 def start_train(args: argparse.Namespace, start: StartRanks) -> int:
-    return _finish("train", args, start, _run(trainer.train_rank, args, start))
+    return _finish("train", args, start, _interruptible("train", trainer.train_rank, args, start))
 
 
 def start_sft(args: argparse.Namespace, start: StartRanks) -> int:
-    return _finish("sft", args, start, _run(sft_rank, args, start))
+    return _finish("sft", args, start, _interruptible("sft", sft_rank, args, start))
+
+
+def _interruptible(command: str, rank_fn, args: argparse.Namespace, start: StartRanks) -> int:
+    """:func:`_run`; a Ctrl-C of ``--nproc`` ranks (:class:`~stabledrl_mcore.parallel.launch.Interrupted`:
+    they are stopped) is one line naming the command that resumes the run, and status 130."""
+    try:
+        return _run(rank_fn, args, start)
+    except launch.Interrupted:
+        print(interrupted_line(command, args, start.cfg), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def interrupted_line(command: str, args: argparse.Namespace, cfg) -> str:
+    """``stabledrl train: interrupted; resume with: ...`` and the checkpoint it resumes from."""
+    path = find_latest(checkpoint_root(cfg))
+    where = f"from {path}" if path else "no checkpoint was saved yet, so it starts over"
+    return f"stabledrl {command}: interrupted; resume with: {shlex.join(resume_command(command, args))} ({where})"
+
+
+def resume_command(command: str, args: argparse.Namespace) -> List[str]:
+    """The command line that resumes this run from its newest checkpoint (``--resume auto``)."""
+    resume = ["stabledrl", command] + (["--config", args.config] if args.config else [])
+    resume += [o for o in args.overrides if not o.startswith(_RUN_FLAGS)]
+    return resume + (["--nproc", str(args.nproc)] if args.nproc else []) + ["--resume", "auto"]
 
 
 def _run(rank_fn, args: argparse.Namespace, start: StartRanks) -> int:
@@ -68,9 +93,7 @@ def checkpoint_line(command: str, args: argparse.Namespace, cfg) -> str:
     path = find_latest(root)
     if path is None:
         return f"checkpoint: none under {root} (checkpoint.save_every / checkpoint.dir)"
-    resume = ["stabledrl", command] + (["--config", args.config] if args.config else [])
-    resume += [o for o in args.overrides if not o.startswith(_RUN_FLAGS)]
-    resume += (["--nproc", str(args.nproc)] if args.nproc else []) + ["--resume", "auto"]
+    resume = resume_command(command, args)
     if command == "sft":
         use = "generate: " + shlex.join(["stabledrl", "generate", "--ckpt", path, "--prompt", "YOUR PROMPT"])
     else:

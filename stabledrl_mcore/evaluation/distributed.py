@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -41,6 +41,11 @@ class EvalResult:
     """Samples per example."""
     metrics: Dict[str, float] = field(default_factory=dict)
     """``pass@k``, ``maj@k``, ``mean@k`` for every k (means over examples)."""
+
+
+def data_parallel_position() -> tuple:
+    """``(rank, world)`` of this process among the data-parallel ranks (``(0, 1)`` undistributed)."""
+    return _dp_group()[1:]
 
 
 def _dp_group():
@@ -71,6 +76,7 @@ def evaluate_model(
     n: int = 1,
     ks: Optional[Sequence[int]] = None,
     compile: str = "none",
+    on_records: Optional[Callable[[List[Dict[str, Any]]], None]] = None,
 ) -> EvalResult:
     """Greedy (or sampled) completions for ``examples``; accuracy = share of samples with full reward.
 
@@ -80,7 +86,9 @@ def evaluate_model(
     :func:`~stabledrl_mcore.evaluation.at_k.default_ks`); the top-level fields are those of the first sample.
     ``compile``: how the decoding forwards run (``rollout.compile`` / ``--compile``; prompts are then
     left-padded to a multiple of :data:`~stabledrl_mcore.models.decoding.PROMPT_MULTIPLE` tokens).
-    ``progress``: one bar over rank 0's examples for the whole evaluation (the samplers show none)."""
+    ``progress``: one bar over rank 0's examples for the whole evaluation (the samplers show none).
+    ``on_records``: called on every rank with each batch's (chunk's) finished records of that rank,
+    in order, as they finish (what ``stabledrl eval`` appends to its results file)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ks = check_ks(ks, n) if ks is not None else default_ks(n)
@@ -105,10 +113,12 @@ def evaluate_model(
     shown = progress and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
     with tqdm(total=total, desc=desc, unit="example", disable=not shown, dynamic_ncols=True) as bar:
         if n == 1 and temperature == 0:
-            records = _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar)
+            records = _greedy_records(
+                model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar, on_records
+            )
         else:
             records = _sampled_records(
-                model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar
+                model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar, on_records
             )
     finish_forwards(model)  # expert parallelism: peers may still run forwards (see parallel.expert)
     if world > 1:
@@ -128,26 +138,29 @@ def evaluate_model(
     )
 
 
-def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar=None):
-    """One completion per example, batches of ``micro_batch`` within this rank's shard."""
+def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar=None, sink=None):
+    """One completion per example, batches of ``micro_batch`` within this rank's shard, each batch
+    scored (and handed to ``sink``) as it finishes."""
     mine = shard_examples(list(examples), rank, world)
-    completions: List[str] = []
+    records: List[Dict[str, Any]] = []
     prompts = [task.prompt(ex, tokenizer) for ex in mine]  # the exact texts, recorded with the results
     device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(seed + rank)
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
-            ids, valid = encode_prompts(
-                tokenizer,
-                prompts[start : start + micro_batch],
-                device=device,
-                multiple=prompt_multiple(sampling["compile"]),
-            )
+            batch = prompts[start : start + micro_batch]
+            ids, valid = encode_prompts(tokenizer, batch, device=device, multiple=prompt_multiple(sampling["compile"]))
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
-            completions += [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
+            completions = [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
+            scored = evaluate_completions(task, mine[start : start + len(batch)], completions, batch)[1]
+            for j, record in enumerate(scored):  # an example without its own index: its place in the shard
+                record["index"] = mine[start + j].meta.get("index", start + j)
+            records += scored
+            if sink is not None:
+                sink(scored)
             if bar is not None:
                 bar.update(ids.shape[0])
-    return evaluate_completions(task, mine, completions, prompts)[1]
+    return records
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
@@ -156,7 +169,9 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar=None):
+def _sampled_records(
+    model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar=None, sink=None
+):
     """``n`` samples per example, chunk by chunk (see the module docstring); one record per example."""
     examples = list(examples)
     per_chunk = max(1, micro_batch // n)
@@ -181,6 +196,8 @@ def _sampled_records(model, tokenizer, task, examples, rank, world, micro_batch,
                 record["index"] = ex.meta.get("index", c * per_chunk + j)
                 record.update(samples=samples, **sample_metrics(samples, ks, task.same_answer))
                 records.append(record)
+            if sink is not None:
+                sink(records[-len(chunks[c]) :])
             if bar is not None:
                 bar.update(len(chunks[c]))
     return records

@@ -76,9 +76,31 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8", errors="backslashreplace") as f:
         for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False, default=str))
-            f.write("\n")
+            f.write(_line(rec))
     return out
+
+
+def _line(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, ensure_ascii=False, default=str) + "\n"
+
+
+class JsonlAppender:
+    """A JSONL file written as the records finish: each :meth:`append` writes its records and
+    flushes them, so a run killed part-way leaves every finished row on disk (as :func:`write_jsonl`
+    writes them). The file is created empty (replaced) when opened."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.path = out
+        self._file = open(out, "w", encoding="utf-8", errors="backslashreplace")
+
+    def append(self, records: Iterable[dict[str, Any]]) -> None:
+        self._file.write("".join(_line(rec) for rec in records))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def shard_indices(n: int, rank: int, world_size: int, mode: str = "contiguous") -> list[int]:

@@ -8,7 +8,9 @@ deadline passes, so a failing rank never leaves the others hanging.
 
 Signals and lifetime: SIGTERM/SIGUSR1 sent to the launcher are forwarded to every
 rank; each rank gets ``PR_SET_PDEATHSIG`` (Linux), so SIGKILL of the launcher
-takes its ranks with it. A rank's return value is its exit status (``fn`` may
+takes its ranks with it. Ctrl-C (SIGINT, which a terminal sends to the launcher and its ranks
+alike) belongs to the launcher: the ranks ignore it, and the launcher stops them by PID and
+raises :class:`Interrupted` (no rank prints a traceback). A rank's return value is its exit status (``fn`` may
 return e.g. 75 after a pre-emption); :func:`spawn` returns them. A rank is done only when ``fn``
 returned: ``sys.exit`` inside it, or a process that ends without returning (``os._exit(0)``
 included), is a failure named by rank; the first failure named is the first rank to fail in
@@ -63,6 +65,10 @@ class WorkerFailed(RuntimeError):
         super().__init__(first_error)
         self.first_error, self.details, self.first_type = first_error, details, first_type
         self.exit_codes = list(exit_codes)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) reached the launcher of :func:`spawn`: every rank has been stopped."""
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -135,6 +141,7 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     time) is written. An exception, ``SystemExit`` included (``sys.exit`` in user code), writes
     ``rank<N>.error.json``; a rank that leaves neither (``os._exit``, a signal) failed too."""
     die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's (it stops the ranks)
     if hold:
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, lambda signum, frame: _HELD.append(signum))
@@ -272,7 +279,10 @@ def _failure(
         return None
     first_type, sent = (
         None,
-        "".join(f" after {signal.Signals(s).name} was forwarded to the ranks" for s in sorted(set(received))),
+        "".join(
+            f" after {signal.Signals(s).name} was forwarded to the ranks"
+            for s in sorted(set(received) & set(FORWARDED_SIGNALS))
+        ),
     )
     failures = [(bool(PEER_DEATH.search(errors[r]["line"])), errors[r]["time"], r) for r in errors]
     failures += [(False, done.get(r, {}).get("time", died.get(r, float("inf"))), r) for r in bad]
@@ -327,7 +337,8 @@ def spawn(
     names the first failing rank. SIGTERM/SIGUSR1 received meanwhile are forwarded
     to the ranks; with ``hold_signals`` a rank keeps them (see
     :func:`take_held_signals`) until ``fn`` installs its own handlers, instead of
-    dying of one during start-up.
+    dying of one during start-up. The ranks ignore SIGINT; a SIGINT to this process
+    (called from the main thread) stops them and raises :class:`Interrupted`.
     """
     ctx = mp.get_context("spawn")
     report_dir = tempfile.mkdtemp(prefix="stabledrl-spawn-")
@@ -346,11 +357,13 @@ def spawn(
     deadline, reason, stopped = time.monotonic() + timeout, None, []
     died: Dict[int, float] = {}  # rank -> when the launcher saw it end (time.time(), as the reports)
     try:
-        for proc in procs:
-            proc.start()
-        for sig in sorted(set(received)):  # arrived while the ranks were being started
+        _start(procs)
+        for sig in sorted(set(received) & set(FORWARDED_SIGNALS)):  # arrived while the ranks were being started
             _send(procs, sig)
         while any(p.is_alive() for p in procs):
+            if signal.SIGINT in received:
+                reason = "interrupted"
+                break
             _wait_for_deaths(procs, died, 0.05)
             if _read_reports(report_dir, world_size, "error") or _unexpected_exit(procs, report_dir, expected_codes):
                 reason = "a rank failed"
@@ -372,6 +385,9 @@ def spawn(
         _restore_signals(previous)
         if sys.exc_info()[0] is not None:  # e.g. Ctrl-C in the launcher: the ranks are gone, so is this
             shutil.rmtree(report_dir, ignore_errors=True)
+    if reason == "interrupted":
+        shutil.rmtree(report_dir, ignore_errors=True)
+        raise Interrupted()
     try:
         error = _failure(
             procs, report_dir, expected_codes, None if reason == "a rank failed" else reason, stopped, received, died
@@ -381,6 +397,19 @@ def spawn(
     if error is not None:
         raise error
     return [p.exitcode for p in procs]
+
+
+def _start(procs) -> None:
+    """Start the ranks with SIGINT ignored from their first instruction (an exec keeps an ignored
+    signal), so a Ctrl-C while a rank imports is no traceback either."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
 
 
 def _unexpected_exit(procs, report_dir: str, expected: Sequence[int]) -> bool:
@@ -410,7 +439,8 @@ def _wait_for_deaths(procs, died: Dict[int, float], timeout: float) -> None:
 
 
 def _forward_signals(procs, received: List[int]):
-    """Install SIGTERM/SIGUSR1 handlers that pass the signal on to every live rank."""
+    """Install SIGTERM/SIGUSR1 handlers that pass the signal on to every live rank, and a SIGINT
+    handler that only notes it (:func:`spawn` then stops the ranks)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
@@ -418,7 +448,10 @@ def _forward_signals(procs, received: List[int]):
         received.append(signum)
         _send(procs, signum)
 
-    return {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (a background job): left so
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    return previous
 
 
 def _send(procs, signum: int) -> None:
