@@ -59,6 +59,7 @@ HEAVY_OPTIONAL = (
     "pyarrow",
     "flash_attn",
     "apex",
+    "pynvml",
 )
 """Packages a function may import when it needs them: slow to import (megatron-core, transformers,
 matplotlib, flex attention's compiler) or used by one optional path only."""

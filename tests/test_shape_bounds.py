@@ -126,7 +126,7 @@ def test_gpu_ranks_are_checked_against_the_gpus_total_memory(capsys, tmp_path, m
     """parallel.backend=nccl: the GPU's total memory as nvidia-smi reports it (a stand-in script here:
     no GPU on the test host, and no CUDA context is created to read it); where no GPU memory can be
     read (a login node), nothing is refused."""
-    from stabledrl_mcore.config import memory
+    from stabledrl_mcore.cli import memory_check as memory
 
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()

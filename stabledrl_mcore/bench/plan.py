@@ -86,6 +86,7 @@ micro-batches) or ``1`` (SDAR: one micro-batch with the KV cache, so ``e_roll = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -562,8 +563,6 @@ def spec_for_run(cfg, mcfg, world: int, *, gpu_memory_gib: float, impl: str) -> 
     sequence is ``rollout.gen_length`` tokens (the prompt, unknown before the data is tokenised, adds to
     it), no ``overhead``, and a decoding forward holds the fewest rows a run can use: ``rollout.decode_rows``,
     else ``lcm(parallel.micro_batch_size, rollout.group_size)`` (whole groups and micro-batches)."""
-    import math
-
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     return PlanSpec(
         model=mcfg,

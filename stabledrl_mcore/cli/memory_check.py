@@ -14,12 +14,18 @@ is refused.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 from typing import Optional, Tuple
 
+import psutil
+import torch
+
+from stabledrl_mcore.bench.plan import estimate, spec_for_run
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 
 GIB = 1024**3
 
@@ -54,8 +60,6 @@ def _gpu_total_bytes() -> Optional[int]:
 
 def rank_memory(cfg, world_size: Optional[int]) -> Optional[Tuple[float, str, bool]]:
     """``(bytes one rank may use, where that number comes from, on GPU)``; None when unknown."""
-    import torch
-
     backend = cfg.parallel.backend
     gpu = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
     if gpu:
@@ -63,8 +67,6 @@ def rank_memory(cfg, world_size: Optional[int]) -> Optional[Tuple[float, str, bo
         if total is None:
             return None
         return float(total), f"{total / GIB:.1f} GiB of GPU memory per rank", True
-    import psutil
-
     local = 1
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         value = os.environ.get(name, "")
@@ -121,9 +123,6 @@ def check_memory(cfg, mcfg, world_size: Optional[int]) -> Optional[dict]:
     """Refuse ``cfg`` (a :class:`ConfigError`, one line) when ``stabledrl plan``'s estimate of one rank
     exceeds the memory of the device its ranks use; the estimate (or None: memory unknown, or a
     layout the planner cannot model, checked elsewhere)."""
-    from stabledrl_mcore.bench.plan import estimate, spec_for_run
-    from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
-
     memory = rank_memory(cfg, world_size)
     if memory is None:
         return None
@@ -147,6 +146,4 @@ def check_memory(cfg, mcfg, world_size: Optional[int]) -> Optional[dict]:
 
 
 def _lcm(a: int, b: int) -> int:
-    import math
-
     return math.lcm(max(a, 1), max(b, 1))
