@@ -46,13 +46,17 @@ def test_a_completion_of_ten_million_tokens_is_refused_by_print_config(capsys, t
     line = _refused(capsys, tmp_path, "rollout.gen_length=10000000", "rollout.block_length=10000000")
     assert "memory: one rank needs at least" in line, line
     assert "rollout.gen_length=10000000" in line and "parallel.micro_batch_size=4" in line, line
-    assert "GiB of host memory available" in line, line
+    assert "at most 192 GiB on any GPU" in line, line  # parallel.backend=auto, no GPU: the largest GPU's
+    line = _refused(
+        capsys, tmp_path, "parallel.backend=gloo", "rollout.gen_length=10000000", "rollout.block_length=10000000"
+    )
+    assert "GiB of host memory available" in line, line  # a CPU run: this host's memory
 
 
 def test_a_group_of_a_hundred_thousand_is_refused_where_it_cannot_fit(capsys, tmp_path, monkeypatch):
     """The issue's second reproduction (~8 GB, then a traceback): a decoding forward holds whole groups,
-    so group_size 1e5 means 1e5 rows at once (about 6 GiB by the planner). On a host with 4 GiB
-    available (a laptop; stubbed here, the test host may have more) it is refused naming the field."""
+    so group_size 1e5 means 1e5 rows at once (about 6 GiB by the planner). A CPU run on a host with
+    4 GiB available (a laptop; stubbed here, the test host may have more) is refused naming the field."""
     import psutil
 
     Memory = namedtuple("Memory", "available total")
@@ -60,6 +64,7 @@ def test_a_group_of_a_hundred_thousand_is_refused_where_it_cannot_fit(capsys, tm
     line = _refused(
         capsys,
         tmp_path,
+        "parallel.backend=gloo",  # a CPU run (with auto and no GPU visible, only > 192 GiB is refused)
         "rollout.group_size=100000",
         "rollout.gen_length=8",
         "rollout.block_length=8",

@@ -58,11 +58,19 @@ def _gpu_total_bytes() -> Optional[int]:
         return None
 
 
+LARGEST_GPU_GIB = 192
+"""The most memory one GPU has today (B200: 192 GB), the bound where the ranks' device is unknown."""
+
+
 def rank_memory(cfg, world_size: Optional[int]) -> Optional[Tuple[float, str, bool]]:
-    """``(bytes one rank may use, where that number comes from, on GPU)``; None when unknown."""
+    """``(bytes one rank may use, where that number comes from, on GPU)``; None when unknown.
+
+    ``parallel.backend=nccl`` (or ``auto`` where CUDA is visible): the GPU's total memory.
+    ``gloo``: this host's available memory shared by its ranks. ``auto`` with no GPU visible (a login
+    node checking a GPU recipe, or a CPU run): the ranks may run on GPUs elsewhere, so only what exceeds
+    both this host's share and the largest GPU (:data:`LARGEST_GPU_GIB`) is refused."""
     backend = cfg.parallel.backend
-    gpu = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
-    if gpu:
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
         total = _gpu_total_bytes()
         if total is None:
             return None
@@ -77,7 +85,15 @@ def rank_memory(cfg, world_size: Optional[int]) -> Optional[Tuple[float, str, bo
         local = world_size or 1
     available = psutil.virtual_memory().available
     share = f" / {local} ranks on this host" if local > 1 else ""
-    return available / local, f"{available / GIB:.1f} GiB of host memory available{share}", False
+    source = f"{available / GIB:.1f} GiB of host memory available{share}"
+    if backend == "gloo" or available / local >= LARGEST_GPU_GIB * GIB:
+        return available / local, source, False
+    return (
+        float(LARGEST_GPU_GIB * GIB),
+        f"at most {LARGEST_GPU_GIB} GiB on any GPU (parallel.backend=auto and no GPU is visible here: "
+        f"set parallel.backend=gloo to check against {source})",
+        False,
+    )
 
 
 def _drivers(cfg, est) -> str:
