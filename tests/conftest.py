@@ -35,8 +35,8 @@ def native_threads() -> collections.Counter:
     return names
 
 
-def gloo_threads() -> int:
-    threads = native_threads()
+def gloo_threads(threads: collections.Counter) -> int:
+    """How many of ``threads`` (by name) are gloo's."""
     return sum(threads[name] for name in GLOO_THREADS)
 
 
@@ -61,10 +61,11 @@ def _no_process_group_left_behind():
 def pytest_sessionfinish(session, exitstatus):
     gc.collect()
     threads = native_threads()
-    if gloo_threads() > GLOO_THREAD_LIMIT and not session.config.option.collectonly:
+    gloo = gloo_threads(threads)
+    if gloo > GLOO_THREAD_LIMIT and not session.config.option.collectonly:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         line = (
-            f"{gloo_threads()} gloo threads alive at the end of the suite (limit {GLOO_THREAD_LIMIT}): a test "
+            f"{gloo} gloo threads alive at the end of the suite (limit {GLOO_THREAD_LIMIT}): a test "
             f"module left a process group running; threads by name: {dict(threads.most_common(6))}"
         )
         if reporter is not None:

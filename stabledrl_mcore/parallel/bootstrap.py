@@ -18,6 +18,7 @@ compatibility layer :mod:`stabledrl_mcore.parallel.cpu_compat` is enabled).
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import random
 import re
@@ -294,13 +295,12 @@ def _rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta):
         return store
     # the launcher's store outlives a destroy(): each start-up gets its own keys (torch restarts
     # its group names from 0 after destroy_process_group)
-    _AGENT_STORE_STARTS.append(None)
-    return torch.distributed.PrefixStore(f"stabledrl-start{len(_AGENT_STORE_STARTS)}", store)
+    return torch.distributed.PrefixStore(f"stabledrl-start{next(_AGENT_STORE_STARTS)}", store)
 
 
-_AGENT_STORE_STARTS: List[None] = []
-"""One entry per process-group start-up of this process in a launcher's store (every rank runs
-the same start-ups, so the counts agree)."""
+_AGENT_STORE_STARTS = itertools.count(1)
+"""Numbers this process's process-group start-ups in a launcher's store (every rank runs the same
+start-ups, so the numbers agree)."""
 
 
 def destroy() -> None:
