@@ -40,6 +40,14 @@ def gloo_threads(threads: collections.Counter) -> int:
     return sum(threads[name] for name in GLOO_THREADS)
 
 
+@pytest.fixture(scope="module")
+def llada_hf(tmp_path_factory) -> str:
+    """A tiny LLaDA checkpoint in the Hugging Face format (``hf_fixtures``, seed 3), one per module."""
+    from hf_fixtures import write_hf_checkpoint
+
+    return write_hf_checkpoint(str(tmp_path_factory.mktemp("hf") / "llada"), "llada", seed=3)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_process_group_left_behind():
     """After each module (its own fixtures torn down first): destroy whatever process group and

@@ -11,7 +11,6 @@ import re
 import shlex
 
 import pytest
-from hf_fixtures import write_hf_checkpoint
 
 from stabledrl_mcore.cli.app import build_parser, main
 from stabledrl_mcore.tasks.prompts import PromptFormat
@@ -24,15 +23,6 @@ ROWS = [  # columns named unlike qa's defaults (prompt / answer); gold is a regu
     {"question": "tok13", "gold": "tok1[0-9]"},
     {"question": "tok14 tok15 tok16", "gold": "never"},
 ]
-
-
-@pytest.fixture(scope="module")
-def llada(tmp_path_factory):
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
-
-    yield write_hf_checkpoint(str(tmp_path_factory.mktemp("evalopt") / "llada"), "llada", seed=3)
-    bootstrap.destroy()
-    cpu_compat.disable()
 
 
 @pytest.fixture
@@ -77,7 +67,7 @@ def _one_line(capsys, argv, code=2):
     return lines[0]
 
 
-def test_eval_qa_on_other_columns_with_a_chosen_verifier_takes_trains_keys(llada, qa_file, tmp_path, monkeypatch):
+def test_eval_qa_on_other_columns_with_a_chosen_verifier_takes_trains_keys(llada_hf, qa_file, tmp_path, monkeypatch):
     """The same overrides train takes score a file with columns question/gold by the regex verifier;
     each record's reward is re-derived here with Python's re from its completion."""
     monkeypatch.chdir(tmp_path)
@@ -91,7 +81,7 @@ def test_eval_qa_on_other_columns_with_a_chosen_verifier_takes_trains_keys(llada
     # train takes exactly these keys (its preflight builds the task from them)
     assert main(["train", "--config", CONFIG, *keys, f"rollout.data_path={qa_file}", "--print-config"]) == 0
     sampling = ["--gen-length", "4", "--steps", "4", "--block-length", "4", "--no-progress", "--batch-size", "2"]
-    assert main(["eval", "--ckpt", llada, "--data-path", qa_file, *keys, *sampling, "--out", "a.jsonl"]) == 0
+    assert main(["eval", "--ckpt", llada_hf, "--data-path", qa_file, *keys, *sampling, "--out", "a.jsonl"]) == 0
     records = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
     assert [r["question"] for r in records] == [row["question"] for row in ROWS]
     assert [r["reference"] for r in records] == [row["gold"] for row in ROWS]
@@ -110,7 +100,7 @@ def test_eval_qa_on_other_columns_with_a_chosen_verifier_takes_trains_keys(llada
         f"  task_options: {{verifier: regex, pattern: '{PATTERN}'}}\n"
         f"eval:\n  data_path: {qa_file}\n"
     )
-    assert main(["eval", "--ckpt", llada, "--config", str(run), *sampling, "--out", "b.jsonl"]) == 0
+    assert main(["eval", "--ckpt", llada_hf, "--config", str(run), *sampling, "--out", "b.jsonl"]) == 0
     again = [json.loads(line) for line in open(tmp_path / "b.jsonl")]
     assert [(r["completion"], r["reward"]) for r in again] == [(r["completion"], r["reward"]) for r in records]
 
@@ -134,7 +124,7 @@ def test_eval_help_lists_every_registered_task(capsys):
         _REGISTRY.pop("zz_help_probe", None)
 
 
-def test_eval_progress_is_one_bar_over_the_examples(llada, monkeypatch):
+def test_eval_progress_is_one_bar_over_the_examples(llada_hf, monkeypatch):
     """One bar for the whole evaluation, counted in examples; the samplers draw none."""
     from stabledrl_mcore import load_model
     from stabledrl_mcore.diffusion import sampling_common
@@ -167,7 +157,7 @@ def test_eval_progress_is_one_bar_over_the_examples(llada, monkeypatch):
     )
     task = get_task("qa", verifier="exact")
     examples = [Example(prompt=f"tok{10 + i}", reference="x", meta={"index": i}) for i in range(5)]
-    model, tokenizer = load_model(llada), load_tokenizer(llada)
+    model, tokenizer = load_model(llada_hf), load_tokenizer(llada_hf)
     sampling = dict(gen_length=4, steps=4, block_length=4)
     for n, temperature in ((1, 0.0), (2, 1.0)):
         bars.clear()
@@ -179,12 +169,12 @@ def test_eval_progress_is_one_bar_over_the_examples(llada, monkeypatch):
     assert sampler_bars and not any(sampler_bars)  # one sampler call per batch, none showing a bar
 
 
-def test_every_hint_of_eval_names_an_option_it_takes_and_works_when_followed(llada, tmp_path, capsys, monkeypatch):
+def test_every_hint_of_eval_names_an_option_it_takes_and_works_when_followed(llada_hf, tmp_path, capsys, monkeypatch):
     from stabledrl_mcore.cli import eval as eval_cmd
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(eval_cmd, "_eval_rank", lambda options: pytest.fail("a rank started"))
-    base = ["eval", "--ckpt", llada, "--no-progress"]
+    base = ["eval", "--ckpt", llada_hf, "--no-progress"]
     csv = tmp_path / "cols.csv"
     csv.write_text("question,gold\ntok5,tok6\n")
     cases = [
@@ -218,7 +208,7 @@ def test_every_hint_of_eval_names_an_option_it_takes_and_works_when_followed(lla
     capsys.readouterr()
 
 
-def test_the_training_prompts_note_can_be_followed(llada, tmp_path, capsys, monkeypatch):
+def test_the_training_prompts_note_can_be_followed(llada_hf, tmp_path, capsys, monkeypatch):
     """A checkpoint trained with a system prompt and no chat template, evaluated with a template and
     no system prompt: the note's fixes, typed as printed, make the note go away."""
 
@@ -248,12 +238,12 @@ def test_the_training_prompts_note_can_be_followed(llada, tmp_path, capsys, monk
     assert config[0] == "--config" and note(config) == ""
 
 
-def test_generate_takes_trains_prompt_options_and_its_hints_name_real_flags(llada, tmp_path, capsys):
+def test_generate_takes_trains_prompt_options_and_its_hints_name_real_flags(llada_hf, tmp_path, capsys):
     from stabledrl_mcore.tasks import get_task
     from stabledrl_mcore.tasks.base import Example
     from stabledrl_mcore.tasks.tokenizer import load_tokenizer
 
-    common = ["generate", "--ckpt", llada, "--prompt", "tok5", "--gen-length", "4", "--no-progress"]
+    common = ["generate", "--ckpt", llada_hf, "--prompt", "tok5", "--gen-length", "4", "--no-progress"]
     out = tmp_path / "g.jsonl"
     # with a task named, the prompt is the one train renders for that task (its system prompt)
     assert main(common + ["rollout.task=gsm8k", "rollout.prompt_template='Q: {question}'", "--out", str(out)]) == 0
@@ -261,7 +251,7 @@ def test_generate_takes_trains_prompt_options_and_its_hints_name_real_flags(llad
     from stabledrl_mcore.tasks.prompts import prompt_format
 
     trained.prompt_format = prompt_format(None, "Q: {question}")
-    want = trained.prompt(Example(prompt="tok5", reference=None), load_tokenizer(llada))
+    want = trained.prompt(Example(prompt="tok5", reference=None), load_tokenizer(llada_hf))
     assert json.loads(out.read_text())["prompt"] == want and "Q: tok5" in want
     for extra, needle in (
         (["rollout.prompt_key=q"], "not an option of stabledrl generate"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_fixtures import write_hf_checkpoint
 
 from stabledrl_mcore.cli.app import main
 
@@ -17,15 +16,6 @@ SAMPLING = ["--gen-length", "4", "--steps", "4", "--block-length", "4", "--no-pr
 
 class Stopped(Exception):
     """What the injected fault raises (a kill, in-process)."""
-
-
-@pytest.fixture(scope="module")
-def llada(tmp_path_factory):
-    from stabledrl_mcore.parallel import bootstrap, cpu_compat
-
-    yield write_hf_checkpoint(str(tmp_path_factory.mktemp("evalrows") / "llada"), "llada", seed=3)
-    bootstrap.destroy()
-    cpu_compat.disable()
 
 
 @pytest.fixture
@@ -40,12 +30,12 @@ def _rows(path):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_an_eval_stopped_part_way_leaves_its_finished_rows(llada, qa_file, tmp_path, monkeypatch, capsys, sampled):
+def test_an_eval_stopped_part_way_leaves_its_finished_rows(llada_hf, qa_file, tmp_path, monkeypatch, capsys, sampled):
     from stabledrl_mcore.evaluation import distributed
 
     monkeypatch.chdir(tmp_path)
     flags = ["--n", "2", "--temperature", "1.0", "--batch-size", "4"] if sampled else ["--batch-size", "2"]
-    argv = ["eval", "--ckpt", llada, "--task", "qa", "--data-path", qa_file, *SAMPLING, *flags]
+    argv = ["eval", "--ckpt", llada_hf, "--task", "qa", "--data-path", qa_file, *SAMPLING, *flags]
     assert main([*argv, "--out", "full.jsonl"]) == 0  # two examples per decoded batch either way
     full = _rows(tmp_path / "full.jsonl")
     assert [r["question"] for r in full] == [row["prompt"] for row in ROWS]
@@ -68,12 +58,12 @@ def test_an_eval_stopped_part_way_leaves_its_finished_rows(llada, qa_file, tmp_p
     assert _rows(tmp_path / "cut.jsonl") == full[:4]
 
 
-def test_ranks_write_partial_files_merged_at_the_end(llada, qa_file, tmp_path, monkeypatch, capsys):
+def test_ranks_write_partial_files_merged_at_the_end(llada_hf, qa_file, tmp_path, monkeypatch, capsys):
     """With two data-parallel ranks each appends to ``<out>.rank<R>.partial``; the finished run
     merges them into ``--out`` (the single-rank rows) and removes them; one left by a stopped run
     is refused without ``--overwrite``."""
     monkeypatch.chdir(tmp_path)
-    argv = ["eval", "--ckpt", llada, "--task", "qa", "--data-path", qa_file, *SAMPLING, "--batch-size", "2"]
+    argv = ["eval", "--ckpt", llada_hf, "--task", "qa", "--data-path", qa_file, *SAMPLING, "--batch-size", "2"]
     assert main([*argv, "--out", "one.jsonl"]) == 0
     assert main([*argv, "--out", "two.jsonl", "--nproc", "2", "--threads", "1"]) == 0
     assert _rows(tmp_path / "two.jsonl") == _rows(tmp_path / "one.jsonl")
@@ -84,7 +74,7 @@ def test_ranks_write_partial_files_merged_at_the_end(llada, qa_file, tmp_path, m
     assert "three.jsonl.rank1.partial exists; pass --overwrite" in capsys.readouterr().err
 
 
-def test_ctrl_c_of_eval_nproc_is_one_line(llada, qa_file, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_of_eval_nproc_is_one_line(llada_hf, qa_file, tmp_path, monkeypatch, capsys):
     """The ``--nproc`` launcher stopped its ranks on Ctrl-C (``launch.Interrupted``): one line, 130."""
     from stabledrl_mcore.parallel import launch
 
@@ -93,6 +83,6 @@ def test_ctrl_c_of_eval_nproc_is_one_line(llada, qa_file, tmp_path, monkeypatch,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch, "spawn", interrupted)
-    argv = ["eval", "--ckpt", llada, "--task", "qa", "--data-path", qa_file, *SAMPLING, "--nproc", "2"]
+    argv = ["eval", "--ckpt", llada_hf, "--task", "qa", "--data-path", qa_file, *SAMPLING, "--nproc", "2"]
     assert main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["stabledrl eval: interrupted"]

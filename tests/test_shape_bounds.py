@@ -146,3 +146,73 @@ def test_gpu_ranks_are_checked_against_the_gpus_total_memory(capsys, tmp_path, m
     monkeypatch.setattr(memory, "_gpu_total_bytes", lambda: None)
     cfg_argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}", "parallel.backend=nccl"]
     assert main([*cfg_argv, "rollout.gen_length=10000000", "rollout.block_length=10000000", "--print-config"]) == 0
+
+
+def _tokenised(monkeypatch) -> list:
+    """The length of every text any of the project's tokenizers is given from now on."""
+    from stabledrl_mcore.tasks import tokenizer as tokenizer_module
+
+    seen = []
+    for cls in vars(tokenizer_module).values():
+        if isinstance(cls, type) and "encode" in vars(cls):
+            original = vars(cls)["encode"]
+
+            def encode(self, text, *args, _original=original, **kwargs):
+                seen.append(len(text))
+                return _original(self, text, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "encode", encode)
+    return seen
+
+
+# the tiny HF checkpoint: max_position_embeddings 64, so with --gen-length 4 a question holds
+# 16 x (64 - 4) = 960 characters
+SAMPLING = ["--gen-length", "4", "--steps", "4", "--block-length", "4", "--no-progress"]
+TOO_LONG = "The quick brown fox jumps over the lazy dog. " * 30  # 1,350 characters
+
+
+def _one_error_line(capsys, argv) -> str:
+    assert main(argv) == 2, argv
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_eval_refuses_a_too_long_row_by_index_before_any_tokenizer(llada_hf, capsys, tmp_path, monkeypatch):
+    """``eval --data-path`` applies train's rule (it tokenised the whole row and decoded it)."""
+    monkeypatch.chdir(tmp_path)  # eval's default results file
+    data = tmp_path / "qa.jsonl"
+    rows = [{"prompt": "tok5", "answer": "4"}, {"prompt": TOO_LONG, "answer": "4"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    seen = _tokenised(monkeypatch)
+    line = _one_error_line(capsys, ["eval", "--ckpt", llada_hf, "--task", "qa", "--data-path", str(data), *SAMPLING])
+    assert f"eval.data_path={data} row 1: the question is 1,350 characters, more than the 960" in line, line
+    assert "max_position_embeddings 64 - --gen-length 4" in line and "refused, not truncated" in line, line
+    assert seen == [], "nothing was tokenised"
+    # a file of rows within the budget passes
+    data.write_text(json.dumps(rows[0]) + "\n")
+    assert main(["eval", "--ckpt", llada_hf, "--task", "qa", "--data-path", str(data), *SAMPLING, "--check"]) == 0
+
+
+def test_generate_refuses_a_too_long_prompt_and_a_fifo_by_name(llada_hf, capsys, tmp_path, monkeypatch):
+    seen = _tokenised(monkeypatch)
+    base = ["generate", "--ckpt", llada_hf, *SAMPLING]
+    line = _one_error_line(capsys, [*base, "--prompt", "tok5", "--prompt", TOO_LONG])
+    assert line.endswith(
+        "--prompt #2: the question is 1,350 characters, more than the 960 a prompt may hold (16 characters per "
+        "token of the prompt budget, 60 tokens = the model's max_position_embeddings 64 - --gen-length 4); such "
+        "rows are refused, not truncated: shorten or drop the row (docs/data.md)"
+    ), line
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"tok5\n\n{TOO_LONG}\n")
+    line = _one_error_line(capsys, [*base, "--prompts", str(prompts)])
+    assert f"--prompts {prompts} line 3: the question is 1,350 characters" in line, line
+    assert seen == [], "nothing was tokenised"
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    line = _one_error_line(capsys, [*base, "--prompts", str(fifo)])
+    assert line.endswith(
+        f"--prompts {fifo} is a FIFO (named pipe), not a regular file; give a text file, one prompt a line"
+    )
+    assert time.monotonic() - start < 60

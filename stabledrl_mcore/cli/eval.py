@@ -33,6 +33,7 @@ from stabledrl_mcore.evaluation.scoring import JsonlAppender, write_jsonl
 from stabledrl_mcore.models.model import build_model
 from stabledrl_mcore.parallel import bootstrap, launch
 from stabledrl_mcore.tasks.base import GENERATED_TASKS, available_tasks
+from stabledrl_mcore.tasks.from_config import check_prompt_lengths
 from stabledrl_mcore.tasks.prompts import PromptFormat
 
 
@@ -172,7 +173,8 @@ def _eval_inputs(args: argparse.Namespace):
 
     The task is built as ``train`` builds it (``rollout.task``, ``task_options``, ``prompt_key`` /
     ``answer_key``, ``reward_fn``, the prompt fields); the examples are those of ``eval.split``
-    (``--split``) from ``eval.data_path`` (``--data-path``) or the task's own data."""
+    (``--split``) from ``eval.data_path`` (``--data-path``) or the task's own data, a question too long
+    for the model's positions refused by its row as ``train`` refuses it."""
 
     _check_ckpt(args)
     cfg = eval_config(args)
@@ -194,6 +196,7 @@ def _eval_inputs(args: argparse.Namespace):
             f"rollout.task={cfg.rollout.task}: {source} holds no examples to evaluate"
             + (f" with --limit {args.limit}" if args.limit is not None else "")
         )
+    check_prompt_lengths(examples, cfg, read_config(args.ckpt), "eval", gen_length=args.gen_length)  # before tokenising
     return cfg, task, examples
 
 

@@ -23,11 +23,13 @@ from stabledrl_mcore.cli.args import (
 )
 from stabledrl_mcore.cli.data_args import GENERATE_FIELDS, command_config, command_task, names_a_task
 from stabledrl_mcore.common.errors import UserError
+from stabledrl_mcore.common.files import special_kind
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.evaluation.scoring import write_jsonl
 from stabledrl_mcore.models.decoding import prompt_multiple
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.tasks.base import Example
+from stabledrl_mcore.tasks.from_config import refuse_long_questions
 from stabledrl_mcore.tasks.prompts import encode_prompts
 
 GENERATE_FLAGS = (
@@ -84,9 +86,17 @@ def run_generate(args: argparse.Namespace) -> int:
     ``input`` as given and the exact ``prompt`` the model saw."""
 
     prompts: List[str] = list(args.prompt or [])
+    lines: List[int] = []  # --prompts FILE: each prompt's line number (1-based)
     if args.prompts:
+        kind = special_kind(args.prompts)
+        if kind:  # reading a FIFO would block until something writes to it
+            raise UserError(
+                f"--prompts {args.prompts} is {kind}, not a regular file; give a text file, one prompt a line"
+            )
         with open(args.prompts) as handle:
-            prompts += [line.rstrip("\n") for line in handle if line.strip()]
+            numbered = [(n, line.rstrip("\n")) for n, line in enumerate(handle, 1) if line.strip()]
+        lines = [n for n, _ in numbered]
+        prompts += [text for _, text in numbered]
     if not prompts:
         print("stabledrl generate: error: give --prompt TEXT or --prompts FILE", file=sys.stderr)
         return 2
@@ -99,7 +109,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.ckpt):
         raise UserError(f"--ckpt {args.ckpt}: no such checkpoint directory")
     check_loadable(args.ckpt, trust_unverified=args.trust_unverified)
-    sampling_options(args, read_config(args.ckpt))  # the sampler's shape rules, before the model loads
+    mcfg = read_config(args.ckpt)
+    sampling_options(args, mcfg)  # the sampler's shape rules, before the model loads
+    given_n = len(args.prompt or [])  # before tokenising: a question longer than the positions allow
+    for source, labels, texts in (
+        ("--prompt", [f"#{i + 1}" for i in range(given_n)], prompts[:given_n]),
+        (f"--prompts {args.prompts}", [f"line {n}" for n in lines], prompts[given_n:]),
+    ):
+        refuse_long_questions(zip(labels, texts), source, mcfg, args.gen_length, "--gen-length")
     tokenizer = cli_tokenizer(args)
     render = _prompt_renderer(args, tokenizer)
     texts = [render(p) for p in prompts]

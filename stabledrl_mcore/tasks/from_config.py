@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Iterable, List, Optional, Tuple
 
 from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.tasks.base import GENERATED_TASKS, Example, get_task
@@ -92,32 +92,47 @@ PROMPT_CHARS_PER_TOKEN = 16
 text a tokenizer is ever given."""
 
 
-def prompt_budget(cfg, mcfg) -> tuple:
+def prompt_budget(mcfg, gen_length: int, gen_name: str = "rollout.gen_length") -> tuple:
     """``(tokens, why)``: the prompt tokens a sequence has room for, the model's ``max_position_embeddings``
-    less ``rollout.gen_length`` (the positions alone when the completion takes them all: the memory
-    check judges such a completion), and how that number was found."""
-    positions, gen = mcfg.max_position_embeddings, cfg.rollout.gen_length
-    if gen < positions:
-        return positions - gen, f"the model's max_position_embeddings {positions} - rollout.gen_length {gen}"
+    less the completion's ``gen_length`` (named ``gen_name`` in the reason; the positions alone when the completion takes them all: the
+    memory check judges such a completion), and how that number was found."""
+    positions = mcfg.max_position_embeddings
+    if gen_length < positions:
+        return positions - gen_length, f"the model's max_position_embeddings {positions} - {gen_name} {gen_length}"
     return positions, f"the model's max_position_embeddings {positions}"
 
 
-def check_prompt_lengths(examples: List[Example], cfg, mcfg, section: str = "rollout") -> None:
-    """Refuse (:class:`DataError`, naming the data, the row and its length) the first example whose
-    question is longer than ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on the
-    text as loaded, before anything tokenises it: a row is refused, never truncated (a cut question is
-    another question). ``section``: ``rollout`` (training data) or ``eval`` (held-out data)."""
-    budget, why = prompt_budget(cfg, mcfg)
+def refuse_long_questions(
+    questions: Iterable[Tuple[Any, str]], source: str, mcfg, gen_length: int, gen_name: str = "rollout.gen_length"
+) -> None:
+    """Refuse (:class:`DataError`, naming ``source``, the row and its length) the first ``(row, text)``
+    (``row`` as the message names it, e.g. ``"row 3"``) whose text is longer than ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on
+    the text as loaded, before anything tokenises it: a row is refused, never truncated (a cut question
+    is another question). ``train``, ``eval`` and ``generate`` all apply it."""
+    budget, why = prompt_budget(mcfg, gen_length, gen_name)
     limit = PROMPT_CHARS_PER_TOKEN * budget
-    for position, example in enumerate(examples):
-        length = len(example.prompt)
-        if length <= limit:
-            continue
-        path = getattr(getattr(cfg, section), "data_path", None)
-        source = f"{section}.data_path={path}" if path else f"task {cfg.rollout.task}"
-        index = example.meta.get("index", position) if isinstance(example.meta, dict) else position
-        raise DataError(
-            f"{source} row {index}: the question is {length:,} characters, more than the {limit:,} a prompt "
-            f"may hold ({PROMPT_CHARS_PER_TOKEN} characters per token of the prompt budget, {budget} tokens = "
-            f"{why}); such rows are refused, not truncated: shorten or drop the row (docs/data.md)"
-        )
+    for row, text in questions:
+        if len(text) > limit:
+            raise DataError(
+                f"{source} {row}: the question is {len(text):,} characters, more than the {limit:,} a prompt "
+                f"may hold ({PROMPT_CHARS_PER_TOKEN} characters per token of the prompt budget, {budget} tokens = "
+                f"{why}); such rows are refused, not truncated: shorten or drop the row (docs/data.md)"
+            )
+
+
+def check_prompt_lengths(
+    examples: List[Example], cfg, mcfg, section: str = "rollout", gen_length: Optional[int] = None
+) -> None:
+    """:func:`refuse_long_questions` on a task's examples (their row index where the task recorded it).
+    ``section``: ``rollout`` (training data) or ``eval`` (held-out data); ``gen_length``: the
+    completion's length when it is not ``rollout.gen_length`` (``eval --gen-length``)."""
+    path = getattr(getattr(cfg, section), "data_path", None)
+    source = f"{section}.data_path={path}" if path else f"task {cfg.rollout.task}"
+    rows = (
+        (f"row {example.meta.get('index', position) if isinstance(example.meta, dict) else position}", example.prompt)
+        for position, example in enumerate(examples)
+    )
+    if gen_length is None:
+        refuse_long_questions(rows, source, mcfg, cfg.rollout.gen_length)
+    else:
+        refuse_long_questions(rows, source, mcfg, gen_length, "--gen-length")
