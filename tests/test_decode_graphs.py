@@ -228,26 +228,72 @@ def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert rows[0]["rollout_compile_s"] > 0 and rows[1]["rollout_compile_s"] == 0.0
     assert rows[0]["rollout_decode_rows"] == rows[1]["rollout_decode_rows"] == 2 * 4  # 2 prompts x G=4
-    assert "rollouts decode 8 rows per forward (set by the memory left for the KV cache)" in capsys.readouterr().out
+    assert "rollouts decode 8 rows per forward (set by the memory left for decoding)" in capsys.readouterr().out
     cache = run_dir / "inductor-cache"  # rollout.compile_cache_dir's default: a requeued job reuses it
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache) and any(p.is_file() for p in cache.rglob("*"))
 
 
-def test_decode_rows_follow_the_memory_left_for_the_kv_cache(megatron_tp1, monkeypatch):
+def test_decode_rows_follow_the_memory_left_for_decoding(megatron_tp1, monkeypatch):
     from stabledrl_mcore.models.decoding import decode_row_bytes, decode_rows_for_memory
     from stabledrl_mcore.rl import group_rollout
 
     model = _model("sdar", layers=2)
     cfg = model.dllm_config
-    # keys and values of 2 layers x 2 query groups x 16 dims x 40 positions in fp32, plus the block's
-    # logits (fp32) and the sampler's float64 work per vocabulary entry
-    assert decode_row_bytes(model, 40, 4, cfg.vocab_size) == 2 * 2 * 2 * 16 * 40 * 4 + 4 * cfg.vocab_size * (4 + 28)
+    # keys and values of 2 layers x 2 query groups x 16 dims x 40 positions in fp32; the largest
+    # forward's working memory per query token: the residual, its normed copy and a sublayer's output
+    # (3 x 64) beside the
+    # larger of attention's (2 x 4 heads + 2 x 2 groups) x 16 (+ on CPU the 4 heads x 10 x 40 scores)
+    # and the MLP's 4 x 176; the block's logits (fp32) and the sampler's float64 work per vocabulary entry
+    kv = 2 * 2 * 2 * 16 * 40 * 4
+    attention, mlp = 10 * 4 * (3 * 64 + 12 * 16) + 4 * 4 * 10 * 40, 10 * 4 * (3 * 64 + 4 * 176)
+    sampler = 4 * cfg.vocab_size * (4 + 28)
+    assert decode_row_bytes(model, 40, 4, cfg.vocab_size, query=10, cached=True) == kv + max(attention, mlp) + sampler
+    assert decode_row_bytes(model, 40, 4, cfg.vocab_size, query=10, cached=False) == max(attention, mlp) + sampler
+    assert (
+        decode_row_bytes(model, 40, 4, cfg.vocab_size, query=40, cached=False)
+        > 40 * 4 * (3 * 64 + 12 * 16) + 4 * 4 * 40 * 40
+    )
     assert decode_rows_for_memory(1000, 100, 4, 64) == 8  # 10 rows fit: whole units of 4
     assert decode_rows_for_memory(1e12, 100, 4, 10) == 12  # at most the rank's rows, rounded up to a unit
     assert decode_rows_for_memory(50, 100, 4, 64) == 4  # never below one unit
-    row = decode_row_bytes(model, 40, 4, cfg.vocab_size)
+    row = decode_row_bytes(model, 40, 4, cfg.vocab_size, query=10, cached=True)
     monkeypatch.setattr(group_rollout, "free_decoding_memory", lambda device: 7.5 * row)
-    kw = dict(micro_batch=2, group_size=3, capacity=40, block=4)
+    kw = dict(micro_batch=2, group_size=3, capacity=40, block=4, query=10, cached=True)
     assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 6  # 7 fit: one unit of lcm(2, 3)
     monkeypatch.setattr(group_rollout, "free_decoding_memory", lambda device: 5.0 * row)
     assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 2  # not a whole unit: one micro-batch
+
+
+def _live_peak(model, rows: int, prompt: int) -> int:
+    """The peak of the live tensor bytes (torch's profiler: each op's allocations, each free) while
+    ``rows`` prompts of ``prompt`` tokens decode 8 tokens without a cache: not the allocator's RSS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stabledrl_mcore.diffusion import generate
+
+    vocab = model.dllm_config.vocab_size
+    ids = torch.randint(3, vocab - 2, (rows, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        generate(model, ids, generator=torch.Generator().manual_seed(0), gen_length=8, steps=4, block_length=8)
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("prompt,vocab", [(18, 27), (200, 256)])
+def test_a_decoded_rows_estimate_bounds_its_measured_memory(megatron_tp1, prompt, vocab):
+    """Issue #62: with ``rollout.group_size=100000`` the tiny recipe's first rollout took 2e5 rows per
+    forward (18-token prompts, the tokenizer's 27 tokens) and grew past 20 GB on a 23 GB host: the
+    estimate counted a KV cache the cache-free forward does not keep (69.6 KB) and the sampler's
+    work (6.9 KB), not the forward over the whole sequence (measured 101 KB). Per row added (64 ->
+    256 rows), the measured live bytes are at most the estimate (+2%: it leaves out the sampler's
+    per-position integer state, its ids and masks, ~1% at 26 tokens) and not far below it."""
+    from stabledrl_mcore.models.decoding import decode_row_bytes
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("llada-tiny", vocab_size=vocab, mask_token_id=vocab - 1)).eval()
+    per_row = (_live_peak(model, 256, prompt) - _live_peak(model, 64, prompt)) / 192
+    estimate = decode_row_bytes(model, prompt + 16, 8, vocab, query=prompt + 8, cached=False)
+    assert 0.6 * estimate <= per_row <= 1.02 * estimate, (per_row, estimate)

@@ -61,7 +61,10 @@ def test_memory_estimate_by_hand():
     head = 4 * 2 * 16 * 256 + 12 * 256 * 0.25 * tokens + 3 * 4 * 64 * tokens  # logits of the 2 x 16 completion rows
     assert est["head"] == head == 131072
     assert est["rollout_kv_cache"] == 0  # LLaDA decodes without a cache
-    assert est["rollout_transient"] == 2 * (16 * 256 * 4 + 28 * 256 * 16)  # the head on the 16-token block
+    # per row: the head on the 16-token block, and LLaDA's full forward over the 32 tokens (a lower
+    # bound: the residual, its normed copy and a sublayer's output, 3 x 64, beside a fused MLP's 3 x 176)
+    forward = 32 * 4 * (3 * 64 + max((2 * 4 + 2 * 4) * 16, 3 * 176))
+    assert est["rollout_transient"] == 2 * (16 * 256 * 4 + 28 * 256 * 16 + forward)
     assert est["total"] == 2 * 4 * PARAMS + 8 * PARAMS + 1622016 + 131072 == 5497856
     assert est["dp"] == 2 and est["fits"]
 
@@ -244,7 +247,8 @@ def test_pipeline_stages_by_hand():
     first_act = 2 * 2 * per_token_layer * tokens + 2 * 4 * 64 * tokens  # 2 in flight x 2 layers + 2 sent outputs
     last_act = 1 * 2 * per_token_layer * tokens
     head = 131072  # as at PP = 1 (same micro-batch)
-    rollout = 2 * (16 * 256 * 4 + 28 * 256 * 16)  # broadcast block logits + sampler work
+    forward = 32 * 4 * (3 * 64 + 3 * 176)  # the full forward's working memory per row, as at PP = 1
+    rollout = 2 * (16 * 256 * 4 + 28 * 256 * 16 + forward)  # broadcast block logits + sampler work
     assert est["rollout_transient"] == rollout and est["likelihood_peak"] == 8 * 2 * 4 * 32
     assert est["stage_totals"] == {
         "first": 16 * first + max(first_act, rollout),

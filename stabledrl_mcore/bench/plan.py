@@ -34,8 +34,11 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   decoding forward holds, default the micro-batch; ``decode_rows_fit`` is the most that fit beside the
   training state, what ``rollout.decode_rows`` may be set to),
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block: both samplers run the
-  LM head on the decoded block only) and ``28 * V`` bytes per decoded position of a block (float64
-  Gumbel/softmax work);
+  LM head on the decoded block only), ``28 * V`` bytes per decoded position of a block (float64
+  Gumbel/softmax work) and the working memory of the largest decoding forward
+  (:func:`~stabledrl_mcore.models.decoding.forward_row_bytes` per row, as a lower bound: no score
+  matrix, a fused MLP activation; LLaDA's full forwards run over the sequence, SDAR's prefill over
+  the prompt);
   under PP the transient is on *every* stage: the last stage's logits are broadcast to the others
   (full vocabulary, the samplers' ``gather_output``) and every stage runs the same sampler on them;
 - **reference weights** (``--reference-model``, a KL penalty): a frozen copy, ``P_stage * b_w``; none
@@ -92,6 +95,7 @@ from typing import Any, Dict, List, Optional
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.models.decoding import forward_row_bytes
 from stabledrl_mcore.models.lora import adapter_params_per_layer
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
 
@@ -330,7 +334,10 @@ def estimate(
     cached = m.arch == "sdar" or spec.rollout_cache != "none"
     kv_row = 2 * per_stage_layers * (m.num_query_groups / tp) * m.kv_channels * bw * spec.seq_len if cached else 0.0
     q = min(block, spec.gen_length)  # both samplers run the LM head on the decoded block only
-    tmp_row = q * m.vocab_size * bw + 28 * m.vocab_size * q
+    # the largest decoding forward: LLaDA's over the whole sequence, SDAR's prefill over the prompt
+    query = spec.seq_len if m.arch == "llada" else max(spec.seq_len - spec.gen_length, q)
+    forward = forward_row_bytes(m, query, spec.seq_len, bw, tp=tp, scores=False, mlp_tensors=3)
+    tmp_row = q * m.vocab_size * bw + 28 * m.vocab_size * q + forward
     kv, rollout_tmp = kv_row * spec.rollout_rows, tmp_row * spec.rollout_rows
     logprob_broadcast = 8.0 * spec.num_mc * per_rank_seqs * spec.seq_len if pp > 1 else 0.0
     worst, stage_totals = None, {}

@@ -100,7 +100,7 @@ def _validate_decoding(cfg) -> None:
             f"rollout.decode_rows={rows!r}: a decoding batch holds whole groups and whole micro-batches, "
             f"so it must be a multiple of lcm(parallel.micro_batch_size={p.micro_batch_size}, "
             f"rollout.group_size={r.group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or null "
-            f"(chosen from the memory left for the KV cache)"
+            f"(chosen from the memory left for decoding)"
         )
 
 

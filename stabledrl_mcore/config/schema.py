@@ -144,7 +144,8 @@ class RolloutSection:
     """Rollout rows (whole groups) decoded together by one forward, independent of
     ``parallel.micro_batch_size``; a multiple of ``lcm(micro_batch_size, group_size)`` (a decoding batch
     ends on a group and a micro-batch boundary). None = chosen at the first rollout from the memory
-    left for the KV cache (``models/decoding.py::decode_rows_for_memory``) and logged."""
+    left for decoding (a row's forward working memory and KV cache, ``models/decoding.py::decode_row_bytes``)
+    and logged; one micro-batch when not even one such unit fits."""
     cache_gap_every: int = 0
     """With ``rollout.cache`` set: every N steps the rollout also runs the exact forward at each cached
     step and logs ``rollout_cache_gap``, the mean |log p_cached - log p_exact| of the committed tokens

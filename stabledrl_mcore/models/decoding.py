@@ -268,14 +268,43 @@ def checked_backend(backend, mode: str, device_type: str):
     return compile_checked
 
 
-def decode_row_bytes(model, capacity: int, block: int, vocab: int) -> int:
-    """Device bytes one decoded row costs while a batch decodes: its KV cache (keys and values of
-    ``capacity`` positions in every layer of this stage) plus the sampler's transient per row (the
-    block's logits and the float64 Gumbel/softmax work: ``width + 28`` bytes per vocabulary entry and
-    block position, ``stabledrl plan``'s figure)."""
+def forward_row_bytes(
+    cfg, query: int, keys: int, width: int, *, tp: int = 1, scores: bool = False, mlp_tensors: int = 4
+) -> float:
+    """Working bytes one row of an inference forward holds at its peak (no autograd: one layer's
+    tensors alive at a time), for ``query`` tokens attending over ``keys`` positions of a model of
+    shape ``cfg`` (a :class:`~.presets.DLLMConfig`) in activations of ``width`` bytes: the residual
+    stream, its normed copy and the sublayer output added to it (``3 H`` per token) beside the larger of the attention's tensors (q, k,
+    v and its output: ``(2 n_h + 2 n_g) d / tp`` per token, and with ``scores`` its ``n_h/tp x query x
+    keys`` score matrix, which CPU SDPA materialises and fused GPU kernels do not) and the gated MLP's
+    (gate and up ``2F``, the activation ``F``, their product ``F``: ``mlp_tensors F / tp`` per token,
+    ``mlp_tensors = 3`` for a fused activation; ``F`` = top-k x the expert width for MoE). Measured on CPU (llada-tiny, fp32, with ``scores``; the peak of
+    the live tensor bytes torch's profiler records, per row added, over :func:`decode_row_bytes`):
+    1.01x at 26 tokens (the sampler's per-position ids and masks, not counted), 0.91x at 88, 0.70x at
+    208 (``tests/test_decode_graphs.py``)."""
+    heads, groups, head_dim = cfg.num_attention_heads / tp, cfg.num_query_groups / tp, cfg.kv_channels
+    ffn = cfg.moe_ffn_hidden_size * cfg.moe_router_topk if cfg.num_experts else cfg.ffn_hidden_size
+    attention = query * width * (3 * cfg.hidden_size + (2 * heads + 2 * groups) * head_dim)
+    if scores:
+        attention += width * heads * query * keys
+    mlp = query * width * (3 * cfg.hidden_size + mlp_tensors * ffn / tp)
+    return max(attention, mlp)
+
+
+def decode_row_bytes(model, capacity: int, block: int, vocab: int, *, query: int, cached: bool) -> int:
+    """Device bytes one decoded row costs while a batch decodes: its KV cache (``cached``: keys and
+    values of ``capacity`` positions in every layer of this stage), the working memory of its largest
+    forward (:func:`forward_row_bytes` of ``query`` tokens over ``capacity`` positions: LLaDA's full
+    forwards run over the whole sequence, SDAR's prefill over the prompt; the score matrix counted
+    on CPU), plus the sampler's transient per row (the block's logits and the float64 Gumbel/softmax
+    work: ``width + 28`` bytes per vocabulary entry and block position, ``stabledrl plan``'s figure)."""
     width = torch.finfo(model.kv_cache_dtype()).bits // 8
-    kv = sum(2 * groups * head_dim * capacity * width for groups, head_dim in model.kv_cache_layers().values())
-    return kv + block * vocab * (width + 28)
+    layers = model.kv_cache_layers()
+    kv = sum(2 * groups * head_dim * capacity * width for groups, head_dim in layers.values()) if cached else 0
+    on_cpu = _model_device(model).type == "cpu"
+    tp = model.config.tensor_model_parallel_size
+    work = forward_row_bytes(model.dllm_config, query, capacity, width, tp=tp, scores=on_cpu)
+    return int(kv + work + block * vocab * (width + 28))
 
 
 def decode_rows_for_memory(free_bytes: float, row_bytes: float, unit: int, limit: int) -> int:

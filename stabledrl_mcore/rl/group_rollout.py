@@ -36,14 +36,18 @@ def decode_rows(micro_batch: int, group_size: int) -> int:
     return rows if rows <= MAX_DECODE_FACTOR * max(micro_batch, group_size) else micro_batch
 
 
-def memory_decode_rows(model, *, micro_batch: int, group_size: int, rows: int, capacity: int, block: int) -> int:
+def memory_decode_rows(
+    model, *, micro_batch: int, group_size: int, rows: int, capacity: int, block: int, query: int, cached: bool
+) -> int:
     """Rows per decoding batch when ``rollout.decode_rows`` is unset: as many whole groups and
-    micro-batches as the memory left for the KV cache holds (:func:`~..models.decoding.decode_row_bytes`
-    of a ``capacity``-position cache and a ``block``-token step), at most this rank's ``rows``; one
-    micro-batch when not even ``lcm(micro_batch, group_size)`` rows fit."""
+    micro-batches as the memory left for decoding holds (:func:`~..models.decoding.decode_row_bytes`
+    of a ``capacity``-position sequence, a ``query``-token largest forward, a KV cache if ``cached``
+    and a ``block``-token step), at most this rank's ``rows``; one micro-batch when not even
+    ``lcm(micro_batch, group_size)`` rows fit."""
     vocab = int(getattr(model.dllm_config, "vocab_size", 0) or 0)
     unit = math.lcm(micro_batch, group_size)
-    free, per_row = free_decoding_memory(model_device(model)), decode_row_bytes(model, capacity, block, vocab)
+    free = free_decoding_memory(model_device(model))
+    per_row = decode_row_bytes(model, capacity, block, vocab, query=query, cached=cached)
     if free < unit * per_row:
         return micro_batch
     return decode_rows_for_memory(free, per_row, unit, rows)

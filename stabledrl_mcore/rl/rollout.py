@@ -152,8 +152,9 @@ def generate_rollouts(
         extra["cache"] = cache
     forward = decoding_forward(model, compile)
     compiled_s = forward.stats.compile_s
-    if decode_rows is None:  # from the memory left for this shape's KV cache
-        block = block_length if model.dllm_config.arch == "llada" else model.dllm_config.block_size
+    if decode_rows is None:  # from the memory left for this shape's forwards and KV cache
+        llada = model.dllm_config.arch == "llada"
+        block = block_length if llada else model.dllm_config.block_size
         decode_rows = memory_decode_rows(
             model,
             micro_batch=micro_batch,
@@ -161,6 +162,10 @@ def generate_rollouts(
             rows=prompt_ids.shape[0],
             capacity=prompt_ids.shape[1] + gen_length + block,
             block=block,
+            # LLaDA's full forwards (every step without a cache, each block's first with one) run over
+            # the whole sequence; SDAR's largest is the prompt's prefill
+            query=prompt_ids.shape[1] + gen_length if llada else max(prompt_ids.shape[1], block),
+            cached=cache != "none" or not llada,
         )
     with torch.no_grad(), eval_mode(model):  # whole groups per decoding batch (SDAR: prefilled once)
         outputs = group_rollouts(

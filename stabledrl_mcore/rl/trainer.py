@@ -372,7 +372,7 @@ def rollout_phase(s: TrainingSetup, step: int, logger=None):
     if chosen is None:
         s.decode_rows = int(batch.stats["rollout_decode_rows"])
         if logger is not None:
-            how = "rollout.decode_rows" if r.decode_rows is not None else "the memory left for the KV cache"
+            how = "rollout.decode_rows" if r.decode_rows is not None else "the memory left for decoding"
             logger.info(f"rollouts decode {s.decode_rows} rows per forward (set by {how})")
     if batch.stats.get("rollout_compile_s") and logger is not None:
         logger.info(
