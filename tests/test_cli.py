@@ -147,3 +147,19 @@ def test_convert_help_says_remote_code_executes_the_file(capsys):
     assert "EXECUTES the file (and that configuration_*.py) as Python" in remote_code, remote_code[:600]
     reference = text[text.index("--reference {public,remote}") :]
     assert "runs that code as Python (trust_remote_code)" in reference, reference[:400]
+
+
+def test_ctrl_c_of_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Ctrl-C during a command's checks (e.g. a long preflight generating data) or its work: one line,
+    status 130 (issue #62; before: a KeyboardInterrupt traceback); ``--debug`` keeps the traceback."""
+    from stabledrl_mcore.cli import plan
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, "run_plan", interrupted)
+    assert main(["plan", "--model", "llada-tiny"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["stabledrl plan: interrupted"] and captured.out == ""
+    with pytest.raises(KeyboardInterrupt):
+        main(["plan", "--model", "llada-tiny", "--debug"])

@@ -222,15 +222,14 @@ TINY = [
 
 
 def _train(run_dir, launcher, *extra, env=None, **popen):
-    """A 2-rank tiny run (200 steps: it never ends by itself within the test's time); ``popen``: more
-    arguments of ``subprocess.Popen``."""
+    """A 2-rank tiny run (200 steps: it never ends by itself within the test's time; ``single``: one
+    process); ``popen``: more arguments of ``subprocess.Popen``."""
     over = TINY + [f"logging.run_dir={run_dir}", *extra]
     cli = ["-m", "stabledrl_mcore.cli", "train", "--config", CONFIG, *over]
-    cmd = (
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cli]
-        if launcher == "torchrun"
-        else [sys.executable, *cli, "--nproc", "2"]
-    )
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *cli]
+    else:  # nproc: stabledrl's own launcher; single: one process, its rank in-process
+        cmd = [sys.executable, *cli] + (["--nproc", "2"] if launcher == "nproc" else [])
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -298,15 +297,17 @@ def _python_ctrl_c():
 
 
 @pytest.mark.multiprocess
-def test_ctrl_c_of_train_nproc_is_one_resume_line_and_no_traceback(tmp_path):
+@pytest.mark.parametrize("launcher", ["nproc", "single"])
+def test_ctrl_c_of_train_is_one_resume_line_and_no_traceback(tmp_path, launcher):
     """Ctrl-C in a terminal sends SIGINT to the launcher and its ranks (one process group): exit 130,
     no traceback from any process, and one line naming the command that resumes the run (issue #62;
-    before: 1-4 tracebacks and no such line)."""
+    before: 1-4 tracebacks and no such line with --nproc 2, a KeyboardInterrupt traceback in one
+    process)."""
     from stabledrl_mcore.checkpoint.state import find_latest
     from stabledrl_mcore.cli.app import main
 
     run_dir = str(tmp_path / "run")
-    proc = _train(run_dir, "nproc", "checkpoint.save_every=1", start_new_session=True, preexec_fn=_python_ctrl_c)
+    proc = _train(run_dir, launcher, "checkpoint.save_every=1", start_new_session=True, preexec_fn=_python_ctrl_c)
     try:
         root = os.path.join(run_dir, "checkpoints")
         _wait_for(proc, lambda: os.path.isdir(root) and find_latest(root) is not None)
@@ -321,7 +322,8 @@ def test_ctrl_c_of_train_nproc_is_one_resume_line_and_no_traceback(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("stabledrl train: interrupted; resume with: stabledrl train "), err
     command, _, where = lines[0].partition("resume with: ")[2].rpartition(" (")
     resume = shlex.split(command)
-    assert resume[-4:] == ["--nproc", "2", "--resume", "auto"] and f"logging.run_dir={run_dir}" in resume, resume
+    tail = ["--nproc", "2", "--resume", "auto"] if launcher == "nproc" else ["--resume", "auto"]
+    assert resume[-len(tail) :] == tail and f"logging.run_dir={run_dir}" in resume, resume
     assert where.startswith(f"from {run_dir}/checkpoints/step_"), where
     assert main([*resume[1:], "--print-config"]) == 0  # the command as printed passes its checks
 

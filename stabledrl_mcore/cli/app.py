@@ -27,7 +27,7 @@ from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C of a --nproc launcher (parallel.launch.Interrupted)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (of this process, or of a --nproc launcher: parallel.launch.Interrupted)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,10 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
     args = parse_args(argv)
+    args.debug = debug
     try:
         return int(args.handler(args) or 0)
-    except KeyboardInterrupt as err:
-        if type(err).__name__ != "Interrupted":  # only the --nproc launcher's: its ranks are stopped
+    except KeyboardInterrupt as err:  # Ctrl-C: one line (--debug: the traceback, unless --nproc's ranks were stopped)
+        if debug and type(err).__name__ != "Interrupted":
             raise
         print(f"stabledrl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

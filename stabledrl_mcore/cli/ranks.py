@@ -39,11 +39,14 @@ def start_sft(args: argparse.Namespace, start: StartRanks) -> int:
 
 
 def _interruptible(command: str, rank_fn, args: argparse.Namespace, start: StartRanks) -> int:
-    """:func:`_run`; a Ctrl-C of ``--nproc`` ranks (:class:`~stabledrl_mcore.parallel.launch.Interrupted`:
-    they are stopped) is one line naming the command that resumes the run, and status 130."""
+    """:func:`_run`; a Ctrl-C is one line naming the command that resumes the run, and status 130:
+    of ``--nproc`` ranks (:class:`~stabledrl_mcore.parallel.launch.Interrupted`: they are stopped) or
+    of this process's own rank (``--debug`` keeps its traceback)."""
     try:
         return _run(rank_fn, args, start)
-    except launch.Interrupted:
+    except KeyboardInterrupt:
+        if args.debug and not isinstance(sys.exc_info()[1], launch.Interrupted):
+            raise
         print(interrupted_line(command, args, start.cfg), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
