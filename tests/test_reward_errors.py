@@ -17,6 +17,7 @@ import os
 import signal
 import textwrap
 import threading
+import time
 
 import datasets
 import pytest
@@ -195,9 +196,11 @@ def test_a_keyboard_interrupt_of_one_call_of_a_batch_propagates(reward_file, iso
         task.close()
 
 
-def test_ctrl_c_while_a_batch_waits_propagates_and_stops_every_worker(reward_file):
+def test_ctrl_c_while_a_batch_waits_propagates_and_stops_every_worker(reward_file, capsys):
     """Two running workers, each in a call that would take 120 s; Ctrl-C (pressed every 0.5 s until
-    the call ends, as in test_custom_reward) kills both and propagates."""
+    the call ends, as in test_custom_reward) kills both and propagates. The other call, whose worker
+    the Ctrl-C killed, reports nothing (it printed "its worker process was killed by signal 9" once
+    its thread ended, possibly into the next test's output)."""
     task = _task(reward_file, "stubborn_unless_warm", "process", workers=2, timeout_s=300)
     done = threading.Event()
 
@@ -217,6 +220,12 @@ def test_ctrl_c_while_a_batch_waits_propagates_and_stops_every_worker(reward_fil
         for pid in pids:  # killed and reaped before the interrupt propagated
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+        deadline = time.monotonic() + RENDEZVOUS_BOUND_S  # the batch's threads end on their own
+        while any(t.name.startswith("map_in_threads-") for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "a reward thread did not end"
+            time.sleep(0.05)
+        assert "warning" not in capsys.readouterr().err
+        assert task.pop_failures() == 0, "an abandoned batch's calls are not the reward's failures"
     finally:
         done.set()
         presser.join()

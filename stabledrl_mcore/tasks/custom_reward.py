@@ -267,17 +267,27 @@ class CustomRewardTask:
         """``[reward(c, r) ...]`` in order, ``workers`` calls at once (each under its own limit)."""
         if len(completions) != len(references):
             raise ValueError(f"got {len(completions)} completions but {len(references)} references")
+        interrupted = threading.Event()
+
+        def stop() -> None:  # Ctrl-C: the batch is abandoned and its workers killed
+            interrupted.set()
+            self.close()
+
         return map_in_threads(
-            lambda slot, i: self._score(completions[i], references[i], slot),
+            lambda slot, i: self._score(completions[i], references[i], slot, interrupted),
             len(completions),
             self.workers,
-            on_interrupt=self.close,
+            on_interrupt=stop,
         )
 
-    def _score(self, completion: str, reference: Any, slot: int) -> float:
+    def _score(
+        self, completion: str, reference: Any, slot: int, interrupted: Optional[threading.Event] = None
+    ) -> float:
         try:
             value = self._call(completion, reference, slot)
         except CallFailed as failure:
+            if interrupted is not None and interrupted.is_set():
+                return 0.0  # its worker was killed by the Ctrl-C, not by the reward: an abandoned batch's
             self._failed(failure)
             value = 0.0
         if getattr(self.task, "anti_short_boxed", False):  # the shaping term of every task adds to yours
