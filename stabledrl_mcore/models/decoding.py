@@ -274,14 +274,15 @@ def forward_row_bytes(
     """Working bytes one row of an inference forward holds at its peak (no autograd: one layer's
     tensors alive at a time), for ``query`` tokens attending over ``keys`` positions of a model of
     shape ``cfg`` (a :class:`~.presets.DLLMConfig`) in activations of ``width`` bytes: the residual
-    stream, its normed copy and the sublayer output added to it (``3 H`` per token) beside the larger of the attention's tensors (q, k,
-    v and its output: ``(2 n_h + 2 n_g) d / tp`` per token, and with ``scores`` its ``n_h/tp x query x
-    keys`` score matrix, which CPU SDPA materialises and fused GPU kernels do not) and the gated MLP's
-    (gate and up ``2F``, the activation ``F``, their product ``F``: ``mlp_tensors F / tp`` per token,
-    ``mlp_tensors = 3`` for a fused activation; ``F`` = top-k x the expert width for MoE). Measured on CPU (llada-tiny, fp32, with ``scores``; the peak of
-    the live tensor bytes torch's profiler records, per row added, over :func:`decode_row_bytes`):
-    1.01x at 26 tokens (the sampler's per-position ids and masks, not counted), 0.91x at 88, 0.70x at
-    208 (``tests/test_decode_graphs.py``)."""
+    stream, its normed copy and the sublayer output added to it (``3 H`` per token) beside the
+    larger of the attention's tensors (q, k, v and its output: ``(2 n_h + 2 n_g) d / tp`` per token,
+    and with ``scores`` its ``n_h/tp x query x keys`` score matrix, which CPU SDPA materialises and
+    fused GPU kernels do not) and the gated MLP's (gate and up ``2F``, the activation ``F``, their
+    product ``F``: ``mlp_tensors F / tp`` per token, ``mlp_tensors = 3`` for a fused activation;
+    ``F`` = top-k x the expert width for MoE). Measured on CPU (llada-tiny, fp32, with ``scores``;
+    the peak of the live tensor bytes torch's profiler records, per row added, over
+    :func:`decode_row_bytes`): 1.01x at 26 tokens (the sampler's per-position ids and masks, not
+    counted), 0.91x at 88, 0.70x at 208 (``tests/test_decode_graphs.py``)."""
     heads, groups, head_dim = cfg.num_attention_heads / tp, cfg.num_query_groups / tp, cfg.kv_channels
     ffn = cfg.moe_ffn_hidden_size * cfg.moe_router_topk if cfg.num_experts else cfg.ffn_hidden_size
     attention = query * width * (3 * cfg.hidden_size + (2 * heads + 2 * groups) * head_dim)

@@ -93,9 +93,10 @@ text a tokenizer is ever given."""
 
 
 def prompt_budget(mcfg, gen_length: int, gen_name: str = "rollout.gen_length") -> tuple:
-    """``(tokens, why)``: the prompt tokens a sequence has room for, the model's ``max_position_embeddings``
-    less the completion's ``gen_length`` (named ``gen_name`` in the reason; the positions alone when the completion takes them all: the
-    memory check judges such a completion), and how that number was found."""
+    """``(tokens, why)``: the prompt tokens a sequence has room for, the model's
+    ``max_position_embeddings`` less the completion's ``gen_length`` (named ``gen_name`` in the
+    reason; the positions alone when the completion takes them all: the memory check judges such a
+    completion), and how that number was found."""
     positions = mcfg.max_position_embeddings
     if gen_length < positions:
         return positions - gen_length, f"the model's max_position_embeddings {positions} - {gen_name} {gen_length}"
@@ -106,9 +107,10 @@ def refuse_long_questions(
     questions: Iterable[Tuple[Any, str]], source: str, mcfg, gen_length: int, gen_name: str = "rollout.gen_length"
 ) -> None:
     """Refuse (:class:`DataError`, naming ``source``, the row and its length) the first ``(row, text)``
-    (``row`` as the message names it, e.g. ``"row 3"``) whose text is longer than ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on
-    the text as loaded, before anything tokenises it: a row is refused, never truncated (a cut question
-    is another question). ``train``, ``eval`` and ``generate`` all apply it."""
+    (``row`` as the message names it, e.g. ``"row 3"``) whose text is longer than
+    ``PROMPT_CHARS_PER_TOKEN x`` :func:`prompt_budget` characters. Checked on the text as loaded,
+    before anything tokenises it: a row is refused, never truncated (a cut question is another
+    question). ``train``, ``eval`` and ``generate`` all apply it."""
     budget, why = prompt_budget(mcfg, gen_length, gen_name)
     limit = PROMPT_CHARS_PER_TOKEN * budget
     for row, text in questions:
