@@ -40,6 +40,23 @@ def _refused(capsys, tmp_path, *overrides):
     return lines[0]
 
 
+def _tokenised(monkeypatch) -> list:
+    """The length of every text any of the project's tokenizers is given from now on."""
+    from stabledrl_mcore.tasks import tokenizer as tokenizer_module
+
+    seen = []
+    for cls in vars(tokenizer_module).values():
+        if isinstance(cls, type) and "encode" in vars(cls):
+            original = vars(cls)["encode"]
+
+            def encode(self, text, *args, _original=original, **kwargs):
+                seen.append(len(text))
+                return _original(self, text, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "encode", encode)
+    return seen
+
+
 def test_a_completion_of_ten_million_tokens_is_refused_by_print_config(capsys, tmp_path):
     """The issue's first reproduction: said "preflight ok", then the run allocated ~10 GB and died in a
     raw RuntimeError. The estimate (over 1000 GiB) exceeds any host's memory."""
@@ -83,18 +100,7 @@ def test_a_row_of_a_million_characters_is_refused_by_index_before_any_tokenizer(
     """The issue's third reproduction: one row of ~1M characters of real text (8 GB resident, then a
     traceback). It is refused by its row index and length, and no tokenizer ever sees more than the
     character cap (16 x the prompt budget in tokens)."""
-    from stabledrl_mcore.tasks import tokenizer as tokenizer_module
-
-    seen = []
-    for cls in vars(tokenizer_module).values():
-        if isinstance(cls, type) and "encode" in vars(cls):
-            original = vars(cls)["encode"]
-
-            def encode(self, text, *args, _original=original, **kwargs):
-                seen.append(len(text))
-                return _original(self, text, *args, **kwargs)
-
-            monkeypatch.setattr(cls, "encode", encode)
+    seen = _tokenised(monkeypatch)
     data = tmp_path / "qa.jsonl"
     text = "The quick brown fox jumps over the lazy dog. " * 23000  # 1,035,000 characters
     with open(data, "w") as handle:
@@ -146,23 +152,6 @@ def test_gpu_ranks_are_checked_against_the_gpus_total_memory(capsys, tmp_path, m
     monkeypatch.setattr(memory, "_gpu_total_bytes", lambda: None)
     cfg_argv = ["train", "--config", CONFIG, *T, f"logging.run_dir={tmp_path / 'run'}", "parallel.backend=nccl"]
     assert main([*cfg_argv, "rollout.gen_length=10000000", "rollout.block_length=10000000", "--print-config"]) == 0
-
-
-def _tokenised(monkeypatch) -> list:
-    """The length of every text any of the project's tokenizers is given from now on."""
-    from stabledrl_mcore.tasks import tokenizer as tokenizer_module
-
-    seen = []
-    for cls in vars(tokenizer_module).values():
-        if isinstance(cls, type) and "encode" in vars(cls):
-            original = vars(cls)["encode"]
-
-            def encode(self, text, *args, _original=original, **kwargs):
-                seen.append(len(text))
-                return _original(self, text, *args, **kwargs)
-
-            monkeypatch.setattr(cls, "encode", encode)
-    return seen
 
 
 # the tiny HF checkpoint: max_position_embeddings 64, so with --gen-length 4 a question holds
