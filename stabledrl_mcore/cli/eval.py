@@ -82,8 +82,7 @@ def _check_eval(args: argparse.Namespace) -> int:
     """``eval --check``: every input a rank would read (task, data, prompt format, checkpoint
     config, sampling flags, output files), checked in this one process; no model is built."""
 
-    cfg, task, examples = _eval_inputs(args)
-    mcfg = read_config(args.ckpt)
+    cfg, task, examples, mcfg = _eval_inputs(args)
     sampling_options(args, mcfg)
     print(
         f"eval inputs ok: {len(examples)} {task.name}/{cfg.eval.split} examples x {args.n} samples, {mcfg.arch} "
@@ -169,7 +168,8 @@ def _check_ckpt(args: argparse.Namespace) -> None:
 
 
 def _eval_inputs(args: argparse.Namespace):
-    """``(config, task, examples)`` of an eval, checked before any model is loaded; none is an error.
+    """``(config, task, examples, model shape)`` of an eval (the run config, and the checkpoint's
+    :class:`~stabledrl_mcore.models.DLLMConfig`), checked before any model is loaded; none is an error.
 
     The task is built as ``train`` builds it (``rollout.task``, ``task_options``, ``prompt_key`` /
     ``answer_key``, ``reward_fn``, the prompt fields); the examples are those of ``eval.split``
@@ -196,8 +196,9 @@ def _eval_inputs(args: argparse.Namespace):
             f"rollout.task={cfg.rollout.task}: {source} holds no examples to evaluate"
             + (f" with --limit {args.limit}" if args.limit is not None else "")
         )
-    check_prompt_lengths(examples, cfg, read_config(args.ckpt), "eval", gen_length=args.gen_length)  # before tokenising
-    return cfg, task, examples
+    mcfg = read_config(args.ckpt)
+    check_prompt_lengths(examples, cfg, mcfg, "eval", gen_length=args.gen_length)  # before tokenising
+    return cfg, task, examples, mcfg
 
 
 def _eval_rank(options: dict) -> int:
@@ -205,8 +206,7 @@ def _eval_rank(options: dict) -> int:
     args = argparse.Namespace(**options)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run, task, examples = _eval_inputs(args)
-    cfg = read_config(args.ckpt)
+    run, task, examples, cfg = _eval_inputs(args)
     bootstrap.initialize(
         args.tp,
         1,

@@ -44,8 +44,8 @@ def _interruptible(command: str, rank_fn, args: argparse.Namespace, start: Start
     of this process's own rank (``--debug`` keeps its traceback)."""
     try:
         return _run(rank_fn, args, start)
-    except KeyboardInterrupt:
-        if args.debug and not isinstance(sys.exc_info()[1], launch.Interrupted):
+    except KeyboardInterrupt as err:
+        if args.debug and not isinstance(err, launch.Interrupted):
             raise
         print(interrupted_line(command, args, start.cfg), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
