@@ -312,7 +312,7 @@ def _worker(result_dir, run_dir):
             keys = torch.cat([valid, torch.ones(2, 12, dtype=torch.bool)], 1)
             for name, net in (("", model), ("separated/", build_model(separated).eval())):
                 for mode in ("prefix", "dual"):
-                    blocks = BlockLogits(net, mode, padding_mask(keys), 0.0, 5, cfg.mask_token_id, None)
+                    blocks = BlockLogits(net, mode, padding_mask(keys), keys, 0.0, 5, cfg.mask_token_id, None)
                     full = blocks(x, 9, 13, first=True)
                     cached = blocks(x, 9, 13, first=False)
                     assert blocks.cached_step

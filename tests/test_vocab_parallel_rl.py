@@ -137,7 +137,9 @@ def _rl_checks(model, arch, result):
     with counting_gathers() as ref_calls:
         want = torch.zeros(plan.masked.shape)
         for draw, _, rows in chunks(plan.num_mc, batch.size, MICRO):
-            inputs, _ = token_logp_inputs(batch, plan, spec, rows=rows, mask_id=MASK_ID, draw=draw)
+            inputs, _ = token_logp_inputs(
+                batch, plan, spec, rows=rows, mask_id=MASK_ID, draw=draw, model_config=model.dllm_config
+            )
             logits = model(**dict(inputs, gather_output=True))
             assert logits.shape[-1] == VOCAB
             ids, scored = batch.sequences[rows], plan.scored[draw, rows]

@@ -26,7 +26,7 @@ from stabledrl_mcore.common.errors import UserError
 from stabledrl_mcore.common.files import special_kind
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.evaluation.scoring import write_jsonl
-from stabledrl_mcore.models.decoding import prompt_multiple
+from stabledrl_mcore.models.decoding import prompt_padding
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.from_config import refuse_long_questions
@@ -128,7 +128,8 @@ def run_generate(args: argparse.Namespace) -> int:
     with tqdm(total=len(prompts), desc="generate", unit="prompt", disable=args.no_progress, dynamic_ncols=True) as bar:
         for start in range(0, len(prompts), args.batch_size):
             chunk = texts[start : start + args.batch_size]
-            ids, valid = encode_prompts(tokenizer, chunk, device=device, multiple=prompt_multiple(args.compile))
+            padding = prompt_padding(args.compile, model, sampling.get("block_length"))
+            ids, valid = encode_prompts(tokenizer, chunk, device=device, **padding)
             with torch.no_grad(), eval_mode(model):
                 out = generate(model, ids, generator=generator, prompt_valid=valid, progress=False, **sampling)
             results += [

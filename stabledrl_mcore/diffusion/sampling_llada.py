@@ -43,7 +43,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
 )
 from stabledrl_mcore.models.decoding import decoding_forward
 from stabledrl_mcore.models.masks import padding_mask
-from stabledrl_mcore.models.presets import segment_positions
+from stabledrl_mcore.models.positions import position_inputs
 
 # on_step(step, transfer [B, S] bool, x [B, S] after the commit)
 StepHook = Callable[[int, Tensor, Tensor], None]
@@ -113,7 +113,9 @@ class BlockLogits:
     The cache is written in place (:class:`~stabledrl_mcore.models.KVCache`, one buffer of
     ``L`` positions per layer, the same for every generation of this shape): a cached step's fresh
     keys overwrite the stored keys of the slots it forwards, and each query attends over exactly
-    the ``L`` slots, with no mask but the prompts' padding. Every forward goes through the model's
+    the ``L`` slots, with no mask but the prompts' padding; the padding never counts as a position
+    (:func:`~stabledrl_mcore.models.positions.position_inputs`: a padded row decodes as it would
+    alone, eager or compiled, whatever the batch's width). Every forward goes through the model's
     :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
     (the read positions, the slots), so it is one graph per kind whatever the block.
     What is approximate: the stored keys were computed
@@ -129,6 +131,7 @@ class BlockLogits:
         model,
         mode: str,
         attn: Optional[Tensor],
+        valid: Optional[Tensor],
         cfg_scale: float,
         prompt_len: int,
         mask_id: int,
@@ -141,7 +144,11 @@ class BlockLogits:
         self.stats, self.refresh = stats, refresh_every_step
         self.forward = decoding_forward(model, compile)
         self.attn = attn if attn is None or cfg_scale <= 0.0 else torch.cat([attn, attn])
-        self.separator = getattr(dllm_config(model), "segment_separator_id", None)
+        self.config = dllm_config(model)
+        self.valid = valid if valid is None or cfg_scale <= 0.0 else torch.cat([valid, valid])
+        self.separator = getattr(self.config, "segment_separator_id", None)
+        # without the separator scheme the positions depend on the padding only: made once
+        self.fixed_positions = None if self.separator is not None else position_inputs(self.config, None, self.valid)
         self.cache = None
         self.span = (0, 0)
         self._slots: dict = {}
@@ -170,18 +177,19 @@ class BlockLogits:
         cond, uncond = logits.chunk(2, dim=0)
         return uncond + (self.cfg_scale + 1.0) * (cond - uncond)
 
-    def _segments(self, rows: Tensor, start: int, end: int) -> dict:
-        """The separator scheme's positions and segments of ``rows[:, start:end]`` (of the whole rows)."""
-        if self.separator is None:
-            return {}
-        positions, segments = segment_positions(rows, self.separator)
-        return {"position_ids": positions[:, start:end], "segment_ids": segments[:, start:end]}
+    def _positions_of(self, rows: Tensor, start: int, end: int) -> dict:
+        """The position (and separator scheme's segment) ids of ``rows[:, start:end]``, of the whole
+        rows, pads not counted; ``{}`` where the model's default ``0..S-1`` is right."""
+        inputs = self.fixed_positions
+        if inputs is None:  # the separator scheme: from the tokens, as they are now
+            inputs = position_inputs(self.config, rows, self.valid)
+        return {name: ids[:, start:end] for name, ids in inputs.items()}
 
     def exact(self, x: Tensor, s: int, e: int) -> Tensor:
         """A full forward without a cache (today's step)."""
         rows = self._rows(x)
         read = self._positions(s, e, x.device)
-        extra = self._segments(rows, 0, x.shape[1])
+        extra = self._positions_of(rows, 0, x.shape[1])
         return self._guided(self.forward(rows, attention_mask=self.attn, logit_positions=read, **extra))
 
     def __call__(self, x: Tensor, s: int, e: int, first: bool) -> Tensor:
@@ -206,7 +214,7 @@ class BlockLogits:
             attention_mask=self.attn,
             kv_cache=self.cache,
             logit_positions=self._positions(s, e, x.device),
-            **self._segments(rows, 0, L),
+            **self._positions_of(rows, 0, L),
         )
         self.span = (s, L if self.mode == "prefix" else e)
         self.cached_step = False
@@ -226,7 +234,7 @@ class BlockLogits:
             cache_slots=self._positions(start, end, x.device),
             logit_positions=slice(0, e - s),
             dynamic_length=self.mode == "prefix",
-            **self._segments(rows, start, end),
+            **self._positions_of(rows, start, end),
         )
         self.cached_step = True
         if self.stats is not None:
@@ -321,11 +329,11 @@ def generate_llada(
         raise TypeError("remasking='random' needs an explicit torch.Generator")
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
-    attn = None
-    if prompt_valid is not None:
+    attn = valid = None
+    if prompt_valid is not None and not bool(prompt_valid.all()):  # one device read per generation
         valid = torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool, device=device)], dim=1)
         attn = padding_mask(valid)
-    block_logits = BlockLogits(model, cache, attn, cfg_scale, P, mask_id, stats, refresh_every_step, compile)
+    block_logits = BlockLogits(model, cache, attn, valid, cfg_scale, P, mask_id, stats, refresh_every_step, compile)
     measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
     # Every block starts with all its positions masked (only the current block is ever committed),

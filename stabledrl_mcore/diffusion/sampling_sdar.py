@@ -56,6 +56,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
 from stabledrl_mcore.models.decoding import decoding_forward
 from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, left_pad_counts, padding_mask
+from stabledrl_mcore.models.positions import valid_positions
 
 StepHook = Callable[[int, Tensor, Tensor], None]
 
@@ -125,6 +126,7 @@ def generate_sdar(
         x, prompt_valid = repeat_rows(x, counts), repeat_rows(prompt_valid, counts)
         B = x.shape[0]
     pads = None if prompt_valid is None else left_pad_counts(prompt_valid)  # one device->host copy
+    padded = _padded_positions(prompt_valid, pads, total)
     rows = sum(counts) if share else B
     cache = forward.cache(rows, total) if use_cache else None
     if use_cache and prefill > 0:
@@ -134,7 +136,7 @@ def generate_sdar(
         with target.storing():
             model(
                 x[:, : prefill * bs],
-                position_ids=pos[None, : prefill * bs],
+                position_ids=(pos[None] if padded is None else padded)[:, : prefill * bs],
                 attention_mask=_mask_fn(prompt_valid, pads, B, total, P, bs, device)(0, prefill * bs),
                 kv_cache=target,
                 logit_positions=slice(0, 0),
@@ -146,6 +148,7 @@ def generate_sdar(
         B = x.shape[0]
         if pads is not None:
             pads = tuple(p for p, c in zip(pads, counts) for _ in range(c))
+        padded = None if padded is None else repeat_rows(padded, counts)
     step_mask = _step_mask(prompt_valid, pads, total, P, bs, device)
     slots: dict = {}
 
@@ -153,8 +156,9 @@ def generate_sdar(
         """A slot-addressed forward of positions ``[start, end)`` against the cache."""
         if (start, end) not in slots:
             slots[start, end] = pos[start:end].clone()
+        extra = {} if padded is None else {"position_ids": padded[:, start:end]}  # else: the slots
         return forward(
-            x[:, start:end], kv_cache=cache, cache_slots=slots[start, end], logit_positions=read, **step_mask
+            x[:, start:end], kv_cache=cache, cache_slots=slots[start, end], logit_positions=read, **step_mask, **extra
         )
 
     plan = transfer_schedule(bs, steps)  # tokens per step, on the host
@@ -186,7 +190,10 @@ def generate_sdar(
             else:
                 mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
                 logits = model(
-                    x[:, :e], position_ids=pos[None, :e], attention_mask=mask(0, e), logit_positions=slice(s, e)
+                    x[:, :e],
+                    position_ids=(pos[None] if padded is None else padded)[:, :e],
+                    attention_mask=mask(0, e),
+                    logit_positions=slice(s, e),
                 )
             if len(chunks) == 1:
                 x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
@@ -230,6 +237,19 @@ def generate_sdar(
     if stop_at_eos:
         x = fill_after_eos(x, P, eos_id)
     return x
+
+
+def _padded_positions(prompt_valid: Optional[Tensor], pads, total: int) -> Optional[Tensor]:
+    """``[B, total]`` position ids that do not count the prompts' padding
+    (:func:`~stabledrl_mcore.models.positions.valid_positions`), or None where nothing is padded
+    (positions ``0..total-1``, the cache slots). A row left-padded by a multiple of the block then
+    decodes as it would alone; other pad counts also move the block grid over the row's tokens
+    (the blocks are columns of the batch, as upstream's batched decoding has them)."""
+    if prompt_valid is None or (pads is not None and not any(pads)):
+        return None
+    valid = torch.ones(prompt_valid.shape[0], total, dtype=torch.bool, device=prompt_valid.device)
+    valid[:, : prompt_valid.shape[1]] = prompt_valid.bool()
+    return valid_positions(valid)
 
 
 def _step_mask(prompt_valid: Optional[Tensor], pads, total: int, P: int, bs: int, device) -> dict:

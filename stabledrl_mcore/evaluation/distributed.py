@@ -25,7 +25,7 @@ from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.engine.expert import finish_forwards
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, sample_metrics, summarize
 from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices
-from stabledrl_mcore.models.decoding import prompt_multiple
+from stabledrl_mcore.models.decoding import prompt_padding
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.tasks.base import Example
 from stabledrl_mcore.tasks.prompts import encode_prompts
@@ -149,7 +149,8 @@ def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, 
     with torch.no_grad(), eval_mode(model):
         for start in range(0, len(mine), micro_batch):
             batch = prompts[start : start + micro_batch]
-            ids, valid = encode_prompts(tokenizer, batch, device=device, multiple=prompt_multiple(sampling["compile"]))
+            padding = prompt_padding(sampling["compile"], model, sampling.get("block_length"))
+            ids, valid = encode_prompts(tokenizer, batch, device=device, **padding)
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)
             completions = [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()]
             scored = evaluate_completions(task, mine[start : start + len(batch)], completions, batch)[1]
@@ -181,9 +182,8 @@ def _sampled_records(
     with torch.no_grad(), eval_mode(model):
         for c in shard_indices(len(chunks), rank, world):
             prompts = [task.prompt(ex, tokenizer) for ex in chunks[c]]
-            ids, valid = encode_prompts(
-                tokenizer, prompts, device=device, multiple=prompt_multiple(sampling["compile"])
-            )
+            padding = prompt_padding(sampling["compile"], model, sampling.get("block_length"))
+            ids, valid = encode_prompts(tokenizer, prompts, device=device, **padding)
             ids, valid = ids.repeat_interleave(n, 0), valid.repeat_interleave(n, 0)
             generator = torch.Generator(device=device).manual_seed(chunk_seed(seed, c))
             out = generate(model, ids, generator=generator, prompt_valid=valid, **sampling)

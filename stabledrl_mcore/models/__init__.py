@@ -23,12 +23,12 @@ from stabledrl_mcore.models.masks import (
     staircase_position_ids,
 )
 from stabledrl_mcore.models.placement import default_device, eval_mode, model_device, place_model
+from stabledrl_mcore.models.positions import position_inputs, segment_positions, valid_positions
 from stabledrl_mcore.models.presets import (
     DLLMConfig,
     ModelConfigError,
     available_presets,
     get_preset,
-    segment_positions,
     to_transformer_config,
 )
 from stabledrl_mcore.models.rope import rotary_angles
@@ -72,6 +72,8 @@ __all__ = [
     "place_model",
     "rotary_angles",
     "segment_positions",
+    "position_inputs",
+    "valid_positions",
     "staircase_mask",
     "staircase_position_ids",
     "te_available",

@@ -44,13 +44,25 @@ from stabledrl_mcore.models.masks import AttentionLayout
 PROMPT_MULTIPLE = 64
 """Compiled decoding left-pads a batch's prompts to a multiple of this many tokens (rollouts, eval,
 generate): the graphs depend on the prompt width, so a run compiles a graph set per 64-token width
-bucket, not per batch (the extra pads are masked keys; RoPE is relative, so only rounding moves)."""
+bucket, not per batch. The extra pads are masked keys and never count as positions
+(:mod:`~stabledrl_mcore.models.positions`), so a padded row decodes the tokens it decodes eagerly."""
 
 
-def prompt_multiple(compile) -> int:
-    """What :func:`~stabledrl_mcore.tasks.prompts.encode_prompts` rounds prompt widths to for ``compile``."""
+def prompt_padding(compile, model, block_length: Optional[int] = None) -> Dict[str, int]:
+    """How :func:`~stabledrl_mcore.tasks.prompts.encode_prompts` widens a batch's prompts for
+    ``compile`` and ``model``: ``multiple`` (eager: 1, the widest prompt; compiled:
+    :data:`PROMPT_MULTIPLE`) and ``step``, the unit of the pads added beyond the widest prompt. An
+    SDAR model's blocks are columns of the batch, so its rows are widened by whole blocks only
+    (``block_length``, default the model's ``block_size``): every row keeps the block grid it has
+    eagerly (up to ``block`` widths, so graph sets, per 64-token bucket); LLaDA's blocks start
+    at the prompt's end, so any step (1) keeps them."""
     mode = compile.mode if isinstance(compile, DecodingForward) else check_compile_mode(compile)
-    return 1 if mode == "none" else PROMPT_MULTIPLE
+    if mode == "none":
+        return {"multiple": 1, "step": 1}
+    config = getattr(model, "dllm_config", None) or getattr(getattr(model, "module", None), "dllm_config", None)
+    sdar = config is not None and str(config.arch).lower() == "sdar"
+    step = int(block_length or config.block_size) if sdar else 1
+    return {"multiple": PROMPT_MULTIPLE, "step": step}
 
 
 RECOMPILE_LIMIT = 64

@@ -41,7 +41,8 @@ from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.linear import AutogradColumnParallelLinear
 from stabledrl_mcore.models.masks import AttentionLayout
 from stabledrl_mcore.models.placement import default_device, place_model
-from stabledrl_mcore.models.presets import DLLMConfig, segment_positions, to_transformer_config
+from stabledrl_mcore.models.positions import segment_positions
+from stabledrl_mcore.models.presets import DLLMConfig, to_transformer_config
 from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
 from stabledrl_mcore.models.specs import dllm_layer_spec
 
@@ -165,7 +166,7 @@ class DLLMModel(LanguageModule):
 
         ``position_ids``: ``[B, S]`` or ``[1, S]``; None = ``0..S-1`` (shifted by
         ``kv_cache.offset`` with a cache), or the separator scheme's ids
-        (:func:`~stabledrl_mcore.models.presets.segment_positions`) when
+        (:func:`~stabledrl_mcore.models.positions.segment_positions`) when
         ``segment_separator_id`` is set. ``attention_mask``: None (bidirectional),
         a bool tensor (True = blocked, broadcastable to ``[B, 1, S, S_k]``) or an
         :class:`AttentionLayout`. ``kv_cache``: see :class:`KVCache`. ``segment_ids``: with
@@ -343,12 +344,18 @@ def _shared_rows(position_ids: torch.Tensor) -> torch.Tensor:
     RoPE tables are then ``[S, 1, 1, d]`` instead of ``[S, B, 1, d]`` (with the TE
     spec Megatron's ``apply_rotary_pos_emb`` takes cos/sin of them in every layer).
     Rows expanded from one (stride 0) are shared anywhere; on CPU equal rows are
-    also detected by value (on GPU that check would synchronise, so it is skipped).
+    also detected by value (on GPU that check would synchronise, and inside a compiled step it
+    would read the host, so it is skipped there).
     """
     if position_ids.dim() != 2 or position_ids.shape[0] <= 1:
         return position_ids
-    if position_ids.stride(0) == 0 or (
-        position_ids.device.type == "cpu" and bool((position_ids == position_ids[:1]).all())
+    if (
+        position_ids.stride(0) == 0
+        or (
+            position_ids.device.type == "cpu"
+            and not torch.compiler.is_compiling()  # a host read: a captured step keeps the rows
+            and bool((position_ids == position_ids[:1]).all())
+        )
     ):
         return position_ids[:1]
     return position_ids

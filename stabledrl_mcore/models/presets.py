@@ -83,7 +83,7 @@ class DLLMConfig:
     """``rope`` (LLaDA/SDAR) or ``learned``: a learned absolute table of
     ``max_position_embeddings`` rows added to the token embedding (BERT/GPT-2 style,
     Megatron's ``learned_absolute``), and no rotary in attention. Small models trained
-    from scratch on grid tasks use it (see :func:`segment_positions`)."""
+    from scratch on grid tasks use it (see :func:`~.positions.segment_positions`)."""
     segment_separator_id: Optional[int] = None
     """If set, default position ids restart at 0 after every occurrence of this token,
     so aligned fields (a puzzle cell and its answer cell) share a position id; the
@@ -421,22 +421,6 @@ _PRESETS: Dict[str, Dict[str, Any]] = {
 def available_presets() -> List[str]:
     """Names accepted by :func:`get_preset`."""
     return sorted(_PRESETS)
-
-
-def segment_positions(input_ids: torch.Tensor, separator_id: int):
-    """``(position_ids, segment_ids)`` ``[B, S]`` of the separator scheme.
-
-    Positions count from 0 and restart after each ``separator_id`` (the separator
-    itself ends its segment); the segment id is the number of separators before a
-    token. ``"2400..12=" + "2431..12"`` gives puzzle cell i and answer cell i the same
-    position id, in segments 0 and 1.
-    """
-    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-    is_sep = input_ids == separator_id
-    last_sep = torch.where(is_sep, index, torch.full_like(index, -1)).cummax(dim=-1).values
-    before = torch.cat([torch.full_like(last_sep[..., :1], -1), last_sep[..., :-1]], dim=-1)
-    segments = is_sep.long().cumsum(dim=-1) - is_sep.long()
-    return index - before - 1, segments
 
 
 def get_preset(name: str, **overrides: Any) -> DLLMConfig:

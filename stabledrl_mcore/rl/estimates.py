@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from stabledrl_mcore.algorithms.losses import spg_select_bound
 from stabledrl_mcore.diffusion.likelihood import (
+    dllm_config,
     elbo_from_draws,
     eubo_from_draws,
     gather_log_probs,
@@ -38,6 +39,7 @@ from stabledrl_mcore.diffusion.mask_schemes import MaskRegions, build_mask_plan
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.engine.pipeline import pipeline_forward, pipeline_world_size
 from stabledrl_mcore.models.masks import AttentionLayout, padding_mask, staircase_position_ids
+from stabledrl_mcore.models.positions import position_inputs, valid_positions
 from stabledrl_mcore.rl.rollout import RolloutBatch
 
 ESTIMATORS = ("elbo", "mean_field", "spg", "staircase")
@@ -163,10 +165,21 @@ def _scheme(spec: LikelihoodSpec):
 
 
 def token_logp_inputs(
-    batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, *, rows: slice, mask_id: int, draw: int
+    batch: RolloutBatch,
+    plan: MaskPlan,
+    spec: LikelihoodSpec,
+    *,
+    rows: slice,
+    mask_id: int,
+    draw: int,
+    model_config,
 ) -> Tuple[Dict[str, object], Callable[[torch.Tensor], torch.Tensor]]:
     """``(model keyword arguments, reduce)`` of :func:`token_logp`: ``reduce(logits)`` gives the
     ``[n, S]`` token log-probs (under pipeline parallelism it runs on the last stage).
+
+    The position ids do not count the prompts' left padding (``model_config``'s scheme, see
+    :func:`~..models.positions.position_inputs`): a row is scored as it was decoded, and as it
+    would be alone, whatever the batch's width.
 
     At TP > 1 the model is asked for vocab-sharded logits (``gather_output=False``) and
     ``reduce`` takes the scored rows' log-probs with the vocab-parallel cross-entropy
@@ -177,12 +190,17 @@ def token_logp_inputs(
     noisy = ids.masked_fill(plan.masked[draw, rows], mask_id)
     scored = plan.scored[draw, rows]
     n = ids.shape[1]
+    pads = batch.prompt_pads()
+    # the padding never counts as a position: the row scores as it decoded (and as it would alone)
+    valid = None if pads is not None and not any(pads) else batch.prompt_valid[rows]
     if spec.kind == "staircase":
-        x, pos = torch.cat([noisy, ids], 1), staircase_position_ids(n, device=ids.device)
+        x = torch.cat([noisy, ids], 1)
+        pos = staircase_position_ids(n, device=ids.device) if valid is None else valid_positions(valid).repeat(1, 2)
+        positions = {"position_ids": pos}
         layout = AttentionLayout.staircase(spec.block_size)
     else:
-        x, pos, layout = noisy, None, AttentionLayout.bidirectional()
-    pads = batch.prompt_pads()
+        x, layout = noisy, AttentionLayout.bidirectional()
+        positions = position_inputs(model_config, noisy, valid)
     if pads is not None:
         mask = layout.with_padding(pads[rows])
     else:  # not a left pad (never made by the rollout): a dense key mask
@@ -196,7 +214,8 @@ def token_logp_inputs(
     return (
         {
             "input_ids": x,
-            "position_ids": pos,
+            "position_ids": None,
+            **positions,
             "attention_mask": mask,
             "logit_positions": slice(p, n),
             "gather_output": not sharded,
@@ -214,7 +233,9 @@ def token_logp(
     LLaDA) carrying the prompts' left-pad counts, so no dense mask is built on GPU;
     the counts are read once per batch (``RolloutBatch.prompt_pads`` keeps them).
     """
-    inputs, reduce = token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw)
+    inputs, reduce = token_logp_inputs(
+        batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw, model_config=dllm_config(model)
+    )
     return reduce(model(**inputs))
 
 
@@ -226,12 +247,21 @@ def chunks(num_mc: int, size: int, micro_batch: int):
 
 
 def token_logp_micro_batches(
-    batch: RolloutBatch, plan: MaskPlan, spec: LikelihoodSpec, order: Sequence[Tuple[int, int, slice]], *, mask_id: int
+    batch: RolloutBatch,
+    plan: MaskPlan,
+    spec: LikelihoodSpec,
+    order: Sequence[Tuple[int, int, slice]],
+    *,
+    mask_id: int,
+    model_config,
 ) -> Tuple[List[Dict[str, object]], Callable[[torch.Tensor, int], torch.Tensor]]:
     """``(micro-batches, last_stage_fn)`` of the ``(draw, start, rows)`` chunks ``order`` for
     :func:`~..engine.pipeline.pipeline_forward` and ``pipeline_forward_backward``:
     ``last_stage_fn(logits, i)`` gives chunk ``i``'s ``[n, S]`` token log-probs (:func:`token_logp`)."""
-    parts = [token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw) for draw, _, rows in order]
+    parts = [
+        token_logp_inputs(batch, plan, spec, rows=rows, mask_id=mask_id, draw=draw, model_config=model_config)
+        for draw, _, rows in order
+    ]
     return [inputs for inputs, _ in parts], lambda logits, i: parts[i][1](logits)
 
 
@@ -260,7 +290,9 @@ def all_token_logp(
     if graphs is not None and pipeline_world_size() > 1:
         raise ValueError("parallel.retain_update_graph cannot be combined with pipeline parallelism")
     order = list(chunks(plan.num_mc, batch.size, micro_batch))
-    inputs, reduce = token_logp_micro_batches(batch, plan, spec, order, mask_id=mask_id)
+    inputs, reduce = token_logp_micro_batches(
+        batch, plan, spec, order, mask_id=mask_id, model_config=dllm_config(model)
+    )
     with torch.set_grad_enabled(graphs is not None):
         toks = pipeline_forward(model, inputs, reduce)
     out = None  # float32, or the log-probs' own dtype if wider (a float64 model in tests)

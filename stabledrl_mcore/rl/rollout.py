@@ -15,7 +15,7 @@ import torch
 from stabledrl_mcore.algorithms.advantages import group_advantages
 from stabledrl_mcore.common.isolated_calls import raised
 from stabledrl_mcore.diffusion.sampling_llada import DecodeStats
-from stabledrl_mcore.models.decoding import decoding_forward, prompt_multiple
+from stabledrl_mcore.models.decoding import decoding_forward, prompt_padding
 from stabledrl_mcore.models.masks import left_pad_counts
 from stabledrl_mcore.models.placement import eval_mode, model_device
 from stabledrl_mcore.rl.group_rollout import group_rollouts, memory_decode_rows
@@ -141,7 +141,8 @@ def generate_rollouts(
     """
     device = model_device(model)
     texts = [task.prompt(ex, tokenizer) for ex in examples]
-    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device, multiple=prompt_multiple(compile))
+    padding = prompt_padding(compile, model)  # SDAR rollouts decode with the model's block_size
+    prompt_ids, prompt_valid = encode_prompts(tokenizer, texts, device=device, **padding)
     unique_ids, unique_valid = prompt_ids, prompt_valid
     prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
     prompt_valid = prompt_valid.repeat_interleave(group_size, 0)

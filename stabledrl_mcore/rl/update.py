@@ -20,6 +20,7 @@ import torch
 from stabledrl_mcore.algorithms.losses import available_token_policy_losses, sequence_policy_loss, token_policy_loss
 from stabledrl_mcore.algorithms.losses_common import first_nonfinite
 from stabledrl_mcore.algorithms.ratio_noise import RatioNoise
+from stabledrl_mcore.diffusion.likelihood import dllm_config
 from stabledrl_mcore.diffusion.masking import MaskPlan
 from stabledrl_mcore.engine.pipeline import pipeline_forward_backward, pipeline_world_size
 from stabledrl_mcore.models.moe import router_loss_scale
@@ -181,7 +182,9 @@ def accumulate_gradients(
     # that run (as Megatron's 1 / micro-batches)
     with router_loss_scale(1.0 / max(len(todo), 1)):
         if retained is None:
-            inputs, reduce = token_logp_micro_batches(batch, plan, spec, todo, mask_id=mask_id)
+            inputs, reduce = token_logp_micro_batches(
+                batch, plan, spec, todo, mask_id=mask_id, model_config=dllm_config(model)
+            )
             pipeline_forward_backward(model, inputs, lambda logits, i: surrogate(reduce(logits, i), todo[i]))
             return
         for chunk in order:  # every graph leaves ``retained``; those of chunks without weight unused

@@ -246,15 +246,19 @@ def encode_prompts(
     max_len: Optional[int] = None,
     device: Union[str, torch.device] = "cpu",
     multiple: int = 1,
+    step: int = 1,
 ):
     """Left-pad prompts to one length: ``(ids [B, P], valid [B, P])`` on ``device``
-    (padded on the host, copied once). ``multiple``: ``P`` rounded up to a multiple of it (compiled
-    decoding: a handful of prompt widths, so a handful of graphs, whatever the batch's prompts)."""
+    (padded on the host, copied once). ``multiple``: ``P`` rounded up towards a multiple of it
+    (compiled decoding: a handful of prompt widths, so a handful of graphs, whatever the batch's
+    prompts), by a multiple of ``step`` tokens (the widest prompt plus whole steps: at most the
+    multiple; see :func:`~stabledrl_mcore.models.decoding.prompt_padding`)."""
     encoded = [tokenizer.encode(t) for t in texts]
     if max_len is not None:
         encoded = [e[-max_len:] for e in encoded]
     width = max(len(e) for e in encoded)
-    width = -(-width // multiple) * multiple
+    extra = -(-width // multiple) * multiple - width
+    width += extra - extra % step
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded], dtype=torch.long, device=device).reshape(
         len(encoded), width
