@@ -138,6 +138,21 @@ def test_convert_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp
     assert os.path.isfile(out / "config.json")
 
 
+def test_trusting_a_checkpoint_whose_tensors_do_not_fit_its_config_is_one_line(ckpt, tmp_path, capsys):
+    """``--trust-unverified`` on a checkpoint whose model_config.json no longer fits its tensors (issue
+    #70: before, Megatron's CheckpointingException, 56 lines): one line naming the tensor and both shapes."""
+    path = _unverified(ckpt, tmp_path)
+    config = os.path.join(path, "model_config.json")
+    with open(config) as handle:
+        fields = json.load(handle)
+    fields["ffn_hidden_size"] *= 2
+    with open(config, "w") as handle:
+        json.dump(fields, handle)
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING, "--trust-unverified")
+    err = _one_line(capsys, code, path, "decoder.layers.mlp.linear_fc1.weight", "do not match", "model_config.json")
+    assert "CheckpointingException" not in err and "Traceback" not in err, err
+
+
 def test_model_checkpoint_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
     from stabledrl_mcore.checkpoint.loader import load_weights
