@@ -153,6 +153,26 @@ def test_trusting_a_checkpoint_whose_tensors_do_not_fit_its_config_is_one_line(c
     assert "CheckpointingException" not in err and "Traceback" not in err, err
 
 
+def _flip_a_byte(path):
+    with open(path, "r+b") as handle:
+        first = handle.read(1)
+        handle.seek(0)
+        handle.write(bytes([first[0] ^ 1]))
+
+
+def test_a_corrupt_converted_checkpoint_says_convert_again_not_resume(ckpt, tmp_path, capsys):
+    """A converted checkpoint has no earlier checkpoint to resume from (issue #70: its message said
+    so): the advice is to run the conversion again, from the source it names."""
+    path = str(tmp_path / "CK")
+    shutil.copytree(ckpt, path)
+    shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    _flip_a_byte(os.path.join(path, shard))
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING)
+    source = json.load(open(os.path.join(path, "stabledrl_model.json")))["source"]["hf_dir"]
+    err = _one_line(capsys, code, f"{os.path.join(path, shard)} does not match its sha256", "convert")
+    assert "resume" not in err and f"--hf-dir {source}" in err and f"--out {path}" in err, err
+
+
 def test_model_checkpoint_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
     from stabledrl_mcore.checkpoint.loader import load_weights

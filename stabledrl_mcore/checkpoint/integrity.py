@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
@@ -214,6 +215,45 @@ def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
     return ""
 
 
+TRAIN_STATE_FILE = "train_state.json"  # a training checkpoint's (checkpoint.state.STATE_FILE)
+MODEL_MARKER_FILE = "stabledrl_model.json"  # a converted or model-only checkpoint's (checkpoint.info.MARKER)
+
+
+def _marker(directory: str) -> Dict[str, Any]:
+    """The marker of a model checkpoint, read as plain data, or {} (it may be the corrupt file)."""
+    try:
+        with open(os.path.join(directory, MODEL_MARKER_FILE)) as handle:
+            marker = json.loads(handle.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and value.isprintable()
+
+
+def rewrite_advice(directory: str) -> str:
+    """What to do about a corrupt file of ``directory``, for its kind: a training checkpoint is
+    resumed from an earlier one; a converted one is converted again (the command, from its marker);
+    a model-only save is written again."""
+    if os.path.isfile(os.path.join(directory, TRAIN_STATE_FILE)):
+        return "resume from an earlier checkpoint"
+    if not os.path.isfile(os.path.join(directory, MODEL_MARKER_FILE)):
+        return "resume from an earlier checkpoint, or write this one again"
+    marker = _marker(directory)
+    source = marker.get("source") if isinstance(marker.get("source"), dict) else {}
+    if _plain(source.get("hf_dir")):
+        options = [("--model", marker.get("arch")), ("--hf-dir", source["hf_dir"]), ("--out", directory)]
+        options.append(("--dtype", marker.get("dtype")))
+        command = " ".join(f"{flag} {shlex.quote(value)}" for flag, value in options if _plain(value))
+        return (
+            f"convert it again (with the options of the first conversion): stabledrl convert hf-to-mcore "
+            f"{command} --overwrite"
+        )
+    return "write it again (re-run the conversion or the save that made it)"
+
+
 def check_verifiable(directory: str, *, trust_unverified: bool = False) -> None:
     """Raise :class:`CheckpointError` if ``directory`` holds a link, a FIFO or a device, or has no
     ``checksums.json`` (unless ``trust_unverified``). Local and cheap (nothing is hashed): the
@@ -240,7 +280,7 @@ def verify_checksums(directory: str, *, trust_unverified: bool = False) -> None:
             raise CheckpointError(local)
         local = next((p for p in (_problem(directory, n, files[n]) for n in _my_share(sorted(files))) if p), "")
         if local:
-            local = f"corrupt checkpoint: {local}; resume from an earlier checkpoint"
+            local = f"corrupt checkpoint: {local}; {rewrite_advice(directory)}"
     except CheckpointError as err:
         local = str(err)
     problems = [p for p in _gather(local) if p]
