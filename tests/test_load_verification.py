@@ -153,11 +153,12 @@ def test_trusting_a_checkpoint_whose_tensors_do_not_fit_its_config_is_one_line(c
     assert "CheckpointingException" not in err and "Traceback" not in err, err
 
 
-def _flip_a_byte(path):
+def _flip_a_byte(path, offset=0):
     with open(path, "r+b") as handle:
-        first = handle.read(1)
-        handle.seek(0)
-        handle.write(bytes([first[0] ^ 1]))
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 1]))
 
 
 def test_a_corrupt_converted_checkpoint_says_convert_again_not_resume(ckpt, tmp_path, capsys):
@@ -171,6 +172,36 @@ def test_a_corrupt_converted_checkpoint_says_convert_again_not_resume(ckpt, tmp_
     source = json.load(open(os.path.join(path, "stabledrl_model.json")))["source"]["hf_dir"]
     err = _one_line(capsys, code, f"{os.path.join(path, shard)} does not match its sha256", "convert")
     assert "resume" not in err and f"--hf-dir {source}" in err and f"--out {path}" in err, err
+
+
+def test_a_file_the_manifest_does_not_list_is_refused_by_name(ckpt, tmp_path, capsys):
+    """The issue's reproduction (a shard's entry deleted from checksums.json, a byte of it flipped:
+    generate loaded it unchecked, exit 0) and a file added after the save: each refused by name
+    (issue #70, slice 4); the manifest and every file it lists still verify, and --trust-unverified
+    loads a checkpoint with an added file."""
+    from stabledrl_mcore.checkpoint.loader import load_model
+
+    path = str(tmp_path / "CK")
+    shutil.copytree(ckpt, path)
+    shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    manifest = json.load(open(os.path.join(path, CHECKSUM_FILE)))
+    del manifest["files"][shard]
+    with open(os.path.join(path, CHECKSUM_FILE), "w") as handle:
+        json.dump(manifest, handle)
+    _flip_a_byte(os.path.join(path, shard), os.path.getsize(os.path.join(path, shard)) - 1)  # a weight's byte
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING)
+    _one_line(capsys, code, f"{os.path.join(path, shard)} is not listed in {CHECKSUM_FILE}", "--trust-unverified")
+
+    path = str(tmp_path / "CK2")
+    shutil.copytree(ckpt, path)
+    os.makedirs(os.path.join(path, "hf", "notes"))
+    with open(os.path.join(path, "hf", "notes", "README.txt"), "w") as handle:
+        handle.write("added after the conversion\n")
+    with pytest.raises(CheckpointError, match=f"{os.path.join(path, 'hf', 'notes', 'README.txt')} is not listed"):
+        verify_checksums(path)
+    assert load_model(path, trust_unverified=True) is not None
+    os.remove(os.path.join(path, "hf", "notes", "README.txt"))
+    verify_checksums(path)  # an empty directory is no file
 
 
 def test_model_checkpoint_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
