@@ -66,6 +66,26 @@ def test_every_file_is_verified_by_some_rank_at_two_ranks(tmp_path):
             assert name in seen[name] and "does not match" in seen[name], (rank, name, seen[name])
 
 
+def test_the_advice_for_a_corrupt_file_fits_the_kind_of_checkpoint(tmp_path):
+    """A training checkpoint (``train_state.json``) keeps 'resume from an earlier checkpoint'; one
+    written by a save of the model alone (a marker without a conversion source) says write it again."""
+    for kind, extra in (("train_state.json", "{}"), ("stabledrl_model.json", '{"source": {}}')):
+        ckpt = tmp_path / kind
+        ckpt.mkdir()
+        (ckpt / "shard.bin").write_bytes(bytes(range(64)))
+        (ckpt / kind).write_text(extra)
+        write_checksums(str(ckpt))
+        (ckpt / "shard.bin").write_bytes(bytes(range(1, 65)))
+        with pytest.raises(CheckpointError) as err:
+            verify_checksums(str(ckpt))
+        text = str(err.value)
+        assert f"{ckpt / 'shard.bin'} does not match its sha256" in text and "\n" not in text, text
+        if kind == "train_state.json":
+            assert text.endswith("; resume from an earlier checkpoint"), text
+        else:
+            assert "resume" not in text and "write it again" in text, text
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_nan_and_both_infinities_are_named(bad, dtype):

@@ -163,3 +163,24 @@ def test_ctrl_c_of_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
     assert captured.err.splitlines() == ["stabledrl plan: interrupted"] and captured.out == ""
     with pytest.raises(KeyboardInterrupt):
         main(["plan", "--model", "llada-tiny", "--debug"])
+
+
+@pytest.mark.parametrize("phase", ["importing the command module", "parsing the arguments"])
+def test_ctrl_c_before_the_command_runs_is_the_same_one_line_and_exit_130(capsys, monkeypatch, phase):
+    """Ctrl-C in a command's first seconds, while ``main`` imports the command module (torch,
+    Megatron: seconds) or parses its line, is the same line and status as a later one (issue #70;
+    before: a 45-68 line KeyboardInterrupt traceback); ``--debug`` keeps the traceback."""
+    from stabledrl_mcore.cli import app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if phase == "importing the command module":
+        monkeypatch.setattr(app, "_command_module", interrupted)
+    else:
+        monkeypatch.setattr(app._Parser, "parse_known_args", interrupted)
+    assert main(["plan", "--model", "llada-tiny"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["stabledrl plan: interrupted"] and captured.out == ""
+    with pytest.raises(KeyboardInterrupt):
+        main(["plan", "--model", "llada-tiny", "--debug"])

@@ -51,6 +51,45 @@ def test_wrong_type_names_field_and_type():
         load_config(None, ["optim.betas=[0.9]"])
 
 
+def test_a_wrong_optional_value_names_the_field_and_what_it_takes():
+    """An Optional field's wrong value says what it takes, not "expected Optional" (issue #70): every
+    Optional[int] field, and a number YAML reads as text (1e9, no dot) gets the way to write it."""
+    import dataclasses
+    import typing
+
+    from stabledrl_mcore.config.io import from_dict
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.decode_rows=1e9"])
+    message = str(err.value)
+    assert message.startswith("rollout.decode_rows: expected int or null, got str '1e9'"), message
+    assert "1000000000" in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"^rollout\.decode_rows: expected int or null, got float 2\.5$"):
+        load_config(None, ["rollout.decode_rows=2.5"])
+    optional_ints = [
+        f"{section}.{name}"
+        for section, kind in typing.get_type_hints(RunConfig).items()
+        if dataclasses.is_dataclass(kind)
+        for name, field_type in typing.get_type_hints(kind).items()
+        if field_type == typing.Optional[int]
+    ]
+    assert "rollout.decode_rows" in optional_ints and len(optional_ints) > 3, optional_ints
+    for name in optional_ints:
+        with pytest.raises(ConfigError, match=rf"^{name}: expected int or null, got str 'many'$"):
+            load_config(None, [f"{name}=many"])
+
+    @dataclasses.dataclass
+    class Inner:
+        size: int = 1
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: typing.Optional[Inner] = None
+
+    with pytest.raises(ConfigError, match=r"^inner\.size: expected int, got str 'x'$"):
+        from_dict(Outer, {"inner": {"size": "x"}})  # the nested field, not "expected Optional"
+
+
 def test_value_checks():
     with pytest.raises(ConfigError, match=r"algo\.eps must be in \(0, 1\)"):
         load_config(None, ["algo.eps=1.5"])

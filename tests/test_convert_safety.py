@@ -177,7 +177,8 @@ def mcore_ckpt(sources, tmp_path_factory):
 def _claim(out, pid, **extra):
     """A claim on ``out`` as another conversion (process ``pid`` of this host) would hold it."""
     record = {"out": os.path.abspath(out), "tmp": "elsewhere", "host": socket.gethostname(), "pid": pid}
-    record.update(started=time.time(), command="stabledrl convert mcore-to-hf --ckpt CK1 --out R", **extra)
+    record.update(started=time.time(), command="stabledrl convert mcore-to-hf --ckpt CK1 --out R")
+    record.update(extra)
     path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.claim.json")  # claim_path(out)
     with open(path, "w") as handle:
         json.dump(record, handle)
@@ -238,3 +239,35 @@ def test_a_stale_claim_of_a_dead_process_is_taken_over(mcore_ckpt, tmp_path, cap
     err = capsys.readouterr().err
     assert f"took over the claim on {out} from pid {gone.pid}, which no longer runs" in err, err
     assert os.path.isfile(os.path.join(out, "config.json")) and sorted(os.listdir(tmp_path)) == ["R"]
+
+
+def test_a_claim_whose_pid_now_runs_a_later_process_is_taken_over(mcore_ckpt, tmp_path, capsys):
+    """A claim (and a temporary output) whose pid is alive but belongs to a process started after the
+    claim was made (the claimer died, its pid was reused) is taken over, not honoured for ever; a
+    live claimer's claim is refused with its date (issue #70, slice 4)."""
+    out = str(tmp_path / "R")
+    later = subprocess.Popen(["sleep", "60"])  # holds the pid now; it started after the claims below
+    try:
+        started = time.time() + 3600  # a claimer that started after `later`: alive, refused
+        claim = _claim(out, later.pid, started=started)
+        assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", out, "--no-progress") == 2
+        err = capsys.readouterr().err
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+        assert f"(pid {later.pid}, since {since}:" in err and len(err.strip().splitlines()) == 1, err
+        os.remove(claim)
+
+        an_hour_ago = time.time() - 3600
+        _claim(out, later.pid, started=an_hour_ago)
+        leftover = tmp_path / ".tmp-R-killed"
+        leftover.mkdir()
+        owner = {"out": out, "host": socket.gethostname(), "pid": later.pid, "started": an_hour_ago}
+        (tmp_path / ".tmp-R-killed.owner.json").write_text(json.dumps(owner))
+        assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", out, "--no-progress") == 0
+        err = capsys.readouterr().err
+        assert f"took over the claim on {out} from pid {later.pid}" in err, err
+        assert "now runs a process started after the claim" in err, err
+        assert os.path.isfile(os.path.join(out, "config.json")) and sorted(os.listdir(tmp_path)) == ["R"]
+        assert later.poll() is None  # the process that now has the pid is left alone
+    finally:
+        later.kill()
+        later.wait()

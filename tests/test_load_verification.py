@@ -138,6 +138,72 @@ def test_convert_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp
     assert os.path.isfile(out / "config.json")
 
 
+def test_trusting_a_checkpoint_whose_tensors_do_not_fit_its_config_is_one_line(ckpt, tmp_path, capsys):
+    """``--trust-unverified`` on a checkpoint whose model_config.json no longer fits its tensors (issue
+    #70: before, Megatron's CheckpointingException, 56 lines): one line naming the tensor and both shapes."""
+    path = _unverified(ckpt, tmp_path)
+    config = os.path.join(path, "model_config.json")
+    with open(config) as handle:
+        fields = json.load(handle)
+    fields["ffn_hidden_size"] *= 2
+    with open(config, "w") as handle:
+        json.dump(fields, handle)
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING, "--trust-unverified")
+    err = _one_line(capsys, code, path, "decoder.layers.mlp.linear_fc1.weight", "do not match", "model_config.json")
+    assert "CheckpointingException" not in err and "Traceback" not in err, err
+
+
+def _flip_a_byte(path, offset=0):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_corrupt_converted_checkpoint_says_convert_again_not_resume(ckpt, tmp_path, capsys):
+    """A converted checkpoint has no earlier checkpoint to resume from (issue #70: its message said
+    so): the advice is to run the conversion again, from the source it names."""
+    path = str(tmp_path / "CK")
+    shutil.copytree(ckpt, path)
+    shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    _flip_a_byte(os.path.join(path, shard))
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING)
+    source = json.load(open(os.path.join(path, "stabledrl_model.json")))["source"]["hf_dir"]
+    err = _one_line(capsys, code, f"{os.path.join(path, shard)} does not match its sha256", "convert")
+    assert "resume" not in err and f"--hf-dir {source}" in err and f"--out {path}" in err, err
+
+
+def test_a_file_the_manifest_does_not_list_is_refused_by_name(ckpt, tmp_path, capsys):
+    """The issue's reproduction (a shard's entry deleted from checksums.json, a byte of it flipped:
+    generate loaded it unchecked, exit 0) and a file added after the save: each refused by name
+    (issue #70, slice 4); the manifest and every file it lists still verify, and --trust-unverified
+    loads a checkpoint with an added file."""
+    from stabledrl_mcore.checkpoint.loader import load_model
+
+    path = str(tmp_path / "CK")
+    shutil.copytree(ckpt, path)
+    shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    manifest = json.load(open(os.path.join(path, CHECKSUM_FILE)))
+    del manifest["files"][shard]
+    with open(os.path.join(path, CHECKSUM_FILE), "w") as handle:
+        json.dump(manifest, handle)
+    _flip_a_byte(os.path.join(path, shard), os.path.getsize(os.path.join(path, shard)) - 1)  # a weight's byte
+    code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING)
+    _one_line(capsys, code, f"{os.path.join(path, shard)} is not listed in {CHECKSUM_FILE}", "--trust-unverified")
+
+    path = str(tmp_path / "CK2")
+    shutil.copytree(ckpt, path)
+    os.makedirs(os.path.join(path, "hf", "notes"))
+    with open(os.path.join(path, "hf", "notes", "README.txt"), "w") as handle:
+        handle.write("added after the conversion\n")
+    with pytest.raises(CheckpointError, match=f"{os.path.join(path, 'hf', 'notes', 'README.txt')} is not listed"):
+        verify_checksums(path)
+    assert load_model(path, trust_unverified=True) is not None
+    os.remove(os.path.join(path, "hf", "notes", "README.txt"))
+    verify_checksums(path)  # an empty directory is no file
+
+
 def test_model_checkpoint_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
     from stabledrl_mcore.checkpoint.loader import load_weights

@@ -13,7 +13,8 @@ once; Megatron -> HF loads one layer at a time and writes each tensor straight
 into its safetensors shard. Peak memory is about one copy of the weights
 (``tools/bench_convert.py``). A conversion first claims its target (``.<name>.claim.json``
 beside it, created atomically): a second conversion into the same target is refused at once,
-naming the first one's pid; a claim whose process is gone is taken over. Output goes to
+naming the first one's pid and the claim's date; a claim whose process is gone, or whose pid now runs
+a process started after the claim (pid reuse), is taken over. Output goes to
 ``.tmp-<name>-*`` beside the target and is renamed into place only when complete (and, with
 ``--verify``, checked), so an interrupted run never leaves anything that looks like a valid
 checkpoint; any failure (an error, Ctrl-C, SIGTERM) removes it, and one left by a SIGKILLed run

@@ -11,8 +11,10 @@
   ``..``, nothing that resolves elsewhere) and the checkpoint must hold no symbolic link (file
   or directory): each is refused by name, so a crafted manifest reads nothing outside. Nor may it
   hold a FIFO, a device or a socket (refused by name before any file is read: reading one blocks).
-  A checkpoint without ``checksums.json`` is refused (:data:`TRUST_OPTION` loads it unverified,
-  still without links or special files).
+  A file the manifest does not list (added after the save, or its entry removed) is refused by
+  name too: nothing would verify it. A checkpoint without ``checksums.json`` is refused
+  (:data:`TRUST_OPTION` loads it unverified, still without links or special files, and loads a
+  file the manifest does not list).
 * :func:`check_finite`: a NaN or inf parameter is an error after a load and before a save
   (decided on all ranks together), so a corrupt checkpoint never trains and a diverged model
   is never committed.
@@ -27,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
@@ -200,6 +203,21 @@ def untrusted_entries(directory: str, files: Dict[str, Any]) -> str:
     return ""
 
 
+def unlisted_files(directory: str, files: Dict[str, Any]) -> str:
+    """'' unless ``directory`` holds a file its manifest ``files`` does not list (one added or
+    renamed after the save, or whose entry was removed: nothing would verify it), else the one-line
+    problem naming it. The manifest lists every file a save or conversion wrote, written last."""
+    unlisted = [name for name in _files(directory) if name not in files]
+    if not unlisted:
+        return ""
+    more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+    return (
+        f"{os.path.join(directory, unlisted[0])} is not listed in {CHECKSUM_FILE}{more}, so it cannot be "
+        f"verified (added or renamed after the checkpoint was written, or its entry removed); remove it if it "
+        f"is not part of the checkpoint, or load the checkpoint unverified with {TRUST_OPTION}"
+    )
+
+
 def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
     path = os.path.join(directory, name)
     if not isinstance(expected, dict):
@@ -212,6 +230,45 @@ def _problem(directory: str, name: str, expected: Dict[str, Any]) -> str:
     if file_digest(path) != expected.get(CHECKSUM_ALGORITHM):
         return f"{path} does not match its {CHECKSUM_ALGORITHM} in {CHECKSUM_FILE}"
     return ""
+
+
+TRAIN_STATE_FILE = "train_state.json"  # a training checkpoint's (checkpoint.state.STATE_FILE)
+MODEL_MARKER_FILE = "stabledrl_model.json"  # a converted or model-only checkpoint's (checkpoint.info.MARKER)
+
+
+def _marker(directory: str) -> Dict[str, Any]:
+    """The marker of a model checkpoint, read as plain data, or {} (it may be the corrupt file)."""
+    try:
+        with open(os.path.join(directory, MODEL_MARKER_FILE)) as handle:
+            marker = json.loads(handle.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and value.isprintable()
+
+
+def rewrite_advice(directory: str) -> str:
+    """What to do about a corrupt file of ``directory``, for its kind: a training checkpoint is
+    resumed from an earlier one; a converted one is converted again (the command, from its marker);
+    a model-only save is written again."""
+    if os.path.isfile(os.path.join(directory, TRAIN_STATE_FILE)):
+        return "resume from an earlier checkpoint"
+    if not os.path.isfile(os.path.join(directory, MODEL_MARKER_FILE)):
+        return "resume from an earlier checkpoint, or write this one again"
+    marker = _marker(directory)
+    source = marker.get("source") if isinstance(marker.get("source"), dict) else {}
+    if _plain(source.get("hf_dir")):
+        options = [("--model", marker.get("arch")), ("--hf-dir", source["hf_dir"]), ("--out", directory)]
+        options.append(("--dtype", marker.get("dtype")))
+        command = " ".join(f"{flag} {shlex.quote(value)}" for flag, value in options if _plain(value))
+        return (
+            f"convert it again (with the options of the first conversion): stabledrl convert hf-to-mcore "
+            f"{command} --overwrite"
+        )
+    return "write it again (re-run the conversion or the save that made it)"
 
 
 def check_verifiable(directory: str, *, trust_unverified: bool = False) -> None:
@@ -229,18 +286,24 @@ def verify_checksums(directory: str, *, trust_unverified: bool = False) -> None:
     """Raise :class:`CheckpointError` (on every rank) unless every file of the manifest is
     intact. Collective where distributed: each rank hashes its share of the files (after every
     rank has checked that the checkpoint holds no link or special file and that the manifest names
-    only files of the checkpoint, :func:`untrusted_entries`). No manifest is refused unless
-    ``trust_unverified`` (then only the links and special files are checked)."""
+    only files of the checkpoint, :func:`untrusted_entries`, and that it lists every file,
+    :func:`unlisted_files`). No manifest is refused unless ``trust_unverified`` (then only the links
+    and special files are checked, and files the manifest does not list are loaded unverified)."""
     try:
         check_verifiable(directory, trust_unverified=trust_unverified)
         manifest = os.path.join(directory, CHECKSUM_FILE)
-        files: Dict[str, Any] = read_manifest(directory) if os.path.lexists(manifest) else {}
+        listed = os.path.lexists(manifest)
+        files: Dict[str, Any] = read_manifest(directory) if listed else {}
         local = untrusted_entries(directory, files)
         if local:
             raise CheckpointError(local)
+        if listed and not trust_unverified:
+            local = unlisted_files(directory, files)
+            if local:
+                raise CheckpointError(local)
         local = next((p for p in (_problem(directory, n, files[n]) for n in _my_share(sorted(files))) if p), "")
         if local:
-            local = f"corrupt checkpoint: {local}; resume from an earlier checkpoint"
+            local = f"corrupt checkpoint: {local}; {rewrite_advice(directory)}"
     except CheckpointError as err:
         local = str(err)
     problems = [p for p in _gather(local) if p]

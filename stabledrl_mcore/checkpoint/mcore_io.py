@@ -122,19 +122,46 @@ def _read_claim(fd: int) -> dict:
     return owner if isinstance(owner, dict) else {}
 
 
-def _claim_is_stale(owner: dict) -> bool:
-    """A claim of a process on this host that no longer runs (another host's is never stale)."""
+def _claim_is_stale(owner: dict) -> str:
+    """Why a claim (or an owner file) of a process on this host is stale, or '' if it may still be
+    written by its process: that pid no longer runs, or it runs a process started after the claim
+    was made (the claimer died and its pid was reused). Another host's claim is never stale."""
     pid = owner.get("pid")
-    return owner.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return ""
+    if not _pid_alive(pid):
+        return "which no longer runs"
+    if _started_after(pid, owner.get("started")):
+        return "whose pid now runs a process started after the claim"
+    return ""
+
+
+PID_START_SLACK_S = 2.0
+"""How much later than a claim's time its process may seem to have started (a process's start time is
+known to about a clock tick, the boot time it counts from to a second)."""
+
+
+def _started_after(pid: int, claimed: Any) -> bool:
+    """True if process ``pid`` started after the time ``claimed`` (so it cannot have made that claim);
+    False if it started before, or either time is unknown."""
+    if not isinstance(claimed, (int, float)) or isinstance(claimed, bool):
+        return False
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() > float(claimed) + PID_START_SLACK_S
+    except Exception:  # noqa: BLE001 - gone meanwhile, not readable, no psutil: assume it is the claimer
+        return False
 
 
 def claim_output(out: str, tmp: str) -> str:
     """Claim ``out`` for this process (writing ``tmp``), atomically; returns the claim file.
 
     The claim appears complete or not at all (written aside, then hard-linked into place, which
-    fails if a claim exists). A live claimer's claim is refused, naming its pid and the fix; one of
-    a process of this host that no longer runs is taken over (under a lock on the stale file, so
-    one taker wins), with a line saying so. Release with :func:`release_output`.
+    fails if a claim exists). A live claimer's claim is refused, naming its pid, its date and the fix;
+    one of a process of this host that no longer runs, or whose pid now runs a process started after
+    the claim (:func:`_claim_is_stale`), is taken over (under a lock on the stale file, so one taker
+    wins), with a line saying so. Release with :func:`release_output`.
     """
     out, claim = os.path.abspath(out), claim_path(out)
     mine = f"{claim}.{os.getpid()}.new"
@@ -162,12 +189,13 @@ def claim_output(out: str, tmp: str) -> str:
                 if not same:
                     continue  # replaced or released meanwhile: look again
                 owner = _read_claim(fd)
-                if not _claim_is_stale(owner):
+                stale = _claim_is_stale(owner)
+                if not stale:
                     raise ConversionError(_claimed_message(out, claim, owner))
                 os.replace(mine, claim)
                 print(
-                    f"stabledrl: took over the claim on {out} from pid {owner.get('pid')}, which no longer runs "
-                    f"(an interrupted conversion)",
+                    f"stabledrl: took over the claim on {out} from pid {owner.get('pid')}, {stale} "
+                    f"(an interrupted conversion, {_since(owner)})",
                     file=sys.stderr,
                 )
                 return claim
@@ -179,16 +207,24 @@ def claim_output(out: str, tmp: str) -> str:
             os.remove(mine)
 
 
+def _since(owner: dict) -> str:
+    """``since YYYY-MM-DD HH:MM:SS UTC``: when the claim was made (with its date: a claim may be old)."""
+    started = owner.get("started")
+    if not isinstance(started, (int, float)) or isinstance(started, bool):
+        return "since an unknown time"
+    return time.strftime("since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+
+
 def _claimed_message(out: str, claim: str, owner: dict) -> str:
     if not owner:
         return (
             f"output {out} is claimed by another conversion ({claim} is unreadable); choose another --out, "
             f"or remove {claim} if no conversion into {out} runs"
         )
-    since = time.strftime("%H:%M:%S UTC", time.gmtime(owner.get("started") or 0))
     who = f"pid {owner.get('pid')}" + (f" on {owner.get('host')}" if owner.get("host") != socket.gethostname() else "")
     return (
-        f"output {out} is being written by another conversion ({who}, since {since}: {owner.get('command', '?')}); "
+        f"output {out} is being written by another conversion ({who}, {_since(owner)}: "
+        f"{owner.get('command', '?')}); "
         f"wait for it to finish or choose another --out (remove {claim} only if that process is gone)"
     )
 
@@ -259,7 +295,8 @@ def remove_stale_outputs(out: str) -> List[str]:
     """Remove ``.tmp-<name>-*`` beside ``out`` left by a killed writer of ``out`` on this host.
 
     Only directories with an owner file naming ``out``, this host and a pid that no
-    longer runs; anything else (another output's, another host's, a live one) stays.
+    longer runs or now runs a later process (:func:`_claim_is_stale`); anything else (another
+    output's, another host's, a live one) stays.
     """
     out = os.path.abspath(out)
     parent, prefix, removed = os.path.dirname(out), f".tmp-{os.path.basename(out)}-", []
@@ -275,12 +312,7 @@ def remove_stale_outputs(out: str) -> List[str]:
             owner = read_json(owner_file)
         except (ConversionError, OSError, ValueError):
             continue
-        if (
-            not isinstance(owner, dict)
-            or owner.get("out") != out
-            or owner.get("host") != socket.gethostname()
-            or _pid_alive(owner.get("pid"))
-        ):
+        if not isinstance(owner, dict) or owner.get("out") != out or not _claim_is_stale(owner):
             continue
         shutil.rmtree(owner_file[: -len(OWNER_SUFFIX)], ignore_errors=True)
         os.remove(owner_file)

@@ -288,6 +288,28 @@ def _from_common_load(err: BaseException) -> bool:
     return any(frame.name == "load_common" for frame in traceback.extract_tb(err.__traceback__))
 
 
+_SHAPE_MISMATCH = re.compile(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (\S+)")
+"""Megatron's ``CheckpointingException`` when a stored tensor's shape differs from the model's."""
+
+
+def _shape(text: str) -> str:
+    return "[" + ", ".join(re.findall(r"\d+", text)) + "]"
+
+
+def shape_mismatch(err: BaseException, directory: str) -> str:
+    """The one line for Megatron's global shape mismatch (the tensor, both shapes, what to do), else ''."""
+    found = _SHAPE_MISMATCH.search(str(err))
+    if found is None:
+        return ""
+    stored, expected, key = found.groups()
+    return (
+        f"{directory}: the checkpoint's tensors do not match the config it is loaded with: {key} is stored as "
+        f"{_shape(stored)}, the model built from its model_config.json (or the run's model settings) has "
+        f"{_shape(expected)}; load it with the model config it was saved with (its own model_config.json, "
+        f"unedited), or use the checkpoint those files came from"
+    )
+
+
 def load_sharded(sharded: Dict[str, Any], directory: str, **kwargs: Any) -> Dict[str, Any]:
     """``dist_checkpointing.load(sharded, directory, **kwargs)`` that runs no code from the checkpoint:
     a refused ``.metadata``, sharded object or ``common.pt`` is one :class:`CheckpointError` naming it."""
@@ -307,6 +329,9 @@ def load_sharded(sharded: Dict[str, Any], directory: str, **kwargs: Any) -> Dict
         for failure, _ in err.failures.values():
             if isinstance(failure, CheckpointError):
                 raise CheckpointError(str(failure)) from None
+            mismatch = shape_mismatch(failure, directory)
+            if mismatch:
+                raise CheckpointError(mismatch) from err
             if isinstance(failure, _ObjectRefused):
                 key, reason = failure.args
                 raise CheckpointError(
@@ -314,4 +339,9 @@ def load_sharded(sharded: Dict[str, Any], directory: str, **kwargs: Any) -> Dict
                     "data); the checkpoint is not trusted"
                 ) from None
         verify_metadata(directory)  # a .metadata replaced during the load is named, not a traceback
+        raise
+    except Exception as err:  # noqa: BLE001 - Megatron's own exceptions, raised outside torch's wrapper
+        mismatch = shape_mismatch(err, directory)
+        if mismatch:
+            raise CheckpointError(mismatch) from err
         raise

@@ -131,7 +131,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
-    args = parse_args(argv)
+    try:  # parsing imports the command's module (torch, Megatron: seconds), where a Ctrl-C is common
+        args = parse_args(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        named = next((token for token in argv if not token.startswith("-")), None)
+        print(f"stabledrl {named}: interrupted" if named else "stabledrl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     args.debug = debug
     try:
         return int(args.handler(args) or 0)

@@ -19,7 +19,33 @@ from stabledrl_mcore.common.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:
+    """``int``, ``float``, ...; a Union lists its options (``int or null``), never ``Optional``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if option is type(None) else _type_name(option) for option in typing.get_args(tp))
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _hint(value: Any, tp: Any) -> str:
+    """How to write an integral number an ``int`` field refuses (YAML reads ``1e9`` as text, ``1.0e+9``
+    as a float), else ''."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if int not in options or isinstance(value, bool) or not isinstance(value, (str, float)):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not number.is_integer():
+        return ""
+    if isinstance(value, str):
+        return f" (YAML reads {value} as text; write the integer in full: {int(number)})"
+    return f" (write the integer without a decimal point: {int(number)})"
+
+
+def _wrong_type(value: Any, tp: Any, where: str) -> ConfigError:
+    return ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{_hint(value, tp)}")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -31,15 +57,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _coerce(value, option, where)
             except ConfigError as err:
-                errors.append(err)
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+                if not str(err).startswith(f"{where}: "):  # a field inside the value: name that one
+                    raise
+        raise _wrong_type(value, tp, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
@@ -78,7 +104,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
     else:  # pragma: no cover - every annotation in this module is handled above
         raise ConfigError(f"{where}: unsupported annotation {tp}")
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    raise _wrong_type(value, tp, where)
 
 
 def _unknown_key(key: str, valid: Sequence[str], prefix: str) -> ConfigError:
