@@ -91,16 +91,41 @@ def _validate_decoding(cfg) -> None:
             f"but rollout.compile=none compiles nothing: set rollout.compile=default (or reduce-overhead), "
             f"or drop rollout.compile_cache_dir"
         )
-    rows = r.decode_rows
+    check_decode_rows(r.decode_rows, p.micro_batch_size, r.group_size)
+
+
+DECODE_ROWS_NAMES = ("rollout.decode_rows", "parallel.micro_batch_size", "rollout.group_size")
+"""How :func:`check_decode_rows` names its three values by default (the run config's fields)."""
+
+
+def decode_rows_unit(micro_batch: int, group_size: int) -> int:
+    """The fewest rows a decoding forward holds, and what every row count is a multiple of:
+    ``lcm(micro_batch, group_size)`` (a decoding batch ends on a group and a micro-batch boundary).
+    The planner's (``stabledrl plan``) and the preflight's default rows."""
+    return math.lcm(max(micro_batch, 1), max(group_size, 1))
+
+
+def check_decode_rows(
+    rows,
+    micro_batch: int,
+    group_size: int,
+    *,
+    names: Sequence[str] = DECODE_ROWS_NAMES,
+    sep: str = "=",
+    unset: str = "null (chosen from the memory left for decoding)",
+) -> None:
+    """Rows per decoding forward (``rollout.decode_rows``, ``stabledrl plan --decode-rows``): None, or
+    a positive multiple of :func:`decode_rows_unit`; refused in one line naming ``names`` (the
+    config fields, or the flags; ``sep`` joins a name and its value; ``unset``: what leaving it out means)."""
     if rows is None:
         return
-    unit = math.lcm(max(p.micro_batch_size, 1), max(r.group_size, 1))
+    unit = decode_rows_unit(micro_batch, group_size)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows % unit:
+        r, m, g = names
         raise ConfigError(
-            f"rollout.decode_rows={rows!r}: a decoding batch holds whole groups and whole micro-batches, "
-            f"so it must be a multiple of lcm(parallel.micro_batch_size={p.micro_batch_size}, "
-            f"rollout.group_size={r.group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or null "
-            f"(chosen from the memory left for decoding)"
+            f"{r}{sep}{rows!r}: a decoding batch holds whole groups and whole micro-batches, "
+            f"so it must be a multiple of lcm({m}{sep}{micro_batch}, "
+            f"{g}{sep}{group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or {unset}"
         )
 
 
