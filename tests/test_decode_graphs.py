@@ -10,6 +10,7 @@ AOT's functionalisation, no code generation: CI time); one test runs inductor it
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -81,6 +82,54 @@ def test_each_decoding_mode_is_a_fixed_number_of_graphs_equal_to_eager(megatron_
     eager = _generate(model, arch, options, "none")
     assert torch.equal(first, eager) and torch.equal(again, eager)
     assert compiled.stats.forwards > 2 * graphs
+
+
+def test_compiled_decoding_says_before_its_first_compile_and_how_long_it_took(megatron_tp1, capsys):
+    """Issue 70: a compiled generation waited 50-100 s in silence (eval, generate). A line goes out
+    before the first graph compiles (the backend sees it already printed), one with the graphs and
+    seconds once they are compiled, and nothing for a generation of a shape already compiled."""
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, inputs):  # what was printed when the compilation began
+        seen.append(capsys.readouterr().err)
+        return gm.forward
+
+    arch, options, graphs = MODES["llada-dual"]
+    model = _model(arch)
+    compiled = DecodingForward(model, "default", backend=backend)
+    capsys.readouterr()
+    _generate(model, arch, options, compiled)
+    assert len(seen) == graphs == 2 and seen[0].startswith("stabledrl: compiling the decoding graphs (compile=default;")
+    lines = (seen[0] + seen[1] + capsys.readouterr().err).strip().splitlines()
+    assert len(lines) == 2 and lines[0].endswith("...")
+    assert re.fullmatch(r"stabledrl: compiled 2 decoding graphs in \d+\.\d s \(compile=default\)", lines[1]), lines
+    _generate(model, arch, options, compiled)
+    assert capsys.readouterr().err == "" and len(seen) == 2
+    _generate(model, arch, options, "none")  # eager: silent
+    assert capsys.readouterr().err == ""
+
+
+def test_generate_and_eval_say_when_they_compile(llada_hf, tmp_path, monkeypatch, capsys):
+    """The lines of a compiled generation reach ``stabledrl generate`` and ``eval`` (their
+    ``rollout_compile_s`` was 0.0 and nothing was printed); the ``eager`` backend stands in for
+    inductor (the same Dynamo capture, no code generation: CI time)."""
+    from stabledrl_mcore.cli.app import main
+    from stabledrl_mcore.models import decoding
+
+    real = decoding.checked_backend
+    monkeypatch.setattr(decoding, "checked_backend", lambda backend, mode, device: real("eager", mode, device))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    sampling = ["--gen-length", "8", "--block-length", "4", "--steps", "4", "--compile", "default", "--no-progress"]
+    assert main(["generate", "--ckpt", llada_hf, "--prompt", "tok5 tok6", *sampling]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stabledrl: ")]
+    assert said[0].startswith("stabledrl: compiling the decoding graphs (compile=default") and len(said) == 2
+    assert re.fullmatch(r"stabledrl: compiled 1 decoding graph in \d+\.\d s \(compile=default\)", said[1]), said
+    out = str(tmp_path / "eval.jsonl")
+    assert main(["eval", "--ckpt", llada_hf, "--task", "sudoku", "--limit", "2", "--out", out, *sampling]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stabledrl: ")]
+    assert said[0].startswith("stabledrl: compiling the decoding graphs") and "compiled 1 decoding graph in" in said[1]
 
 
 def test_the_kv_buffers_are_the_static_inputs_the_captured_step_mutates(megatron_tp1):
@@ -228,7 +277,10 @@ def test_an_rl_step_with_compiled_rollouts_logs_its_compile_time_and_decode_rows
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert rows[0]["rollout_compile_s"] > 0 and rows[1]["rollout_compile_s"] == 0.0
     assert rows[0]["rollout_decode_rows"] == rows[1]["rollout_decode_rows"] == 2 * 4  # 2 prompts x G=4
-    assert "rollouts decode 8 rows per forward (set by the memory left for decoding)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "rollouts decode 8 rows per forward (set by the memory left for decoding)" in captured.out
+    said = [line for line in captured.err.splitlines() if line.startswith("stabledrl: compil")]
+    assert said[0].startswith("stabledrl: compiling the decoding graphs (compile=default") and len(said) == 2, said
     cache = run_dir / "inductor-cache"  # rollout.compile_cache_dir's default: a requeued job reuses it
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache) and any(p.is_file() for p in cache.rglob("*"))
 

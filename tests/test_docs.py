@@ -194,3 +194,30 @@ def test_good_slurm_jobs_pass(line):
 def test_bad_slurm_jobs_are_reported(line, expected):
     findings = check_docs.check_commands(fenced(line), "slurm.md", ROOT)
     assert len(findings) == 1 and expected in findings[0].message, messages(findings)
+
+
+# -- plan figures ---------------------------------------------------------------------------
+PLAN = "stabledrl plan --model llada-tiny --nodes 1 --gpus-per-node 2 --micro-batch 2 --group-size 4 --seq-len 64"
+
+
+def test_plan_figures_quoted_after_a_plan_command_are_what_it_prints():
+    """The README quotes ``stabledrl plan``'s figures (they went stale: 30.2 GiB / LM head 0.7 quoted,
+    29.6 / 0.2 printed): each one after a plan command, its output block and a run on other
+    ``--nodes`` are compared with what the command prints now."""
+    output = check_docs.plan_output(PLAN.split()[1:])
+    figures = check_docs._plan_figures(output)
+    total, head, rows, rate = figures["total"], figures["LM head"], figures["rows"], int(figures["step tokens/s"])
+    assert rows == "4"  # lcm(--micro-batch 2, --group-size 4): train's preflight's count
+    two = check_docs._plan_figures(check_docs.plan_output([*PLAN.split()[1:], "--nodes", "2"]))
+    right = f"prints {total} GiB (LM head {head}, {rows} rows per decoding forward), {rate:,} step tokens/s"
+    right += f" (2 nodes: {two['total']} GiB, {int(two['step tokens/s']):,} tokens/s).\n"
+    block = fenced(PLAN) + "\n```text\n" + output + "```\n\n"
+    assert check_docs.check_plan_figures(fenced(PLAN) + "\n" + right, "README.md", ROOT) == []
+    assert check_docs.check_plan_figures(block + right, "README.md", ROOT) == []
+    stale = right.replace(f"LM head {head}", "LM head 9.9").replace(f"prints {total}", "prints 99.9")
+    stale = stale.replace(f"2 nodes: {two['total']}", "2 nodes: 88.8")
+    found = messages(check_docs.check_plan_figures(fenced(PLAN) + "\n" + stale, "README.md", ROOT))
+    assert "says LM head 9.9" in found and "says total 99.9" in found and "says 88.8 (total) on 2 nodes" in found
+    pasted = block.replace(f"total {total} GiB", "total 99.9 GiB")
+    found = messages(check_docs.check_plan_figures(pasted + right, "README.md", ROOT))
+    assert f"README.md:{pasted.splitlines().index('```text') + 2}: not what stabledrl plan" in found

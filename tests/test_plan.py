@@ -1,6 +1,7 @@
 """``stabledrl plan``: hand-computed estimates, the layout table, errors, and measured CPU peaks."""
 
 import json
+import math
 import os
 
 import pytest
@@ -28,6 +29,7 @@ def tiny_spec(**kw):
         tp=1,
         pp=1,
         micro_batch=2,
+        group_size=2,  # 2 prompts x 2 completions: 2 rows per decoding forward
         seq_len=32,
         gen_length=16,
         global_batch=4,
@@ -171,6 +173,37 @@ def test_plan_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("micro, group, rows", [(2, 8, 3), (2, 8, 12), (4, 6, 6), (3, 2, 0), (2, 4, None)])
+def test_plan_decode_rows_follow_the_rule_and_default_of_train(capsys, micro, group, rows):
+    """``plan --decode-rows`` is refused exactly where train's ``rollout.decode_rows`` is (a multiple of
+    ``lcm(micro-batch, group size)``, one rule: config/checks.py::check_decode_rows), and unset it
+    is that lcm, the rows train's preflight counts (it was the micro-batch, and 3 was accepted)."""
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
+
+    fields = [f"parallel.micro_batch_size={micro}", f"rollout.group_size={group}"]
+    try:
+        load_config(None, fields + ([f"rollout.decode_rows={rows}"] if rows is not None else []))
+        train_refuses = False
+    except ConfigError:
+        train_refuses = True
+    argv = ["plan", "--model", "llada-tiny", "--gpus-per-node", "1", "--micro-batch", str(micro)]
+    argv += ["--group-size", str(group)] + (["--decode-rows", str(rows)] if rows is not None else [])
+    assert main(argv) == (2 if train_refuses else 0)
+    captured = capsys.readouterr()
+    if train_refuses:
+        unit = math.lcm(micro, group)
+        assert len(captured.err.strip().splitlines()) == 1
+        assert (
+            f"--decode-rows {rows}: " in captured.err
+            and f"lcm(--micro-batch {micro}, --group-size {group})" in captured.err
+        )
+        assert f"= {unit}" in captured.err
+    else:
+        assert f"{rows or math.lcm(micro, group)} rows per decoding forward" in captured.out
+    assert train_refuses == (rows is not None and rows % math.lcm(micro, group) != 0 or rows == 0)
 
 
 SHAPE = dict(num_layers=2, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1024, vocab_size=4096)

@@ -286,3 +286,56 @@ def test_shipped_recipes_are_refused_until_their_checkpoint_exists(capsys):
     for recipe in recipes:
         line = _refused(capsys, "train", "--config", recipe, "--print-config")
         assert "model.checkpoint: checkpoints/" in line and "does not exist" in line, (recipe, line)
+
+
+# ------------------------------------------------------- issue 70: where compiled decoding keeps its graphs
+def _bad_cache_dirs(tmp_path):
+    """``(path, what the line says)``: an existing file, a directory that cannot be created (under a
+    file; under /proc/1, which no user may write in) and one that cannot be written in (/proc/1)."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    cases = [
+        (str(afile), "is a file, not a directory"),
+        (str(afile / "cache"), f"cannot be created: {afile} is a file"),
+    ]
+    if os.path.isdir("/proc/1"):  # Linux: not writable, not even by root
+        cases += [
+            ("/proc/1/cache", "cannot be created: /proc/1 is a directory this user cannot write in"),
+            ("/proc/1", "is a directory this user cannot write in"),
+        ]
+    return cases
+
+
+def test_a_compile_cache_dir_that_cannot_be_used_is_one_line_naming_it_before_any_rank_starts(capsys, tmp_path):
+    """It was a 40- or 133-line traceback at the first rollout (os.makedirs in the ranks' set-up)."""
+    for path, problem in _bad_cache_dirs(tmp_path):
+        line = _print_config(capsys, "rollout.compile=default", f"rollout.compile_cache_dir={path}")
+        assert f"rollout.compile_cache_dir={path} {problem}" in line, line
+        assert "set rollout.compile_cache_dir=DIR" in line
+    afile = tmp_path / "a-file"  # the default, <logging.run_dir>/inductor-cache, under a run_dir that is a file
+    line = _print_config(capsys, "rollout.compile=default", f"logging.run_dir={afile}")
+    assert f"rollout.compile_cache_dir (unset: <logging.run_dir>/inductor-cache = {afile}/inductor-cache)" in line
+    assert "or another logging.run_dir" in line
+    fine = tmp_path / "new" / "cache"
+    argv = ["train", "--config", CONFIG, "rollout.compile=default", f"rollout.compile_cache_dir={fine}"]
+    assert main([*argv, f"logging.run_dir={tmp_path / 'run'}", "--print-config"]) == 0
+    assert not fine.parent.exists()  # checked, not created
+
+
+def test_eval_and_generate_refuse_an_unusable_compile_cache_by_name(capsys, tmp_path, monkeypatch, hf_llada):
+    """``--compile``'s graphs go to TORCHINDUCTOR_CACHE_DIR (torch's variable; eval and generate have
+    no option of their own), which torch creates when a command imports ``torch._dynamo``: a bad one
+    was a traceback there (FileExistsError, eager or compiled); a broken link, a bare ``[Errno 2]``."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    for path, problem in [*_bad_cache_dirs(tmp_path)[::2], (f"{link}/cache", f"cannot be created: {link} is a broken")]:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", path)
+        line = _refused(
+            capsys, "generate", "--ckpt", hf_llada, "--prompt", "tok5", "--gen-length", "4", "--compile", "default"
+        )
+        assert f"generate: error: TORCHINDUCTOR_CACHE_DIR={path} {problem}" in line, line
+        out = str(tmp_path / "eval.jsonl")
+        line = _refused(
+            capsys, "eval", "--ckpt", hf_llada, "--task", "sudoku", "--limit", "2", "--out", out, "--compile", "default"
+        )
+        assert f"eval: error: TORCHINDUCTOR_CACHE_DIR={path} {problem}" in line, line

@@ -25,6 +25,10 @@ Files: README.md, docs/*.md, slurm/README.md. Rules (tests/test_docs.py runs the
   config (missing fields take the defaults; a block with a top-level ``sft:`` section is an
   ``SFTConfig``), unless the line before the fence (blank lines aside) is
   ``<!-- not a run config -->`` (docker-compose, SLURM fragments, outputs).
+- **plan figures**: a ``stabledrl plan`` command in a code block is run (in this process); a
+  ``text`` block right after it must be its output, verbatim, and the paragraph after them may
+  quote only the figures it prints now (``prints 31.5 GiB``, ``weights 7.5``, ``1,571 step tokens/s``,
+  ``2 nodes: 34.3 GiB, 785 tokens/s``: :func:`check_plan_figures`).
 - **outside the repository**: no file (tracked or untracked, outside ``.git``/``.venv``) refers
   to the notes folder one level above the repository (``..`` + ``/shared``).
 """
@@ -301,6 +305,114 @@ def check_commands(text: str, path: str, root: str = ROOT) -> List[Finding]:
     return findings
 
 
+# -- plan figures ----------------------------------------------------------------------
+_PLAN_PAIRS = re.compile(r"\b(weights|gradients|optimizer|activations|LM head|rollout KV cache|overhead) (\d+\.\d)\b")
+_PLAN_PROSE = {  # what the prose after a plan command quotes -> (pattern in the prose, pattern in the output)
+    "total": (r"prints (\d+\.\d) GiB", r"total (\d+\.\d) GiB"),
+    "transient": (r"(\d+\.\d) transient", r"\+(\d+\.\d) transient"),
+    "rows": (r"(\d+) rows\s+per decoding forward", r"(\d+) rows per decoding forward"),
+    "step tokens/s": (r"([\d,]+) step tokens/s", r"whole step (\d+)"),
+}
+_PLAN_NODES = re.compile(
+    r"(?:(\d+) nodes: |`--nodes (\d+)` the planner prints )(\d+\.\d) GiB(?:,| and) ([\d,]+) (?:step )?tokens/s"
+)
+
+
+def plan_output(argv: Sequence[str]) -> Optional[str]:
+    """What ``stabledrl ARGV`` (a ``plan``) prints, run in this process; None when it fails."""
+    import stabledrl_mcore.cli.app as cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(list(argv))
+    return out.getvalue() if code == 0 else None
+
+
+def _plan_figures(output: str) -> dict:
+    head = output.split("\n\n", 1)[0]
+    figures = {name: value for name, value in _PLAN_PAIRS.findall(head)}
+    for name, (_, pattern) in _PLAN_PROSE.items():
+        found = re.search(pattern, head)
+        figures[name] = found.group(1) if found else None
+    return figures
+
+
+def _with_nodes(argv: Sequence[str], nodes: str) -> List[str]:
+    argv = list(argv)
+    if "--nodes" in argv:
+        argv[argv.index("--nodes") + 1] = nodes
+        return argv
+    return argv + ["--nodes", nodes]
+
+
+def check_plan_figures(text: str, path: str, root: str = ROOT) -> List[Finding]:
+    """A ``stabledrl plan`` command in a code block is what its figures come from: a ``text`` block
+    right after it is its output, verbatim; the paragraph after them quotes its figures (``prints
+    31.5 GiB``, ``weights 7.5``, ``2.3 transient``, ``16 rows per decoding forward``, ``1,571 step
+    tokens/s``, and ``2 nodes: 34.3 GiB, 785 tokens/s`` / ```--nodes 2`` the planner prints ...``
+    of the same command on that many nodes) as the command prints them now."""
+    findings, lines, blocks = [], text.splitlines(), fenced_blocks(text)
+    for index, block in enumerate(blocks):
+        if block.lang in NON_SHELL:
+            continue
+        plans = [
+            (number, argv)
+            for number, line in joined_lines(block)
+            if "stabledrl" in line
+            for argv in stabledrl_commands(line)
+            if argv and argv[0] == "plan" and not any(is_placeholder(a) for a in argv)
+        ]
+        if len(plans) != 1:
+            continue
+        number, argv = plans[0]
+        output = plan_output(argv)
+        if output is None:
+            continue  # check_commands reports a command that does not parse
+        end = block.line + len(block.lines)  # the closing fence (0-based: the line after it)
+        following = blocks[index + 1] if index + 1 < len(blocks) else None
+        if (
+            following is not None
+            and following.lang in ("text", "txt")
+            and not any(line.strip() for line in lines[end : following.line - 2])
+        ):
+            if [line.rstrip() for line in following.lines] != [line.rstrip() for line in output.splitlines()]:
+                findings.append(
+                    Finding(path, following.line, f"not what stabledrl {' '.join(argv)} prints now; paste its output")
+                )
+            end = following.line + len(following.lines)
+        paragraph, started = [], False
+        for line in lines[end:]:
+            if line.strip().startswith(("```", "~~~")) or (started and not line.strip()):
+                break
+            started = started or bool(line.strip())
+            paragraph.append(line)
+        prose = " ".join(" ".join(paragraph).split())
+        figures, own = _plan_figures(output), _PLAN_NODES.sub("", prose)  # own: this command's figures
+        quoted = [(name, value) for name, value in _PLAN_PAIRS.findall(own)]
+        for name, (pattern, _) in _PLAN_PROSE.items():
+            quoted += [(name, value) for value in re.findall(pattern, own)]
+        for nodes_a, nodes_b, total, rate in _PLAN_NODES.findall(prose):
+            other = plan_output(_with_nodes(argv, nodes_a or nodes_b))
+            got = _plan_figures(other or "")
+            for name, value in (("total", total), ("step tokens/s", rate)):
+                if got.get(name) != value.replace(",", ""):
+                    findings.append(
+                        Finding(
+                            path,
+                            end + 1,
+                            f"says {value} ({name}) on {nodes_a or nodes_b} nodes; the plan prints {got.get(name)}",
+                        )
+                    )
+        for name, value in quoted:
+            if figures.get(name) != value.replace(",", ""):
+                findings.append(
+                    Finding(
+                        path, end + 1, f"says {name} {value}; stabledrl {' '.join(argv)} prints {figures.get(name)}"
+                    )
+                )
+    return findings
+
+
 # -- links and paths -------------------------------------------------------------------
 _LINK = re.compile(
     r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'][^)]*)?\)|<img[^>]*\ssrc=[\"']([^\"']+)[\"']"
@@ -394,6 +506,7 @@ def doc_files(root: str = ROOT) -> List[str]:
 def check_markdown(text: str, path: str, root: str = ROOT) -> List[Finding]:
     return (
         check_commands(text, path, root)
+        + check_plan_figures(text, path, root)
         + check_links(text, path, root)
         + check_paths(text, path, root)
         + check_yaml(text, path, root)

@@ -31,8 +31,9 @@ weights, 4 for fp32; ``b_a`` the activation dtype, the same):
   ``3 * b_a * H * T`` (final norm, head input);
 - **rollout KV cache** (SDAR's block decoding; LLaDA with ``--rollout-cache prefix|dual``):
   ``2 * (L/pp) * (ng/tp) * hd * b_a * seq_len * B_roll`` (``B_roll``: ``--decode-rows``, the rows one
-  decoding forward holds, default the micro-batch; ``decode_rows_fit`` is the most that fit beside the
-  training state, what ``rollout.decode_rows`` may be set to),
+  decoding forward holds: a multiple of ``lcm(--micro-batch, --group-size)``, that by default, as train's
+  preflight counts it; ``decode_rows_fit`` is the most that fit beside the training state, what
+  ``rollout.decode_rows`` may be set to),
   plus the sampler's transient logits ``B_roll * q * V * b_a`` (``q`` = a block: both samplers run the
   LM head on the decoded block only), ``28 * V`` bytes per decoded position of a block (float64
   Gumbel/softmax work) and the working memory of the largest decoding forward
@@ -89,12 +90,12 @@ micro-batches) or ``1`` (SDAR: one micro-batch with the KV cache, so ``e_roll = 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from stabledrl_mcore.bench.flops import forward_flops_per_token
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.checks import check_decode_rows, decode_rows_unit
 from stabledrl_mcore.models.decoding import forward_row_bytes
 from stabledrl_mcore.models.lora import adapter_params_per_layer
 from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
@@ -134,7 +135,8 @@ class PlanSpec:
     lora_rank: int = 0  # model.lora.rank: only the adapters (all-linear) train; the reference is the base
     ep: int = 1  # expert parallel (MoE models)
     etp: Optional[int] = None  # expert tensor parallel (None = TP)
-    decode_rows: Optional[int] = None  # rollout.decode_rows: rows per decoding forward (None = micro_batch)
+    decode_rows: Optional[int] = None  # rollout.decode_rows: rows per decoding forward (None = decode_rows_unit)
+    group_size: int = 8  # rollout.group_size: completions per prompt (a decoding batch holds whole groups)
     rollout_cache: str = "none"  # LLaDA's rollout.cache (prefix | dual keep a KV cache; SDAR always does)
 
     @property
@@ -174,16 +176,25 @@ class PlanSpec:
             raise ConfigError(f"--etp must be >= 1, got {self.etp}")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0 (0 = full-parameter training), got {self.lora_rank}")
-        if self.decode_rows is not None and self.decode_rows < 1:
-            raise ConfigError(f"--decode-rows must be >= 1, got {self.decode_rows}")
+        if self.group_size < 1:
+            raise ConfigError(f"--group-size must be >= 1, got {self.group_size}")
+        check_decode_rows(
+            self.decode_rows,
+            self.micro_batch,
+            self.group_size,
+            names=("--decode-rows", "--micro-batch", "--group-size"),
+            sep=" ",
+            unset="leave it out (that lcm, as train's preflight counts it)",
+        )
         if self.rollout_cache not in ("none", "prefix", "dual"):
             raise ConfigError(f"--rollout-cache must be one of none, prefix, dual, got {self.rollout_cache!r}")
         return self
 
     @property
     def rollout_rows(self) -> int:
-        """Rows per decoding forward: ``--decode-rows``, else the micro-batch."""
-        return self.decode_rows or self.micro_batch
+        """Rows per decoding forward: ``--decode-rows``, else the fewest a run can use (train's
+        preflight's count, :func:`~stabledrl_mcore.config.checks.decode_rows_unit`)."""
+        return self.decode_rows or decode_rows_unit(self.micro_batch, self.group_size)
 
 
 def check_layout(spec: PlanSpec, tp: int, pp: int, ep: int = 1) -> Optional[str]:
@@ -378,7 +389,8 @@ def estimate(
         # rows per decoding forward the memory beside the training state holds (whole micro-batches)
         state = row["weights"] + row["reference_weights"] + row["gradients"] + row["optimizer"] + row["overhead"]
         free = spec.gpu_memory_gib * GIB - state
-        row["decode_rows_fit"] = int(free // (kv_row + tmp_row)) // spec.micro_batch * spec.micro_batch
+        unit = decode_rows_unit(spec.micro_batch, spec.group_size)  # whole groups and micro-batches
+        row["decode_rows_fit"] = int(free // (kv_row + tmp_row)) // unit * unit
         row["total"] = (
             row["weights"]
             + row["reference_weights"]
@@ -581,7 +593,8 @@ def spec_for_run(cfg, mcfg, world: int, *, gpu_memory_gib: float, impl: str) -> 
         ep=p.expert_parallel,
         etp=p.expert_tensor_parallel,
         micro_batch=p.micro_batch_size,
-        decode_rows=r.decode_rows or math.lcm(p.micro_batch_size, r.group_size),
+        decode_rows=r.decode_rows,
+        group_size=r.group_size,
         rollout_cache=r.cache if mcfg.arch == "llada" else "none",
         seq_len=r.gen_length,
         gen_length=r.gen_length,

@@ -137,6 +137,7 @@ def layers_that_fit(arch: str, gpu_memory_gib: float, overrides: List[str], te: 
             gpus_per_node=1,
             gpu_memory_gib=gpu_memory_gib,
             micro_batch=cfg.parallel.micro_batch_size,
+            group_size=r.group_size,
             seq_len=PROMPT + r.gen_length,
             gen_length=r.gen_length,
             global_batch=r.prompts_per_step * r.group_size,

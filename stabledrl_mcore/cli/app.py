@@ -15,14 +15,17 @@ without loading Megatron-Core or transformers and returns :class:`StartRanks`; o
 from __future__ import annotations
 
 import argparse
+import getpass
 import importlib
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
+from stabledrl_mcore.common.files import directory_problem
 from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
@@ -126,18 +129,48 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return _parse(build_parser(next((a for a in argv if not a.startswith("-")), None)), argv)
 
 
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+DYNAMO_COMMANDS = tuple(name for name, _, _ in COMMANDS if name != "plan")
+"""The commands that build a model (their modules import ``torch._dynamo``, which creates the cache)."""
+
+
+def compile_cache_refusal() -> str:
+    """Why torch's compile cache (``TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``)
+    cannot be used ('' when it can). torch creates it when ``torch._dynamo`` is first imported (every
+    command that builds a model, each rank, eager or compiled), so a bad one was a traceback there;
+    ``eval`` / ``generate --compile`` keep their graphs in it (train: ``rollout.compile_cache_dir``)."""
+    given = os.environ.get(INDUCTOR_CACHE_VARIABLE)
+    if given is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        path = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+        where = f"torch's compile cache {path} ({INDUCTOR_CACHE_VARIABLE} unset)"
+    else:
+        path, where = given, f"{INDUCTOR_CACHE_VARIABLE}={given}"
+    problem = directory_problem(path)
+    if not problem:
+        return ""
+    return f"{where} {problem}; set {INDUCTOR_CACHE_VARIABLE} to a directory this user can create or write in"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
+    command = next((a for a in argv if not a.startswith("-")), None)
+    refusal = compile_cache_refusal() if command in DYNAMO_COMMANDS else ""
+    if refusal:  # before the command's module (and torch._dynamo, which creates it) is imported
+        print(f"stabledrl {command}: error: {refusal}", file=sys.stderr)
+        return EXIT_USAGE
     try:  # parsing imports the command's module (torch, Megatron: seconds), where a Ctrl-C is common
         args = parse_args(argv)
     except KeyboardInterrupt:
         if debug:
             raise
-        named = next((token for token in argv if not token.startswith("-")), None)
-        print(f"stabledrl {named}: interrupted" if named else "stabledrl: interrupted", file=sys.stderr)
+        print(f"stabledrl {command}: interrupted" if command else "stabledrl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     args.debug = debug
     try:

@@ -9,6 +9,7 @@ from stabledrl_mcore.bench.plan import PlanSpec, all_layouts, estimate, format_p
 from stabledrl_mcore.bench.plan_plot import check_plot_path, plot_plan
 from stabledrl_mcore.bench.report import write_json
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.config.schema import RolloutSection
 from stabledrl_mcore.models.presets import ModelConfigError, get_preset
 
 
@@ -24,10 +25,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     a("--etp", type=int, default=None, help="expert tensor parallel (default: --tp)")
     a("--micro-batch", type=int, default=2, help="sequences per forward/backward micro-batch")
     a(
+        "--group-size",
+        type=int,
+        default=RolloutSection.group_size,
+        help=f"completions per prompt (rollout.group_size; default {RolloutSection.group_size})",
+    )
+    a(
         "--decode-rows",
         type=int,
         default=None,
-        help="rows per decoding forward (rollout.decode_rows; default the micro-batch)",
+        help="rows per decoding forward (rollout.decode_rows): a multiple of lcm(--micro-batch, --group-size), "
+        "by default that lcm, the fewest a run decodes (as train's preflight counts them)",
     )
     a(
         "--rollout-cache",
@@ -86,6 +94,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         pp=args.pp,
         micro_batch=args.micro_batch,
         decode_rows=args.decode_rows,
+        group_size=args.group_size,
         rollout_cache=args.rollout_cache,
         seq_len=args.seq_len,
         gen_length=args.gen_length or max(args.seq_len // 2, 1),

@@ -28,7 +28,13 @@ from stabledrl_mcore.checkpoint.integrity import check_verifiable
 from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.cli.memory_check import check_memory
 from stabledrl_mcore.common.errors import ConfigError, DataError
-from stabledrl_mcore.config.checks import check_layout, check_lora_model, check_model_options, check_pipeline_options
+from stabledrl_mcore.config.checks import (
+    check_compile_cache_dir,
+    check_layout,
+    check_lora_model,
+    check_model_options,
+    check_pipeline_options,
+)
 from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine import metrics
@@ -86,6 +92,7 @@ def preflight(cfg: RunConfig, world_size: Optional[int] = None) -> PreflightRepo
     mcfg, description = model_shape(cfg)
     _check_tokenizer(cfg)
     _check_logging(cfg)
+    check_compile_cache_dir(cfg)  # rollout.compile's graphs: a directory this user can create or write in
     try:
         data_parallel = check_layout(cfg, mcfg, world_size)
     except ParallelLayoutError as err:

@@ -26,3 +26,29 @@ def special_kind(path: "str | os.PathLike", *, follow_symlinks: bool = True) -> 
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return ""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def directory_problem(path: "str | os.PathLike") -> str:
+    """'' when ``path`` is a directory this process can write in, or one it can create (its nearest
+    existing ancestor is a writable directory); else why not, e.g. ``"is a file, not a directory"``
+    or ``"cannot be created: /x is not writable"``. Reads only (``os.access``: the effective user,
+    read-only file systems included); creates nothing."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"is {special_kind(path) or 'a file'}, not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return "is a directory this user cannot write in"
+        return ""
+    if os.path.islink(path):
+        return "is a broken symbolic link"
+    ancestor = os.path.dirname(path)
+    while not os.path.exists(ancestor) and os.path.dirname(ancestor) != ancestor:
+        if os.path.islink(ancestor):
+            return f"cannot be created: {ancestor} is a broken symbolic link"
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"cannot be created: {ancestor} is {special_kind(ancestor) or 'a file'}, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot be created: {ancestor} is a directory this user cannot write in"
+    return ""

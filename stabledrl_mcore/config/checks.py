@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from typing import Any, Dict, Optional, Sequence
 
 from stabledrl_mcore.algorithms.losses import (
@@ -18,6 +19,7 @@ from stabledrl_mcore.algorithms.losses import (
 )
 from stabledrl_mcore.algorithms.losses_common import option_names
 from stabledrl_mcore.common.errors import ConfigError
+from stabledrl_mcore.common.files import directory_problem
 from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.parallel.bootstrap import validate_parallel_layout
 from stabledrl_mcore.tasks import available_tasks
@@ -91,16 +93,79 @@ def _validate_decoding(cfg) -> None:
             f"but rollout.compile=none compiles nothing: set rollout.compile=default (or reduce-overhead), "
             f"or drop rollout.compile_cache_dir"
         )
-    rows = r.decode_rows
+    check_decode_rows(r.decode_rows, p.micro_batch_size, r.group_size)
+
+
+COMPILE_CACHE = "inductor-cache"
+"""``rollout.compile_cache_dir``'s default, under ``logging.run_dir`` (a requeued job reuses it)."""
+
+
+def compile_cache_path(cfg) -> str:
+    """Where a run keeps its compiled decoding graphs: ``rollout.compile_cache_dir``, else
+    ``<logging.run_dir>/inductor-cache``."""
+    return cfg.rollout.compile_cache_dir or os.path.join(cfg.logging.run_dir, COMPILE_CACHE)
+
+
+def compile_cache_error(cfg, problem: str) -> ConfigError:
+    """The one-line refusal of a run's compile cache directory, naming the option (and
+    ``logging.run_dir`` when the directory is its default under it)."""
+    path = compile_cache_path(cfg)
+    given = cfg.rollout.compile_cache_dir
+    where = (
+        f"rollout.compile_cache_dir={given}"
+        if given
+        else f"rollout.compile_cache_dir (unset: <logging.run_dir>/{COMPILE_CACHE} = {path})"
+    )
+    return ConfigError(
+        f"{where} {problem}; compiled decoding (rollout.compile={cfg.rollout.compile}) keeps its graphs there: "
+        f"set rollout.compile_cache_dir=DIR to a directory this user can create or write in"
+        + ("" if given else " (or another logging.run_dir)")
+    )
+
+
+def check_compile_cache_dir(cfg) -> None:
+    """``rollout.compile_cache_dir`` (or its default) with ``rollout.compile`` on: a directory this
+    process can write in or create, refused in one line before any rank starts (an existing file, a
+    directory it cannot create or cannot write in); reads only, creates nothing."""
+    if cfg.rollout.compile == "none":
+        return
+    problem = directory_problem(compile_cache_path(cfg))
+    if problem:
+        raise compile_cache_error(cfg, problem)
+
+
+DECODE_ROWS_NAMES = ("rollout.decode_rows", "parallel.micro_batch_size", "rollout.group_size")
+"""How :func:`check_decode_rows` names its three values by default (the run config's fields)."""
+
+
+def decode_rows_unit(micro_batch: int, group_size: int) -> int:
+    """The fewest rows a decoding forward holds, and what every row count is a multiple of:
+    ``lcm(micro_batch, group_size)`` (a decoding batch ends on a group and a micro-batch boundary).
+    The planner's (``stabledrl plan``) and the preflight's default rows."""
+    return math.lcm(max(micro_batch, 1), max(group_size, 1))
+
+
+def check_decode_rows(
+    rows,
+    micro_batch: int,
+    group_size: int,
+    *,
+    names: Sequence[str] = DECODE_ROWS_NAMES,
+    sep: str = "=",
+    unset: str = "null (chosen from the memory left for decoding)",
+) -> None:
+    """Rows per decoding forward (``rollout.decode_rows``, ``stabledrl plan --decode-rows``): None, or
+    a positive multiple of :func:`decode_rows_unit`; refused in one line naming ``names`` (the
+    config fields, or the flags; ``sep`` joins a name and its value; ``unset``: what leaving it out means)."""
     if rows is None:
         return
-    unit = math.lcm(max(p.micro_batch_size, 1), max(r.group_size, 1))
+    unit = decode_rows_unit(micro_batch, group_size)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows % unit:
+        r, m, g = names
         raise ConfigError(
-            f"rollout.decode_rows={rows!r}: a decoding batch holds whole groups and whole micro-batches, "
-            f"so it must be a multiple of lcm(parallel.micro_batch_size={p.micro_batch_size}, "
-            f"rollout.group_size={r.group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or null "
-            f"(chosen from the memory left for decoding)"
+            f"{r}{sep}{rows!r}: a decoding batch holds whole groups and whole micro-batches, "
+            f"so it must be a multiple of lcm({m}{sep}{micro_batch}, "
+            f"{g}{sep}{group_size}) = {unit} (e.g. {unit}, {2 * unit}, {4 * unit}), or {unset}"
         )
 
 

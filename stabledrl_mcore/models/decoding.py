@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
@@ -89,6 +90,15 @@ class GraphStats:
     """Wall seconds of the forwards that compiled a graph (compilation plus that forward)."""
     forwards: int = 0
     """Decoding forwards run (eager or compiled)."""
+    unreported: int = 0
+    """Graphs compiled since the last line that said so (:meth:`say`, rank 0's console)."""
+    unreported_s: float = 0.0
+    """Their seconds."""
+
+    def say(self, text: str) -> None:
+        """One line on stderr, from rank 0 only (every rank decodes alike)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"stabledrl: {text}", file=sys.stderr, flush=True)
 
 
 INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -220,6 +230,11 @@ class DecodingForward:
         self.stats.forwards += 1
         if not self.compiled:
             return self._fn(*args)
+        if self.stats.forwards == 1:  # the first graph compiles now: a wait of tens of seconds or minutes
+            self.stats.say(
+                f"compiling the decoding graphs (compile={self.mode}; once per generation shape, "
+                f"later generations of a shape reuse them) ..."
+            )
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         if self._replayed:  # every forward is a new step of the graph trees: earlier outputs are not kept
@@ -235,8 +250,17 @@ class DecodingForward:
             raise
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         if compiled:
+            spent = time.perf_counter() - start
             self.stats.graphs += compiled
-            self.stats.compile_s += time.perf_counter() - start
+            self.stats.compile_s += spent
+            self.stats.unreported += compiled
+            self.stats.unreported_s += spent
+        elif self.stats.unreported:  # the graphs of this shape are compiled: the first forward without one
+            self.stats.say(
+                f"compiled {self.stats.unreported} decoding graph{'s' if self.stats.unreported > 1 else ''} "
+                f"in {self.stats.unreported_s:.1f} s (compile={self.mode})"
+            )
+            self.stats.unreported, self.stats.unreported_s = 0, 0.0
         return logits
 
 

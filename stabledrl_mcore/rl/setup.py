@@ -13,7 +13,13 @@ from typing import Any, List, Optional
 
 import torch
 
-from stabledrl_mcore.config.checks import check_layout, check_model_options, check_pipeline_options
+from stabledrl_mcore.config.checks import (
+    check_layout,
+    check_model_options,
+    check_pipeline_options,
+    compile_cache_error,
+    compile_cache_path,
+)
 from stabledrl_mcore.config.schema import RunConfig
 from stabledrl_mcore.engine.model_setup import build_policy, model_config, reference_policy
 from stabledrl_mcore.engine.optimizer import build_optimizer
@@ -151,7 +157,10 @@ def build_training(cfg: RunConfig, *, train_examples: Optional[List[Example]] = 
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = build_policy(cfg, mcfg, dtype)
     if cfg.rollout.compile != "none":
-        use_compile_cache(cfg.rollout.compile_cache_dir or os.path.join(cfg.logging.run_dir, "inductor-cache"))
+        try:  # the preflight checked it; a directory that changed since is still one line
+            use_compile_cache(compile_cache_path(cfg))
+        except OSError as err:
+            raise compile_cache_error(cfg, f"cannot be made or used ({err.strerror or err})") from None
     reference = reference_policy(model, mcfg, dtype) if cfg.algo.kl_coef > 0 else None
     initial = None  # the drift metric's frozen initial policy (logging.drift_to_initial)
     if cfg.logging.drift_to_initial:
