@@ -185,6 +185,25 @@ def test_spg_gradient_closed_form(seed):
     assert m["ess"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_spg_length_weighted_closed_form_per_group(seed):
+    """``aggregation: length_weighted`` (llada_8b_spg.yaml): each group's lengths are normalised
+    within the group, d loss / d logp_i = -A_i L_i / (G sum_{j in g(i)} L_j), on 3 groups of
+    unequal sizes and unequal lengths (a batch-wide normalisation would differ)."""
+    logp, old, adv, gi = make_inputs(seed)
+    lengths = torch.tensor([3, 17, 5, 9, 1, 12, 7, 2, 30, 4, 6, 11, 8])
+    loss, grad, _ = autograd_grad("spg", logp, old, adv, gi, aggregation="length_weighted", completion_lengths=lengths)
+    groups = groups_of(gi)
+    want, value = [0.0] * 13, 0.0
+    for idx in groups:
+        total = sum(int(lengths[j]) for j in idx)
+        for i in idx:
+            want[i] = -float(adv[i]) * int(lengths[i]) / (len(groups) * total)
+            value += want[i] * float(logp[i])
+    torch.testing.assert_close(grad, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    assert loss.item() == pytest.approx(value, rel=1e-10)
+
+
 @pytest.mark.parametrize("estimator", ["k2", "k3"])
 @pytest.mark.parametrize("name", ["stabledrl", "grpo"])
 def test_kl_term_gradient_closed_form(name, estimator):
