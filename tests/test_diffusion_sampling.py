@@ -221,3 +221,39 @@ def test_generate_dispatch_and_schedules():
 def test_progress_bar_runs(capsys):
     generate(toy("llada"), prompts(), gen_length=4, steps=4, block_length=4, progress=True)
     assert "llada" in capsys.readouterr().err
+
+
+PROBS = [0.06, 0.4, 0.1, 0.25, 0.04, 0.15]  # a 6-token vocabulary, not in sorted order
+
+
+def _kept_by_hand(top_k=0, top_p=1.0):
+    """The tokens SDAR's filter keeps: the k most likely; then, in descending order, every token
+    whose preceding mass is <= top_p (so the one that crosses top_p is kept)."""
+    order = sorted(range(len(PROBS)), key=lambda t: -PROBS[t])
+    kept = order[:top_k] if top_k else order
+    if top_p < 1.0:
+        mass = sum(PROBS[t] for t in kept)
+        out, before = [], 0.0
+        for t in kept:
+            if before <= top_p:
+                out.append(t)
+            before += PROBS[t] / mass
+        kept = out
+    return sorted(kept)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (1, 1.0), (6, 1.0), (0, 0.5), (0, 0.3), (0, 0.7), (4, 0.5)])
+def test_top_k_and_top_p_sample_exactly_the_kept_tokens_in_proportion(top_k, top_p):
+    from stabledrl_mcore.diffusion.sampling_common import sample_tokens
+
+    kept = _kept_by_hand(top_k, top_p)
+    n = 4000
+    logits = torch.log(torch.tensor(PROBS, dtype=torch.float64)).expand(n, -1)
+    tok, prob = sample_tokens(logits, 1.0, top_k, top_p, gen(3))
+    assert sorted(set(tok.tolist())) == kept
+    mass = sum(PROBS[t] for t in kept)
+    want = torch.tensor([PROBS[t] / mass for t in tok.tolist()], dtype=torch.float32)
+    torch.testing.assert_close(prob, want, rtol=1e-5, atol=1e-6)  # the renormalised probability
+    freq = torch.bincount(tok, minlength=len(PROBS)).double() / n
+    for t in kept:  # binomial standard error <= 0.008 at n = 4000: 4 of them
+        assert abs(float(freq[t]) - PROBS[t] / mass) < 0.035, (t, freq)

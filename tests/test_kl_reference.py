@@ -163,3 +163,94 @@ def test_a_synced_reference_is_checkpointed_and_resumes_exactly(tmp_path):
     again = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))][-1]
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time", "step_s", "tokens_per_s"))}  # noqa
     assert drop(last) == drop(again) and last["kl"] > 0
+
+
+MIXUP = 0.3  # not 0.5: swapped weights (0.7 theta + 0.3 ref) are a different reference
+
+
+@pytest.fixture(scope="module")
+def synced_run(tmp_path_factory):
+    """One in-process trainer step with a KL penalty, fresh masks, two inner iterations (SGD) and
+    ``reference_sync_every=2``: what the loss saw per iteration (plan, current and reference token
+    log-probs), when the reference was synced, and the weights around the step."""
+    from test_trainer import CONFIG, in_process_trainer, overrides
+
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.rl import trainer
+
+    seen = {"calls": [], "syncs": []}
+    real_coefficients, real_update, real_sync = trainer.loss_coefficients, trainer.policy_update, trainer.sync_reference
+
+    def coefficients(current, batch, spec, **kw):
+        ref = kw["ref_tok"]
+        seen["calls"].append({"plan": kw["plan"], "current": current.clone(), "ref": ref.clone()})
+        return real_coefficients(current, batch, spec, **kw)
+
+    def sync(reference, model, mixup):
+        seen["syncs"].append((len(seen["calls"]), mixup))
+        return real_sync(reference, model, mixup)
+
+    def update(s, batch, spec, step):
+        seen["ref_before"] = {n: p.detach().clone() for n, p in s.reference.named_parameters()}
+        out = real_update(s, batch, spec, step)
+        seen["ref_after"] = {n: p.detach().clone() for n, p in s.reference.named_parameters()}
+        seen["policy_after"] = {n: p.detach().clone() for n, p in s.model.named_parameters()}
+        seen["skipped"] = out["skipped_updates"]
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "loss_coefficients", coefficients)
+        mp.setattr(trainer, "policy_update", update)
+        mp.setattr(trainer, "sync_reference", sync)
+        with in_process_trainer():
+            cfg = load_config(
+                CONFIG,
+                overrides(
+                    str(tmp_path_factory.mktemp("synced") / "run"),
+                    **{
+                        "logging.progress": False,
+                        "rollout.prompts_per_step": 2,
+                        "steps": 1,
+                        "rollout.temperature": 1.0,
+                        "optim.name": "sgd",
+                        "optim.distributed": False,
+                        "optim.weight_decay": 0.0,
+                        "optim.clip_grad": 0.0,
+                        "optim.lr": 0.05,
+                        "algo.inner_iterations": 2,
+                        "algo.mask_sampling": "fresh",
+                        "algo.kl_coef": 0.05,
+                        "algo.reference_sync_every": 2,
+                        "algo.reference_mixup": MIXUP,
+                    },
+                ),
+            )
+            trainer.train(cfg)
+    return seen
+
+
+def test_a_sync_moves_the_reference_to_the_mixup_of_policy_and_reference(synced_run):
+    """ref <- a theta + (1 - a) ref at the second update (reference_sync_every=2), a = 0.3."""
+    seen = synced_run
+    assert seen["skipped"] == 0
+    assert seen["syncs"] == [(2, MIXUP)], "one sync, after the second update"
+    moved = 0.0
+    for name, before in seen["ref_before"].items():
+        theta, after = seen["policy_after"][name], seen["ref_after"][name]
+        torch.testing.assert_close(after, MIXUP * theta + (1 - MIXUP) * before, rtol=1e-5, atol=1e-7)
+        moved = max(moved, float((after - before).abs().max()))
+    assert moved > 1e-6, "the reference did not move at the sync"
+
+
+def test_fresh_masks_score_the_reference_under_each_iterations_own_plan(synced_run):
+    """With fresh masks every inner iteration has its own plan, and the KL term's reference
+    log-probs are the reference's under that plan: non-zero exactly on the plan's scored
+    positions (a reference scored once and reused sits on the first plan's), and at the first
+    iteration (policy == reference, same plan) equal to the policy's."""
+    calls = synced_run["calls"]
+    assert len(calls) == 2
+    first, second = calls
+    assert not torch.equal(first["plan"].scored, second["plan"].scored)
+    for call in calls:
+        assert torch.equal(call["ref"] != 0, call["plan"].scored)
+    torch.testing.assert_close(first["ref"], first["current"], rtol=1e-5, atol=1e-6)

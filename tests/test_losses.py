@@ -185,6 +185,25 @@ def test_spg_gradient_closed_form(seed):
     assert m["ess"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_spg_length_weighted_closed_form_per_group(seed):
+    """``aggregation: length_weighted`` (llada_8b_spg.yaml): each group's lengths are normalised
+    within the group, d loss / d logp_i = -A_i L_i / (G sum_{j in g(i)} L_j), on 3 groups of
+    unequal sizes and unequal lengths (a batch-wide normalisation would differ)."""
+    logp, old, adv, gi = make_inputs(seed)
+    lengths = torch.tensor([3, 17, 5, 9, 1, 12, 7, 2, 30, 4, 6, 11, 8])
+    loss, grad, _ = autograd_grad("spg", logp, old, adv, gi, aggregation="length_weighted", completion_lengths=lengths)
+    groups = groups_of(gi)
+    want, value = [0.0] * 13, 0.0
+    for idx in groups:
+        total = sum(int(lengths[j]) for j in idx)
+        for i in idx:
+            want[i] = -float(adv[i]) * int(lengths[i]) / (len(groups) * total)
+            value += want[i] * float(logp[i])
+    torch.testing.assert_close(grad, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    assert loss.item() == pytest.approx(value, rel=1e-10)
+
+
 @pytest.mark.parametrize("estimator", ["k2", "k3"])
 @pytest.mark.parametrize("name", ["stabledrl", "grpo"])
 def test_kl_term_gradient_closed_form(name, estimator):
@@ -448,6 +467,36 @@ def test_metrics_on_hand_built_batch():
     assert m["log_ratio_var"] == pytest.approx(torch.log(torch.tensor([1.0, 1, 10, 0.1])).var(unbiased=False).item())
     _, m_eq = sequence_policy_loss("stabledrl", logp, logp.detach(), adv, gi)
     assert m_eq["ess"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["stabledrl", "grpo", "espo"])
+def test_clip_fractions_on_an_asymmetrically_clipped_batch(name):
+    # one group; ratios 0.1, 0.5, 1, 10 with eps 0.2: two below 1 - eps, one above 1 + eps
+    ratios = torch.tensor([0.1, 0.5, 1.0, 10.0], dtype=torch.float64)
+    logp = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=torch.float64)
+    _, m = sequence_policy_loss(name, logp, -torch.log(ratios), adv, torch.zeros(4, dtype=torch.long))
+    low = sum(float(r) < 1 - EPS for r in ratios) / 4
+    high = sum(float(r) > 1 + EPS for r in ratios) / 4
+    assert (low, high) == (0.5, 0.25)
+    assert (m["clip_frac_low"], m["clip_frac_high"]) == (low, high)
+
+
+def test_grpo_weight_diagnostics_leave_out_the_clipped_samples():
+    """GRPO's effective weight is rho_i / |g| where the unclipped branch is active, 0 where the
+    clip takes over (no gradient): ess and max_weight_share are of those weights."""
+    # one group; ratios 1, 1.1, 10 (A > 0: clipped), 0.1 (A < 0: clipped), 0.9
+    ratios = torch.tensor([1.0, 1.1, 10.0, 0.1, 0.9], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5], dtype=torch.float64)
+    logp = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    _, m = sequence_policy_loss("grpo", logp, -torch.log(ratios), adv, torch.zeros(5, dtype=torch.long))
+    w = [float(r) / 5 if ppo_active(float(r), float(a), EPS) else 0.0 for r, a in zip(ratios, adv)]
+    assert w[2] == 0.0 and w[3] == 0.0 and all(x > 0 for x in w[:2] + w[4:])
+    ess = sum(w) ** 2 / sum(x * x for x in w) / 5
+    contrib = [abs(x * float(a)) for x, a in zip(w, adv)]
+    assert m["ess"] == pytest.approx(ess, rel=1e-12)
+    assert m["max_weight_share"] == pytest.approx(max(contrib) / sum(contrib), rel=1e-12)
+    assert m["max_weight_share_worst"] == pytest.approx(max(contrib) / sum(contrib), rel=1e-12)
 
 
 def test_spg_select_bound():

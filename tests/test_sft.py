@@ -355,3 +355,61 @@ def test_sft_command_refuses_bad_input_before_any_rank(tmp_path, capsys):
     assert main(["sft", f"sft.data_path={data}", "rollout.task=gsm8k"]) == 2
     assert "rollout" in capsys.readouterr().err
     assert not (tmp_path / "run").exists(), "nothing written"
+
+
+def test_one_sft_step_is_the_hand_computed_sgd_update(tmp_path, monkeypatch):
+    """Absolute anchor of the SFT loop (DP=2 == DP=1 and resume compare two runs; Adam hides a
+    constant gradient scale): one in-process step with SGD moves the weights by exactly -lr x the
+    autograd gradient of the step's mean per-sequence loss, computed in one graph over all its rows
+    (two micro-batches), with the masks the step draws from (seed, step, micro-batch, "sft")."""
+    from test_trainer import in_process_trainer
+
+    from stabledrl_mcore.config.schema import load_config
+    from stabledrl_mcore.diffusion.pretrain import sft_mask_plan
+    from stabledrl_mcore.engine.seeding import phase_generator
+    from stabledrl_mcore.sft import SFTConfig
+    from stabledrl_mcore.sft import trainer as sft_trainer
+
+    lr, seen, real = 0.05, {}, sft_trainer.sft_update
+
+    def anchored(s, step):
+        params = [p for p in s.model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        rows = s.prompts.for_step(step)
+        micro = s.cfg.parallel.micro_batch_size
+        losses = []
+        for k, begin in enumerate(range(0, len(rows), micro)):
+            chosen = rows[begin : begin + micro]
+            gen = phase_generator(s.cfg.parallel.seed, step, k, "sft", device=torch.device("cpu"))
+            plan = sft_mask_plan(s.data.answer[chosen], generator=gen, eps=s.cfg.sft.eps)
+            mask_id = s.model.dllm_config.mask_token_id
+            losses.append(
+                sft_sequence_losses(s.model, s.data.ids[chosen], s.data.answer[chosen], mask_id=mask_id, plan=plan)[0]
+            )
+        value = torch.cat(losses).mean()
+        grads = torch.autograd.grad(value, params)
+        out = real(s, step)
+        seen["loss"], seen["logged"], seen["micro"] = float(value.detach()), out[0]["loss"], len(losses)
+        seen["pairs"] = [(p.detach().clone(), b - lr * g) for p, b, g in zip(params, before, grads)]
+        seen["moved"] = max(float((p - b).abs().max()) for p, b in zip(params, before))
+        return out
+
+    monkeypatch.setattr(sft_trainer, "sft_update", anchored)
+    data = str(tmp_path / "data.jsonl")
+    _write_data(data)
+    extra = {
+        "optim.name": "sgd",
+        "optim.distributed": False,
+        "optim.weight_decay": 0.0,
+        "optim.clip_grad": 0.0,
+        "optim.lr": lr,
+        "steps": 1,
+    }
+    with in_process_trainer():
+        cfg = load_config(None, _overrides(str(tmp_path / "run"), data, "llada-tiny", **extra), cls=SFTConfig)
+        sft_trainer.train_sft(cfg)
+    assert seen["micro"] == 2
+    assert seen["logged"] == pytest.approx(seen["loss"], rel=1e-5)
+    assert seen["moved"] > 1e-6
+    for got, want in seen["pairs"]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

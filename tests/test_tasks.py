@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,15 @@ def test_extraction_helpers():
     assert parse_number("$1,000.00") == 1000 and parse_number("72.0") == parse_number("72")
     assert parse_number("72 apples.") == 72 and parse_number(r"\frac{3}{4}") == parse_number("0.75")
     assert parse_number("-7 degrees") == -7 and parse_number("٧٢") is None and parse_number("9" * 100) is None
+
+
+def test_parse_number_reads_the_last_of_several_numbers():
+    """GSM8K-style answers carry working: the answer is the last number, whatever came before."""
+    assert parse_number("3 apples and 72") == 72
+    assert parse_number("She had 3, gave 1, so 2.") == 2
+    assert parse_number("$1,000 plus $2,500 is $3,500") == 3500
+    assert parse_number(r"10 - \frac{1}{2} = \frac{19}{2}") == Fraction(19, 2)
+    assert parse_number("1/2 of 10 is -5") == -5
 
 
 # ----------------------------------------------------------------- GSM8K and MATH500
