@@ -90,3 +90,31 @@ def test_bad_layout_fails_on_every_rank_without_hang(tmp_path):
         spawn(_bad_layout_worker, 2, (str(tmp_path),), timeout=120, grace=60)
     messages = sorted(p.read_text() for p in tmp_path.iterdir())
     assert len(messages) == 2 and all("num_attention_heads (3)" in m for m in messages)
+
+
+def _two_start_ups_worker(result_dir):
+    """Start the process group and Megatron, all-reduce, tear down; twice (the demo's SFT then RL
+    phases, the bench's runs): the second start-up meets in the launcher's store under new keys."""
+    import os
+
+    import torch
+
+    from stabledrl_mcore.parallel import bootstrap
+
+    sums = []
+    for _ in range(2):
+        bootstrap.initialize(1, 1, timeout_minutes=1)
+        value = torch.ones(1) * (1 + torch.distributed.get_rank())
+        torch.distributed.all_reduce(value)
+        sums.append(float(value))
+        bootstrap.destroy()
+    with open(os.path.join(result_dir, f"rank{os.environ['RANK']}.txt"), "w") as handle:
+        handle.write(repr(sums))
+
+
+@pytest.mark.multiprocess
+def test_two_process_group_start_ups_in_one_spawned_rank_succeed(tmp_path):
+    """Issue 71 (3a): under :func:`spawn` (the launcher serves the store, as torchrun's agent) a rank
+    starts its process group twice; each start-up all-reduces (1 + 2 = 3 on both ranks)."""
+    spawn(_two_start_ups_worker, 2, (str(tmp_path),), timeout=150, grace=30)
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["[3.0, 3.0]"] * 2

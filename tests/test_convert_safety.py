@@ -271,3 +271,30 @@ def test_a_claim_whose_pid_now_runs_a_later_process_is_taken_over(mcore_ckpt, tm
     finally:
         later.kill()
         later.wait()
+
+
+def test_a_claim_from_another_host_is_honoured_whatever_its_pid_is_here(mcore_ckpt, tmp_path, capsys):
+    """Issue 71 (4b): on a shared file system a claim (and a temporary output) written on another
+    host is that host's: its pid says nothing here, neither not running nor running a later process,
+    so the conversion is refused (naming the host) and the other host's temporary output stays."""
+    out = str(tmp_path / "R")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # not running here
+    later = subprocess.Popen(["sleep", "60"])  # running here, started after the claims below
+    try:
+        for pid in (gone.pid, later.pid):
+            an_hour_ago = time.time() - 3600
+            claim = _claim(out, pid, host="another-node", started=an_hour_ago)
+            owner = {"out": out, "host": "another-node", "pid": pid, "started": an_hour_ago}
+            (tmp_path / ".tmp-R-theirs.owner.json").write_text(json.dumps(owner))
+            (tmp_path / ".tmp-R-theirs").mkdir(exist_ok=True)
+            assert _cli("mcore-to-hf", "--ckpt", mcore_ckpt, "--out", out, "--no-progress") == 2
+            err = capsys.readouterr().err
+            assert f"is being written by another conversion (pid {pid} on another-node, since" in err, err
+            assert len(err.strip().splitlines()) == 1 and "took over" not in err, err
+            assert not os.path.exists(out) and os.path.isdir(tmp_path / ".tmp-R-theirs")
+            os.remove(claim)
+        assert later.poll() is None
+    finally:
+        later.kill()
+        later.wait()

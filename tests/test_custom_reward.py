@@ -131,6 +131,15 @@ HOSTILE = textwrap.dedent('''
             time.sleep(600)
         return 1.0
 
+    def own_group(completion, reference):
+        """Starts a sleeper in a process group of its own (setpgid), in the worker's session;
+        appends the worker's and its pid to $PIDS, then scores 1."""
+        import subprocess
+        child = subprocess.Popen(["sleep", "600"], process_group=0)
+        with open(os.environ["PIDS"], "a") as handle:
+            handle.write(f"{os.getpid()} {child.pid}\\n")
+        return 1.0
+
     def signals_itself(completion, reference):
         """Sends the job's pre-emption signals to its own process, swallowing whatever follows."""
         import signal
@@ -495,6 +504,28 @@ def test_what_a_reward_starts_goes_with_its_worker_even_after_setsid(hostile_fil
         ((worker, direct, orphan),) = _started(pids)
         assert direct != orphan and worker not in (direct, orphan)
         assert _none_left([worker, direct, orphan]) == []
+
+
+def test_a_setpgid_child_of_a_reward_goes_when_its_worker_dies_between_calls(hostile_file, tmp_path, monkeypatch):
+    """Issue 71 (3b): a reward's child in its own process group (same session) outlives a worker
+    killed between calls (nothing waits on the worker then); the next call, which starts a fresh
+    worker, kills it with the dead worker's session."""
+    from stabledrl_mcore.common.process_tree import running
+
+    pids = str(tmp_path / "pids")
+    monkeypatch.setenv("PIDS", pids)
+    task = _task(hostile_file, "own_group", "process", timeout_s=60.0)
+    with _killed_afterwards(pids):
+        try:
+            assert task.reward("a", "7") == 1.0
+            ((worker, child),) = _started(pids)
+            assert os.getpgid(child) == child != worker and os.getsid(child) == worker
+            os.kill(worker, signal.SIGKILL)
+            assert _none_left([worker]) == [] and running(child)
+            assert task.reward("a", "7") == 1.0  # a fresh worker
+            assert _none_left([child]) == [], "the dead worker's setpgid child still runs"
+        finally:
+            task.close()
 
 
 CALLER = """

@@ -201,6 +201,22 @@ def test_the_cache_buffers_keep_their_addresses_across_generations(megatron_tp1)
     assert forward.cache(2, 16) is not first
 
 
+def test_a_full_cache_pool_drops_the_oldest_shape_and_keeps_the_newest(megatron_tp1):
+    """Issue 71 (1a): past ``CACHE_POOL`` shapes the least recently used one goes; the one just
+    asked for, and one used again, stay (their buffers, i.e. a compiled graph's static inputs)."""
+    from stabledrl_mcore.models import decoding
+
+    forward = DecodingForward(_model("sdar"), "none")
+    pool = decoding.CACHE_POOL
+    first = [forward.cache(rows, 8) for rows in range(1, pool + 1)]
+    assert forward.cache(1, 8) is first[0]  # used again: now the most recent
+    newest = forward.cache(pool + 1, 8)  # one shape too many: rows=2 (the oldest) goes
+    assert len(forward._caches) == pool
+    assert forward.cache(pool + 1, 8) is newest, "the newest shape was dropped"
+    assert forward.cache(1, 8) is first[0] and all(forward.cache(r, 8) is first[r - 1] for r in range(3, pool + 1))
+    assert forward.cache(2, 8) is not first[1], "the oldest shape was kept"
+
+
 def test_inductor_compiles_the_sdar_and_llada_steps_to_the_eager_tokens(megatron_tp1):
     """The shipped backend (inductor, C++ on CPU): the SDAR recipe's sampler (threshold, chunks)
     and LLaDA's dual cache give the eager tokens, and the logits agree to rounding."""
@@ -314,6 +330,61 @@ def test_decode_rows_follow_the_memory_left_for_decoding(megatron_tp1, monkeypat
     assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 6  # 7 fit: one unit of lcm(2, 3)
     monkeypatch.setattr(group_rollout, "free_decoding_memory", lambda device: 5.0 * row)
     assert group_rollout.memory_decode_rows(model, rows=60, **kw) == 2  # not a whole unit: one micro-batch
+
+
+def test_forward_row_bytes_at_tp2_by_hand():
+    """Issue 71 (1d): a rank at TP=2 holds half of every head's and the MLP's tensors (not the
+    residual stream): llada-tiny (4 heads, 4 query groups of 16, hidden 64, FFN 176) and sdar-tiny
+    (2 groups), 10 query tokens over 200 keys in fp32; with CPU's scores attention is the larger."""
+    from stabledrl_mcore.models.decoding import forward_row_bytes
+
+    llada, sdar = get_preset("llada-tiny"), get_preset("sdar-tiny")
+    mlp = 10 * 4 * (3 * 64 + 4 * 176 / 2)  # 21760: gate, up, activation, product of F/2 columns
+    assert forward_row_bytes(llada, 10, 200, 4, tp=2) == mlp
+    assert forward_row_bytes(llada, 10, 200, 4, tp=2, mlp_tensors=3) == 10 * 4 * (3 * 64 + 3 * 176 / 2)
+    # q, k, v and the output: (2 x 4/2 heads + 2 x 4/2 groups) x 16; the scores: 4/2 heads x 10 x 200
+    attention = 10 * 4 * (3 * 64 + (2 * 2 + 2 * 2) * 16) + 4 * 2 * 10 * 200
+    assert attention == 28800 and forward_row_bytes(llada, 10, 200, 4, tp=2, scores=True) == attention
+    attention = 10 * 4 * (3 * 64 + (2 * 2 + 2 * 1) * 16) + 4 * 2 * 10 * 200  # sdar: 2/2 groups
+    assert forward_row_bytes(sdar, 10, 200, 4, tp=2, scores=True) == attention == 27520
+    assert forward_row_bytes(sdar, 10, 200, 2, tp=2) == mlp / 2  # bf16
+
+
+@pytest.mark.parametrize(
+    "arch,cache,cached", [("sdar", "none", True), ("llada", "none", False), ("llada", "dual", True)]
+)
+def test_the_rollouts_memory_based_rows_charge_the_kv_cache_the_sampler_keeps(
+    megatron_tp1, monkeypatch, arch, cache, cached
+):
+    """Issue 71 (1c): ``rollout.decode_rows`` unset, the rows per decoding forward are chosen from a
+    row's memory with SDAR's own KV cache (``rollout.cache`` is LLaDA's option: SDAR always keeps
+    one), LLaDA's only with ``rollout.cache`` on."""
+    from test_device_rule import CharTokenizer
+
+    from stabledrl_mcore.rl import group_rollout, rollout
+    from stabledrl_mcore.tasks import get_task
+
+    model = _model(arch)
+    seen = []
+    real = group_rollout.decode_row_bytes
+    monkeypatch.setattr(group_rollout, "decode_row_bytes", lambda *a, **k: (seen.append(k["cached"]), real(*a, **k))[1])
+    task = get_task("sudoku", prompt_style="compact")
+    batch = rollout.generate_rollouts(
+        model,
+        CharTokenizer(),
+        task,
+        task.load("train", n=1, seed=0),
+        group_size=2,
+        gen_length=4,
+        steps=2,
+        block_length=4,
+        temperature=0.0,
+        threshold=None,
+        micro_batch=2,
+        cache=cache,
+        chunk_generator=lambda k: torch.Generator().manual_seed(k),
+    )
+    assert seen == [cached] and batch.stats["rollout_decode_rows"] == 2
 
 
 def _live_peak(model, rows: int, prompt: int) -> int:

@@ -431,6 +431,29 @@ def test_train_state_and_config_checks_before_any_rank(record, tmp_path, monkeyp
     assert builds == []
 
 
+def test_a_generated_task_read_from_a_file_takes_its_first_epoch_in_the_seeded_order(tmp_path):
+    """Issue 71 (3d): Countdown with ``rollout.data_path`` (the release's file) reads its rows in
+    file order; only a generated set (already a random draw) is taken in order, a file is shuffled
+    like any task's: step 0's prompts are the seeded permutation's, not the file's first rows."""
+    from stabledrl_mcore.engine.seeding import derive_seed
+    from stabledrl_mcore.rl.setup import prompt_stream
+    from stabledrl_mcore.tasks.from_config import build_task, load_train_examples
+
+    data = tmp_path / "countdown.jsonl"
+    data.write_text(
+        "".join(json.dumps({"input": f"{n},{n + 1},{n + 2}", "output": str(3 * n + 3)}) + "\n" for n in range(40))
+    )
+    extra = {"rollout.task": "countdown", "rollout.task_options.reward_rule": "release", "rollout.data_path": str(data)}
+    cfg = tiny_config(str(tmp_path), **extra, **{"rollout.prompts_per_step": 8, "parallel.seed": 3})
+    examples = load_train_examples(cfg, build_task(cfg))
+    assert [e.reference["numbers"][0] for e in examples] == list(range(40)), "the file, in its order"
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(derive_seed(3, 0))).tolist()
+    assert sorted(order[:8]) != list(range(8))
+    for rank in (0, 1):
+        step0 = prompt_stream(cfg, examples, rank, 2).for_step(0)
+        assert [e.reference["numbers"][0] for e in step0] == order[4 * rank : 4 * rank + 4]
+
+
 @pytest.mark.parametrize("task", ["sudoku", "countdown"])
 def test_a_generated_tasks_prompts_do_not_depend_on_steps(tmp_path, task):
     """``--resume ... steps=20`` after a 12-step run: steps 0..11 get the prompts the 12-step run

@@ -229,6 +229,11 @@ def _sft_worker(tmp, out):
     results["preempted"] = train_sft(cfg, hooks=[preempt]).preempted
     rl_trainer._PREEMPTION["caught"] = False
     bootstrap.destroy()
+    # stop_when (the demo's validation target) at step 2 of 4, no save schedule: a checkpoint there
+    cfg = load_config(None, _overrides(os.path.join(tmp, "stopped"), data, "llada-tiny"), cls=SFTConfig)
+    s = train_sft(cfg, hooks=[lambda s, step: {"at": float(step)}], stop_when=lambda m: m["at"] >= 2)
+    results["stopped"] = (s.stopped_early, s.finished, s.preempted)
+    bootstrap.destroy()
     cli = _overrides(os.path.join(tmp, "cli"), data, "llada-tiny", steps=1)
     results["cli"] = [main(["sft", *cli])]
     with open(os.path.join(tmp, "cli_stderr.txt"), "w") as err, contextlib.redirect_stderr(err):
@@ -321,6 +326,16 @@ def test_a_preempted_sft_run_checkpoints_and_stops(trained):
     tmp, results, _ = trained
     assert results["preempted"] is True
     assert os.listdir(tmp / "preempted" / "checkpoints") == ["step_00000002"]
+
+
+@pytest.mark.multiprocess
+def test_an_sft_run_stopped_by_stop_when_leaves_a_checkpoint_at_that_step(trained):
+    """Issue 71 (3c): ``train_sft(stop_when=...)`` True after step 2 of 4 (checkpoint.save_every=0)
+    ends the run there, finished, with that step's checkpoint (the demo's RL phase starts from it)."""
+    tmp, results, _ = trained
+    assert results["stopped"] == (True, True, False)
+    assert os.listdir(tmp / "stopped" / "checkpoints") == ["step_00000002"]
+    assert [json.loads(line)["step"] for line in open(tmp / "stopped" / "metrics.jsonl")] == [1, 2]
 
 
 @pytest.mark.multiprocess

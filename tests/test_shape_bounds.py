@@ -205,3 +205,38 @@ def test_generate_refuses_a_too_long_prompt_and_a_fifo_by_name(llada_hf, capsys,
         f"--prompts {fifo} is a FIFO (named pipe), not a regular file; give a text file, one prompt a line"
     )
     assert time.monotonic() - start < 60
+
+
+def test_the_host_memory_is_shared_by_the_ranks_of_the_host(monkeypatch):
+    """Issue 71 (4a): on CPU each rank is checked against its share of the host's available memory:
+    4 ranks on this host (``LOCAL_WORLD_SIZE``, or ``--nproc`` where no launcher says) are refused
+    where the host holds twice one rank's estimate, which 4 hosts of one rank each may use."""
+    from types import SimpleNamespace
+
+    from stabledrl_mcore.cli import memory_check as memory
+    from stabledrl_mcore.cli.preflight import model_shape
+    from stabledrl_mcore.common.errors import ConfigError
+    from stabledrl_mcore.config.schema import load_config
+
+    overrides = [*T, "rollout.prompts_per_step=8", "parallel.backend=gloo"]
+    cfg = load_config(CONFIG, overrides)
+    mcfg = model_shape(cfg)[0]
+    available = [1e15]
+    monkeypatch.setattr(
+        memory, "psutil", SimpleNamespace(virtual_memory=lambda: SimpleNamespace(available=available[0]))
+    )
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    one_rank = memory.check_memory(cfg, mcfg, 4)["total"]  # a rank of a job of 4
+    available[0] = 2 * one_rank
+    assert memory.rank_memory(cfg, 4)[:2] == (
+        one_rank / 2,
+        f"{2 * one_rank / memory.GIB:.1f} GiB of host memory available / 4 ranks on this host",
+    )
+    with pytest.raises(ConfigError, match=r"but has [0-9.]+ GiB of host memory available / 4 ranks on this host"):
+        memory.check_memory(cfg, mcfg, 4)  # --nproc 4: every rank here
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="/ 4 ranks on this host"):
+        memory.check_memory(cfg, mcfg, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank on each of 4 hosts: the whole host each
+    assert memory.rank_memory(cfg, 4)[0] == 2 * one_rank and memory.check_memory(cfg, mcfg, 4)["total"] == one_rank

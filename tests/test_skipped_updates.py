@@ -219,3 +219,52 @@ def test_an_sft_skip_names_the_loss_or_the_gradients(monkeypatch, losses, reason
     monkeypatch.setattr(s.optimizer, "step", lambda: (True, 0.0, None))
     metrics, why = trainer.sft_update(s, 0)
     assert why == reason and metrics["skipped_updates"] == (0.0 if reason is None else 1.0)
+
+
+def _toy_coefficients():
+    """``(batch, spec, current token log-probs, common options)`` of a toy ELBO batch."""
+    from test_mask_sampling import toy_batch, toy_model
+
+    from stabledrl_mcore.rl.estimates import LikelihoodSpec, all_token_logp, draw_plan, estimate
+
+    batch, spec = toy_batch(n=6), LikelihoodSpec(kind="elbo", num_mc=2)
+    plan = draw_plan(batch, spec, lambda k: torch.Generator().manual_seed(k), micro_batch=3)
+    tok = all_token_logp(toy_model(), batch, plan, spec, micro_batch=3, mask_id=11)
+    common = dict(plan=plan, old=estimate(tok, plan, batch, spec), eps=0.2, ratio_noise=None, noise_generator=None)
+    return batch, spec, tok, common
+
+
+def test_a_nan_gradient_behind_a_finite_loss_is_named_as_the_gradient(monkeypatch):
+    """Issue 71 (2a): the loss value is finite, its gradient is not: the skip names the loss
+    gradient, not "stabledrl loss is 0.53" (a finite number is no reason)."""
+    from stabledrl_mcore.rl import update
+
+    batch, spec, tok, common = _toy_coefficients()
+    real = update.sequence_policy_loss
+
+    def nan_gradient(loss, logp, *args, **kwargs):
+        value, metrics = real(loss, logp, *args, **kwargs)
+        never = torch.zeros_like(logp, dtype=torch.bool)  # adds 0; its gradient is 0 x sqrt'(-1) = NaN
+        return value + torch.where(never, torch.sqrt(logp.abs().neg() - 1.0), torch.zeros_like(logp)).sum(), metrics
+
+    coef, metrics = update.loss_coefficients(tok, batch, spec, loss="stabledrl", **common)
+    assert coef is not None and torch.isfinite(coef).all()
+    monkeypatch.setattr(update, "sequence_policy_loss", nan_gradient)
+    coef, metrics = update.loss_coefficients(tok, batch, spec, loss="stabledrl", **common)
+    reason = metrics["nonfinite_reason"]
+    assert coef is None and reason.startswith("non-finite values in loss gradient: "), reason
+    assert "loss is" not in reason, reason
+
+
+@pytest.mark.parametrize("loss", ["stabledrl", "grpo"])
+def test_nan_advantages_are_named_as_the_advantages(loss):
+    """Issue 71 (2b): a NaN advantage makes the loss NaN; the skip names the advantages (an input
+    checked before the loss), not "loss is nan"."""
+    from stabledrl_mcore.rl.update import loss_coefficients
+
+    batch, spec, tok, common = _toy_coefficients()
+    batch.advantages = batch.advantages.clone()
+    batch.advantages[3] = float("nan")
+    coef, metrics = loss_coefficients(tok, batch, spec, loss=loss, **common)
+    reason = metrics["nonfinite_reason"]
+    assert coef is None and reason == "non-finite values in advantages: 1 of 6 entries", reason
