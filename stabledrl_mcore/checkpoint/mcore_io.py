@@ -38,6 +38,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import psutil
 import torch
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
@@ -147,10 +148,8 @@ def _started_after(pid: int, claimed: Any) -> bool:
     if not isinstance(claimed, (int, float)) or isinstance(claimed, bool):
         return False
     try:
-        import psutil
-
         return psutil.Process(pid).create_time() > float(claimed) + PID_START_SLACK_S
-    except Exception:  # noqa: BLE001 - gone meanwhile, not readable, no psutil: assume it is the claimer
+    except Exception:  # noqa: BLE001 - gone meanwhile, not readable: assume it is the claimer
         return False
 
 
