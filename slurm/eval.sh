@@ -15,7 +15,8 @@
 #   STABLEDRL_ENV_SETUP  STABLEDRL_CONTAINER  STABLEDRL_MOUNTS   (cluster environment: slurm/README.md)
 #   MASTER_ADDR=<first node>  MASTER_PORT=<20000 + job id % 20000>   (details: slurm/common.sh)
 # Results: --out (default ./eval_<task>_<split>.jsonl in the submit directory) and its
-# .summary.json; an existing file is refused before any rank starts (pass --overwrite).
+# .summary.json; an existing file is refused before any rank starts (pass --overwrite). A requeued
+# attempt passes --resume: the rows the earlier attempt kept are not decoded again.
 #SBATCH --job-name=stabledrl-eval
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -43,8 +44,13 @@ done
 sdrl_setup
 SDRL_MOUNT_PATHS=("$(realpath -m "$STABLEDRL_CKPT")")  # with STABLEDRL_CONTAINER
 sdrl_log_dir "${STABLEDRL_RUN_DIR:-runs/eval_$STABLEDRL_TASK}"
+# A requeued job (pre-empted, or a failed node) goes on from the rows its earlier attempt kept
+# (`stabledrl eval --resume`: checked against the same checkpoint, task and sampling flags, refused
+# by name if any differs); a first attempt starts fresh, an existing --out is refused.
+RESUME=()
+if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 && ! " $* " =~ \ --(resume|overwrite)\  ]]; then RESUME=(--resume); fi
 EVAL=("$STABLEDRL_PYTHON" -m stabledrl_mcore.cli eval --ckpt "$STABLEDRL_CKPT" --task "$STABLEDRL_TASK"
-      --tp "${STABLEDRL_TP:-1}" --no-progress "$@")
+      --tp "${STABLEDRL_TP:-1}" --no-progress "$@" "${RESUME[@]}")
 # every input once, before any rank starts (a bad flag, data file, template or existing output)
 # (inside the container when STABLEDRL_CONTAINER is set)
 sdrl_python "${EVAL[@]:1}" --check || sdrl_die "eval inputs refused (above): ${EVAL[*]}"

@@ -530,8 +530,9 @@ printf '{"exit_status": 0, "slurm_job_id": "%s", "slurm_restart_count": "%s"}\\n
 """
 
 
-def _run_with_standins(tmp_path, script: str, **env_extra):
-    """bash ``script`` outside any cluster with the stand-in srun/scontrol; returns the process."""
+def _run_with_standins(tmp_path, script: str, *script_args: str, **env_extra):
+    """bash ``script`` (with ``script_args``) outside any cluster with the stand-in srun/scontrol;
+    returns the process."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("scontrol", SCONTROL_STANDIN), ("srun", SRUN_STANDIN)):
@@ -547,7 +548,7 @@ def _run_with_standins(tmp_path, script: str, **env_extra):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH"):
         env.pop(name, None)
     return subprocess.run(
-        ["bash", str(ROOT / script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        ["bash", str(ROOT / script), *script_args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
 
 
@@ -686,3 +687,53 @@ def test_a_requeue_does_not_take_the_earlier_attempts_finished_for_its_own(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((run_dir / "FINISHED").read_text())
     assert (record["slurm_job_id"], record["slurm_restart_count"]) == ("4444", "1"), record
+
+
+def test_a_requeued_eval_job_resumes_the_rows_its_first_attempt_kept(tmp_path, monkeypatch):
+    """slurm/eval.sh on a requeue (SLURM_RESTART_COUNT=1) passes --resume: the first attempt's kept
+    rows are not decoded again and the results file is an uninterrupted run's; a first attempt does
+    not. No cluster: SLURM's commands are stand-ins, the ranks one process."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_fixtures import write_hf_checkpoint
+
+    from stabledrl_mcore.cli.app import main
+    from stabledrl_mcore.evaluation import distributed
+
+    hf = write_hf_checkpoint(str(tmp_path / "hf_llada"), "llada", seed=2)
+    flags = ["--limit", "3", "--gen-length", "4", "--steps", "4", "--block-length", "4", "--batch-size", "1"]
+    argv = ["eval", "--ckpt", hf, "--task", "sudoku", *flags, "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "full.jsonl")]) == 0
+    out = tmp_path / "eval" / "sudoku.jsonl"
+    real, calls = distributed.generate, []
+
+    def stopped(*args, **kwargs):  # the first attempt is killed in its second batch
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "generate", stopped)
+    assert main([*argv, "--out", str(out)]) == 130  # a Ctrl-C: one line, the finished batch kept
+    monkeypatch.undo()
+    proc = _run_with_standins(
+        tmp_path,
+        "slurm/eval.sh",
+        *flags,
+        "--out",
+        str(out),
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NODELIST="n1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="1",
+        SLURM_RESTART_COUNT="1",
+        SRUN_STANDIN_RANKS="run",
+        STABLEDRL_DEVICE="cpu",
+        STABLEDRL_CKPT=hf,
+        STABLEDRL_TASK="sudoku",
+        STABLEDRL_RUN_DIR=str(tmp_path / "eval_run"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" in proc.stdout and "1 row(s) kept" in proc.stdout, proc.stdout
+    assert out.read_text() == (tmp_path / "full.jsonl").read_text()
+    (ranks,) = (tmp_path / "srun.log").read_text().splitlines()  # the ranks' step (the check ran here)
+    assert ranks.endswith(f"--out {out} --resume"), ranks

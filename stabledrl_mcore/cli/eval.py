@@ -6,7 +6,6 @@ sharded over data-parallel ranks, the model under tensor parallelism (``--tp``),
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -23,12 +22,14 @@ from stabledrl_mcore.cli.args import (
     cli_tokenizer,
     refuse_existing,
     sampling_options,
+    world_size,
 )
 from stabledrl_mcore.cli.data_args import EVAL_FIELDS, command_config, command_task, names_a_task
 from stabledrl_mcore.common.errors import DataError, UserError
 from stabledrl_mcore.engine.model_setup import load_initial_weights
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks
 from stabledrl_mcore.evaluation.distributed import data_parallel_position, evaluate_model
+from stabledrl_mcore.evaluation.partial import checkpoint_fingerprint, open_partial, partial_files, resumable_rows
 from stabledrl_mcore.evaluation.scoring import JsonlAppender, write_jsonl
 from stabledrl_mcore.models.model import build_model
 from stabledrl_mcore.parallel import bootstrap, launch
@@ -59,8 +60,7 @@ def run_eval(args: argparse.Namespace) -> int:
     args.out = args.out or default_eval_out(cfg.rollout.task, cfg.eval.split)
     args.summary = args.summary or summary_path(args.out)
     _check_sampling_flags(args)
-    outputs = [args.out, args.summary, *partial_files(args.out)]
-    if any(refuse_existing("eval", path, args.overwrite) for path in outputs):
+    if _refuse_outputs(args):
         return 2
     _check_ckpt(args)
     command_task(cfg, args, EVAL_FLAGS)  # the task and prompt options (its data: _eval_inputs)
@@ -69,6 +69,14 @@ def run_eval(args: argparse.Namespace) -> int:
     used = PromptFormat(r.system_prompt, r.prompt_template, r.chat_template)
     _note_training_prompts(args, used, r.task)  # once per job: here, not in every rank
     options = {key: value for key, value in vars(args).items() if key != "handler"}
+    if args.resume:  # every partial file checked here, before any rank starts
+        kept = resumable_rows(args.out, eval_fingerprint(args, cfg), _data_parallel_size(args))
+        rows = sum(len(part) for part in kept.values())
+        print(
+            f"stabledrl eval: resuming {args.out}: {rows} row(s) kept from {len(kept)} partial file(s)"
+            if kept
+            else f"stabledrl eval: --resume: nothing kept for {args.out}; evaluating from the start"
+        )
     if args.check:
         return _check_eval(args)
     if args.nproc > 1:
@@ -76,6 +84,48 @@ def run_eval(args: argparse.Namespace) -> int:
         launch.spawn(_eval_rank, args.nproc, (options,), timeout=float("inf"), threads=args.threads)
         return 0
     return _eval_rank(options)
+
+
+def _refuse_outputs(args: argparse.Namespace) -> bool:
+    """Print the one-line refusal (and return True) of an output this run would replace unasked: a
+    finished ``--out`` or summary, or (without ``--resume``) a stopped run's partial files."""
+    if args.resume and args.overwrite:
+        raise UserError("--resume goes on from the rows a stopped run kept, --overwrite discards them: pass one")
+    if args.resume:
+        for path in (args.out, args.summary):
+            if os.path.exists(path):
+                print(
+                    f"stabledrl eval: error: {path} exists: a finished evaluation, nothing to resume; pass --overwrite "
+                    f"to run it again or --out FILE to write elsewhere",
+                    file=sys.stderr,
+                )
+                return True
+        return False
+    if any(refuse_existing("eval", path, args.overwrite) for path in (args.out, args.summary)):
+        return True
+    partial = [] if args.overwrite else partial_files(args.out)
+    if partial:
+        print(
+            f"stabledrl eval: error: {partial[0]} exists (the rows of a stopped run of this evaluation); pass "
+            f"--resume to go on from them, --overwrite to start again, or --out FILE to write elsewhere",
+            file=sys.stderr,
+        )
+    return bool(partial)
+
+
+def _data_parallel_size(args: argparse.Namespace) -> int:
+    """Data-parallel ranks of this eval: ``--nproc`` (or the launcher's ranks) over ``--tp``."""
+    return max(1, (world_size(args.nproc if args.nproc > 1 else None, 1) or 1) // args.tp)
+
+
+def eval_fingerprint(args: argparse.Namespace, cfg) -> dict:
+    """What shapes an evaluation's rows, recorded in its partial files and compared by ``--resume``:
+    the summary's settings with the checkpoint's content (:func:`checkpoint_fingerprint`) for its
+    path, the tokenizer and the tensor-parallel size."""
+    settings = eval_settings(args, cfg)
+    settings["ckpt"] = checkpoint_fingerprint(args.ckpt)
+    settings.update(tokenizer=args.tokenizer, tp=args.tp)
+    return settings
 
 
 def _check_eval(args: argparse.Namespace) -> int:
@@ -221,9 +271,11 @@ def _eval_rank(options: dict) -> int:
     load_initial_weights(model, args.ckpt, trust_unverified=args.trust_unverified)
     tokenizer = cli_tokenizer(args)
     out = args.out or default_eval_out(run.rollout.task, run.eval.split)
-    rows = _row_file(out)
+    fingerprint = eval_fingerprint(args, run)
+    kept = resumable_rows(out, fingerprint, data_parallel_position()[1]) if args.resume else {}
+    rows = _row_file(out, fingerprint, kept)
     try:
-        result = _evaluate(args, cfg, model, tokenizer, task, examples, rows)
+        result = _evaluate(args, cfg, model, tokenizer, task, examples, rows, kept.get(data_parallel_position()[0], []))
     finally:
         if rows is not None:
             rows.close()
@@ -242,24 +294,19 @@ def _eval_rank(options: dict) -> int:
     return 0
 
 
-def partial_files(out: str) -> list:
-    """The per-rank results files ``<out>.rank<R>.partial`` that exist (a run of several
-    data-parallel ranks writes them as its rows finish; they are merged into ``out`` at the end)."""
-    return sorted(glob.glob(glob.escape(out) + ".rank*.partial"))
-
-
-def _row_file(out: str) -> Optional[JsonlAppender]:
-    """Where this rank appends its rows as they finish: ``out`` itself on one data-parallel rank,
-    else ``<out>.rank<R>.partial``; None on a tensor-parallel peer (it decodes the same rows)."""
+def _row_file(out: str, fingerprint: dict, kept: dict) -> Optional[JsonlAppender]:
+    """Where this rank appends its rows as they finish: ``<out>.rank<R>.partial``, its header line
+    first (:mod:`~stabledrl_mcore.evaluation.partial`), then the rows ``kept[R]`` of a resumed run;
+    None on a tensor-parallel peer (it decodes the same rows)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_rank() != 0:
         return None
     rank, world = data_parallel_position()
-    return JsonlAppender(out if world == 1 else f"{out}.rank{rank}.partial")
+    return open_partial(out, rank, world, fingerprint, kept.get(rank, []))
 
 
-def _evaluate(args: argparse.Namespace, cfg, model, tokenizer, task, examples, rows: Optional[JsonlAppender]):
+def _evaluate(args: argparse.Namespace, cfg, model, tokenizer, task, examples, rows: Optional[JsonlAppender], kept=()):
     return evaluate_model(
         model,
         tokenizer,
@@ -272,14 +319,31 @@ def _evaluate(args: argparse.Namespace, cfg, model, tokenizer, task, examples, r
         ks=args.k,
         **sampling_options(args, cfg),
         on_records=None if rows is None else rows.append,
+        kept=kept,
     )
 
 
 def write_summary(path: str, args: argparse.Namespace, result, cfg=None) -> None:
-    """The run's figures and settings as one JSON object (atomically); ``cfg``: the eval's run
-    config (:func:`eval_config`), whose task, data and prompt fields are recorded."""
+    """The run's figures and settings (:func:`eval_settings`) as one JSON object (atomically); ``cfg``:
+    the eval's run config (:func:`eval_config`)."""
+    body = {
+        "accuracy": result.accuracy,
+        "mean_reward": result.mean_reward,
+        "num_examples": result.num_examples,
+        "samples_per_example": result.n,
+        **result.metrics,
+        "per_example": os.path.abspath(args.out),
+        "settings": eval_settings(args, cfg or eval_config(args)),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        json.dump(body, handle, indent=2)
+    os.replace(path + ".tmp", path)
 
-    cfg = cfg or eval_config(args)
+
+def eval_settings(args: argparse.Namespace, cfg) -> dict:
+    """The settings of an eval as its summary records them: the task, data and prompt fields of
+    ``cfg`` (the eval's run config) and the sampling flags."""
     r = cfg.rollout
     settings = {
         "task": r.task,
@@ -314,19 +378,7 @@ def write_summary(path: str, args: argparse.Namespace, result, cfg=None) -> None
             "batch_size",
         )
     )
-    body = {
-        "accuracy": result.accuracy,
-        "mean_reward": result.mean_reward,
-        "num_examples": result.num_examples,
-        "samples_per_example": result.n,
-        **result.metrics,
-        "per_example": os.path.abspath(args.out),
-        "settings": settings,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as handle:
-        json.dump(body, handle, indent=2)
-    os.replace(path + ".tmp", path)
+    return settings
 
 
 EVAL_FLAGS = (
@@ -394,6 +446,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="check every input (task, data, prompts, checkpoint, flags, outputs), load no model",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the rows a stopped run of this evaluation kept (<out>.rank<R>.partial), checked "
+        "against its checkpoint, data and sampling settings; the final --out equals an uninterrupted run's "
+        "(nothing kept: evaluate from the start)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--nproc", type=int, default=1, help="local ranks (DP = nproc / tp)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")

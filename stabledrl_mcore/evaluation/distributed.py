@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.engine.expert import finish_forwards
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks, sample_metrics, summarize
+from stabledrl_mcore.evaluation.partial import whole_batches
 from stabledrl_mcore.evaluation.scoring import evaluate_completions, shard_examples, shard_indices
 from stabledrl_mcore.models.decoding import prompt_padding
 from stabledrl_mcore.models.placement import eval_mode, model_device
@@ -77,6 +78,7 @@ def evaluate_model(
     ks: Optional[Sequence[int]] = None,
     compile: str = "none",
     on_records: Optional[Callable[[List[Dict[str, Any]]], None]] = None,
+    kept: Sequence[Dict[str, Any]] = (),
 ) -> EvalResult:
     """Greedy (or sampled) completions for ``examples``; accuracy = share of samples with full reward.
 
@@ -88,7 +90,10 @@ def evaluate_model(
     left-padded to a multiple of :data:`~stabledrl_mcore.models.decoding.PROMPT_MULTIPLE` tokens).
     ``progress``: one bar over rank 0's examples for the whole evaluation (the samplers show none).
     ``on_records``: called on every rank with each batch's (chunk's) finished records of that rank,
-    in order, as they finish (what ``stabledrl eval`` appends to its results file)."""
+    in order, as they finish (what ``stabledrl eval`` appends to its results file). ``kept``: this
+    rank's records of a stopped run of the same evaluation (``eval --resume``, see
+    :mod:`~stabledrl_mcore.evaluation.partial`): its whole batches are taken as they are, not decoded
+    again, and the rest decodes as the uninterrupted run would (same batches, same seeds)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     ks = check_ks(ks, n) if ks is not None else default_ks(n)
@@ -103,22 +108,19 @@ def evaluate_model(
         compile=compile,
     )
     group, rank, world = _dp_group()
-    if n == 1 and temperature == 0:
-        total = len(shard_indices(len(examples), rank, world))
-    else:  # this rank's chunks (see _sampled_records)
-        per_chunk = max(1, micro_batch // n)
-        chunks = -(-len(examples) // per_chunk)
-        total = sum(min(per_chunk, len(examples) - c * per_chunk) for c in shard_indices(chunks, rank, world))
+    batches = rank_batches(len(examples), rank, world, micro_batch=micro_batch, n=n, temperature=temperature)
+    kept = whole_batches(kept, batches)
+    total = sum(batches)
     desc = "eval" if world == 1 else f"eval (rank 0's {total} of {len(examples)})"
     shown = progress and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
-    with tqdm(total=total, desc=desc, unit="example", disable=not shown, dynamic_ncols=True) as bar:
+    with tqdm(total=total, initial=len(kept), desc=desc, unit="example", disable=not shown, dynamic_ncols=True) as bar:
         if n == 1 and temperature == 0:
             records = _greedy_records(
-                model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar, on_records
+                model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar, on_records, kept
             )
         else:
             records = _sampled_records(
-                model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar, on_records
+                model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar, on_records, kept
             )
     finish_forwards(model)  # expert parallelism: peers may still run forwards (see parallel.expert)
     if world > 1:
@@ -138,16 +140,31 @@ def evaluate_model(
     )
 
 
-def _greedy_records(model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar=None, sink=None):
+def rank_batches(count: int, rank: int, world: int, *, micro_batch: int, n: int = 1, temperature: float = 0.0):
+    """The sizes, in examples (= records), of the batches ``rank`` of ``world`` decodes, in order, for
+    ``count`` examples: ``micro_batch`` examples of its shard at a time on the greedy path, else its
+    chunks of ``max(1, micro_batch // n)`` examples (see the module docstring)."""
+    if n == 1 and temperature == 0:
+        mine = len(shard_indices(count, rank, world))
+        return [min(micro_batch, mine - start) for start in range(0, mine, micro_batch)]
+    per_chunk = max(1, micro_batch // n)
+    chunks = -(-count // per_chunk)
+    return [min(per_chunk, count - c * per_chunk) for c in shard_indices(chunks, rank, world)]
+
+
+def _greedy_records(
+    model, tokenizer, task, examples, rank, world, micro_batch, seed, sampling, bar=None, sink=None, kept=()
+):
     """One completion per example, batches of ``micro_batch`` within this rank's shard, each batch
-    scored (and handed to ``sink``) as it finishes."""
+    scored (and handed to ``sink``) as it finishes; ``kept``: the records of the first whole batches,
+    not decoded again (the greedy samplers draw nothing, so the generator is not advanced)."""
     mine = shard_examples(list(examples), rank, world)
-    records: List[Dict[str, Any]] = []
+    records: List[Dict[str, Any]] = list(kept)
     prompts = [task.prompt(ex, tokenizer) for ex in mine]  # the exact texts, recorded with the results
     device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(seed + rank)
     with torch.no_grad(), eval_mode(model):
-        for start in range(0, len(mine), micro_batch):
+        for start in range(len(kept), len(mine), micro_batch):
             batch = prompts[start : start + micro_batch]
             padding = prompt_padding(sampling["compile"], model, sampling.get("block_length"))
             ids, valid = encode_prompts(tokenizer, batch, device=device, **padding)
@@ -171,16 +188,22 @@ def chunk_seed(seed: int, chunk: int) -> int:
 
 
 def _sampled_records(
-    model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar=None, sink=None
+    model, tokenizer, task, examples, rank, world, micro_batch, seed, n, ks, sampling, bar=None, sink=None, kept=()
 ):
-    """``n`` samples per example, chunk by chunk (see the module docstring); one record per example."""
+    """``n`` samples per example, chunk by chunk (see the module docstring); one record per example.
+    ``kept``: the records of the first whole chunks, not decoded again (each chunk has its own seed)."""
     examples = list(examples)
     per_chunk = max(1, micro_batch // n)
     chunks = [examples[i : i + per_chunk] for i in range(0, len(examples), per_chunk)]
     device = model_device(model)
-    records: List[Dict[str, Any]] = []
+    records: List[Dict[str, Any]] = list(kept)
+    mine = shard_indices(len(chunks), rank, world)
+    done, rows = 0, 0
+    while done < len(mine) and rows + len(chunks[mine[done]]) <= len(kept):  # the kept chunks
+        rows += len(chunks[mine[done]])
+        done += 1
     with torch.no_grad(), eval_mode(model):
-        for c in shard_indices(len(chunks), rank, world):
+        for c in mine[done:]:
             prompts = [task.prompt(ex, tokenizer) for ex in chunks[c]]
             padding = prompt_padding(sampling["compile"], model, sampling.get("block_length"))
             ids, valid = encode_prompts(tokenizer, prompts, device=device, **padding)

@@ -87,13 +87,13 @@ def _line(rec: dict[str, Any]) -> str:
 class JsonlAppender:
     """A JSONL file written as the records finish: each :meth:`append` writes its records and
     flushes them, so a run killed part-way leaves every finished row on disk (as :func:`write_jsonl`
-    writes them). The file is created empty (replaced) when opened."""
+    writes them). The file is created empty (replaced) when opened, or appended to with ``append``."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, append: bool = False) -> None:
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         self.path = out
-        self._file = open(out, "w", encoding="utf-8", errors="backslashreplace")
+        self._file = open(out, "a" if append else "w", encoding="utf-8", errors="backslashreplace")
 
     def append(self, records: Iterable[dict[str, Any]]) -> None:
         self._file.write("".join(_line(rec) for rec in records))
