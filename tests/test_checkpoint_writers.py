@@ -117,6 +117,82 @@ def test_a_failed_dead_or_stalled_write_worker_is_an_error_on_every_rank(tmp_pat
             assert all(PSUTIL_MESSAGE in record["message"] for record in records)
 
 
+def _busy_rank_saves(out_dir):
+    """Rank 0 of 1 with the threads a training rank runs alive when its writer forks -- gloo's, an
+    OpenMP pool warmed and kept busy by a thread of matmuls, inductor's (a compiled graph), a
+    wandb-like thread logging to stderr -- and one thread stuck for good inside a ``sys.stdout``
+    write (a pipe nobody reads: it holds the stream's lock at every fork); three saves, each timed."""
+    import logging
+
+    import torch
+
+    from stabledrl_mcore.checkpoint.writers import save_sharded
+    from stabledrl_mcore.models import build_model, get_preset
+    from stabledrl_mcore.parallel import bootstrap
+
+    bootstrap.initialize(1, 1, backend="gloo")
+    model = build_model(get_preset("llada-tiny"), device="cpu")
+    torch.set_num_threads(2)
+    stop = threading.Event()
+
+    def matmuls():
+        x = torch.randn(128, 128)
+        while not stop.is_set():
+            (x @ x).sum()
+            time.sleep(0.001)
+
+    def wandb_like():
+        log = logging.getLogger("wandb_like")
+        log.addHandler(logging.StreamHandler(sys.stderr))
+        log.propagate = False
+        step = 0
+        while not stop.is_set():
+            log.warning("step %d", step)
+            step += 1
+            time.sleep(0.002)
+
+    compiled = torch.compile(lambda x: torch.relu(x * 2.0 + 1.0).sum(), backend="inductor")
+    compiled(torch.randn(16)).item()
+    unread, stuck_end = os.pipe()
+    stuck = open(stuck_end, "w")
+    writer = threading.Thread(target=lambda: (stuck.write("x" * (1 << 20)), stuck.flush()), daemon=True)
+    threads = [threading.Thread(target=f, daemon=True) for f in (matmuls, wandb_like)] + [writer]
+    sys.stdout = stuck  # the parent's own stdout is the stuck one: a flush of it in any process hangs
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    times = []
+    try:
+        for save in range(3):
+            directory = os.path.join(out_dir, f"save{save}")
+            os.makedirs(directory)
+            started = time.monotonic()
+            save_sharded(model.sharded_state_dict(), directory, timeout_s=60.0)
+            times.append(time.monotonic() - started)
+    finally:
+        stop.set()
+        sys.stdout = sys.__stdout__
+        drain = threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(unread, 1 << 16), b"")])
+        drain.start()  # the stuck write ends, then its stream closes (so no exit flush waits on it)
+        writer.join(30)
+        stuck.close()
+        drain.join(30)
+    with open(os.path.join(out_dir, "times.json"), "w") as handle:
+        json.dump(times, handle)
+
+
+def test_a_rank_with_threads_alive_and_one_inside_a_stdout_write_saves(tmp_path):
+    """A write worker forked while other threads hold locks (issue 74) neither waits on them nor
+    makes its parent wait: no flush of the inherited streams before or after the fork, no feeder
+    thread, no garbage collection, no exit handlers in the worker. Before, the save never ended."""
+    spawn(_busy_rank_saves, 1, (str(tmp_path),), timeout=240, threads=2)
+    times = json.load(open(tmp_path / "times.json"))
+    assert len(times) == 3 and max(times) < 30, times
+    for save in range(3):
+        names = os.listdir(tmp_path / f"save{save}")
+        assert ".metadata" in names and any(n.endswith(".distcp") for n in names), names
+
+
 def _train_worker(run_dir):
     from test_run_safety import tiny_config
 

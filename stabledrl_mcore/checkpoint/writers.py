@@ -25,15 +25,32 @@ that arrives during a write gives it :data:`TERM_GRACE_S` more, then the same er
 within seconds instead of being killed mid-wait (the pre-emption handler registers the probe,
 :func:`watch_termination`; a write that ends in time lets the trainer take the pre-emption path). A
 write that starts after the signal (the pre-emption checkpoint itself) keeps its whole limit.
+
+A worker is forked from a rank whose other threads (gloo's, OpenMP's, inductor's, wandb's, a
+logger's) may hold locks at that instant; the fork copies them held, with no thread left to
+release them. ``multiprocessing``'s fork flushes ``sys.stdout``/``sys.stderr`` in the parent before
+the fork and in the worker when it ends: a worker forked while another thread was inside a print
+waited for ever on the stream's lock, and its parent with it (issue 74;
+``tools/fork_stall_repro.py``). The workers here take no lock they inherit
+(:class:`_WriteWorker`, :func:`_write_one`): no flush, no feeder thread, no garbage collection,
+no imports, no exit handlers; each reports through a pipe of its own.
 """
 
 from __future__ import annotations
 
+import gc
+import io
+import logging
 import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
+from multiprocessing import popen_fork
+from multiprocessing import util as mp_util
+from multiprocessing.connection import wait
+from multiprocessing.context import ForkProcess
 from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed as dist
@@ -120,19 +137,135 @@ class _NoCount:
         return None
 
 
-def _write_one(transform_list: List[Any], use_msc: bool, index: int, bucket: Any, results: Any) -> None:
-    """A forked worker: write one bucket with Megatron's own ``write_preloaded_data``, and report
-    whatever it raises (Megatron reports errors of the write itself, not of its set-up)."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+class _Report:
+    """Stands in for Megatron's results queue in a worker: keeps what the write puts on it."""
 
+    def __init__(self) -> None:
+        self.items: List[Any] = []
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+
+
+_KEPT: List[Any] = []
+"""A worker's inherited standard streams, kept alive: their finalizer would flush them (a lock)."""
+
+
+def _lock_free_streams() -> None:
+    """In a worker: ``sys.stdout``/``sys.stderr`` become unbuffered writers of their own (no lock)
+    and ``sys.stdin`` None, since another thread of the parent may have held the inherited streams'
+    locks at the fork; the inherited ones are kept (not finalized), and logging is off (its
+    handlers write to them)."""
+    _KEPT.append((sys.stdin, sys.stdout, sys.stderr))
+    sys.stdin = None  # type: ignore[assignment]
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            stream = io.TextIOWrapper(
+                io.FileIO(os.dup(fd), "w"), encoding="utf-8", errors="replace", write_through=True
+            )
+        except OSError:
+            stream = None
+        setattr(sys, name, stream)
+    logging.disable(logging.CRITICAL)
+
+
+def _write_one(transform_list: List[Any], use_msc: bool, index: int, bucket: Any, sender: Any) -> None:
+    """A forked worker: write one bucket with Megatron's own ``write_preloaded_data``, send what it
+    reported or whatever it raised through ``sender`` (a pipe), and exit at once.
+
+    Nothing here waits on a lock that another thread of the parent may have held at the fork (see
+    :class:`_WriteWorker` for what runs before): nothing is imported (the parent has every module),
+    the garbage collector stays off (no inherited finalizer runs), the report is sent synchronously
+    (no feeder thread), and ``os._exit`` skips the exit handlers and the flush of the inherited
+    streams that ``multiprocessing`` would run."""
+    code = 1
     try:
-        kwargs = {"use_msc": True} if use_msc else {}
-        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, results, _NoCount(), True, **kwargs)
-    except BaseException as err:  # noqa: B036 - a worker reports anything, then ends
-        results.put((index, RuntimeError(f"{type(err).__name__}: {err}")))
-        results.close()
-        results.join_thread()
-        os._exit(1)
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        report = _Report()
+        try:
+            kwargs = {"use_msc": True} if use_msc else {}
+            FileSystemWriterAsync.write_preloaded_data(
+                transform_list, index, bucket, report, _NoCount(), True, **kwargs
+            )
+            outcome = report.items[0] if report.items else (index, RuntimeError("the write reported nothing"))
+        except BaseException as err:  # noqa: B036 - a worker reports anything, then ends
+            outcome = (index, RuntimeError(f"{type(err).__name__}: {err}"))
+        gc.disable()  # Megatron's write turns it back on
+        try:
+            sender.send(outcome)
+        except Exception as err:  # noqa: BLE001 - an outcome that does not pickle: its words then
+            sender.send((index, RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]} ({err})")))
+        code = 1 if isinstance(outcome[1], BaseException) else 0
+    finally:
+        os._exit(code)
+
+
+class _NoFlushPopen(popen_fork.Popen):
+    """``multiprocessing``'s fork, without its flush of ``sys.stdout``/``sys.stderr`` first: that
+    waits for any thread writing to them (one blocked on a full pipe: for ever)."""
+
+    def __init__(self, process_obj: Any) -> None:  # noqa: D107 - popen_fork.Popen.__init__ less the flush
+        self.returncode = None
+        self.finalizer = None
+        self._launch(process_obj)
+
+
+class _WriteWorker(ForkProcess):
+    """A forked write worker (:func:`_write_one`; ``multiprocessing.active_children`` lists it),
+    forked without flushing the parent's streams (:class:`_NoFlushPopen`) and with the garbage
+    collector off (:func:`_start_worker`). Right after the fork, before ``multiprocessing``'s own
+    start-up, its standard streams are replaced (:func:`_lock_free_streams`: that start-up would
+    close ``sys.stdin``) and the inherited ``multiprocessing`` after-fork hooks dropped (they
+    reconnect managers, reset queues: objects the worker never uses)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _NoFlushPopen(process_obj)
+
+    def _bootstrap(self, parent_sentinel: Any = None) -> int:
+        _lock_free_streams()
+        mp_util._afterfork_registry.clear()
+        return super()._bootstrap(parent_sentinel)
+
+
+class _Inbox:
+    """The workers' reports, one pipe each: ``get`` as ``queue.Queue.get`` (``queue.Empty`` when
+    none came within ``timeout``)."""
+
+    def __init__(self) -> None:
+        self.readers: List[Any] = []
+        self.opened: List[Any] = []
+
+    def close(self) -> None:
+        for reader in self.opened:
+            reader.close()
+
+    def get(self, timeout: float) -> Any:
+        for reader in wait(self.readers, timeout):
+            self.readers.remove(reader)
+            try:
+                return reader.recv()
+            except Exception:  # noqa: BLE001 - ended without a (whole) report: found dead by its exit status
+                continue
+        raise queue.Empty
+
+
+def _start_worker(args: tuple, inbox: _Inbox) -> Any:
+    """Fork one write worker with ``args`` + its end of a new pipe, the garbage collector off in it."""
+    reader, sender = mp.Pipe(duplex=False)
+    worker = _WriteWorker(target=_write_one, args=(*args, sender), daemon=True)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        worker.start()
+    finally:
+        if enabled:
+            gc.enable()
+        sender.close()  # the worker's alone: later workers do not inherit it
+    inbox.readers.append(reader)
+    inbox.opened.append(reader)
+    return worker
 
 
 def _exit_reason(code: int) -> str:
@@ -151,13 +284,8 @@ def write_buckets(
     bucket (file); puts ``{index: [WriteResult]}`` on ``global_results_queue``, or a
     :class:`CheckpointError` as soon as one worker reports an error or is found dead without a
     report (the others are then killed). Never waits on a worker that cannot answer."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    workers = []
-    for index, bucket in enumerate(buckets):
-        worker = ctx.Process(target=_write_one, args=(transform_list, use_msc, index, bucket, results), daemon=True)
-        worker.start()
-        workers.append(worker)
+    results = _Inbox()
+    workers = [_start_worker((transform_list, use_msc, index, bucket), results) for index, bucket in enumerate(buckets)]
     done: Dict[int, Any] = {}
     error = None
     limit = write_limit_s(buckets, _SAVE["timeout_s"])
@@ -207,6 +335,7 @@ def write_buckets(
         if error is not None and worker.is_alive():
             worker.kill()
         worker.join(JOIN_S if error is not None else None)
+    results.close()
     _LAST_FAILURE[:] = [str(error)] if error is not None else []
     global_results_queue.put(error if error is not None else done)
 
