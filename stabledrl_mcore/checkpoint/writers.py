@@ -332,9 +332,11 @@ def write_buckets(
         else:
             done[index] = outcome
     for worker in workers:
-        if error is not None and worker.is_alive():
+        if error is None:  # reported: it exits at once (written and synced; a stuck exit is killed)
+            worker.join(max(deadline - time.monotonic(), JOIN_S))
+        if worker.is_alive():
             worker.kill()
-        worker.join(JOIN_S if error is not None else None)
+        worker.join(JOIN_S)
     results.close()
     _LAST_FAILURE[:] = [str(error)] if error is not None else []
     global_results_queue.put(error if error is not None else done)
