@@ -181,6 +181,9 @@ def _rank(opts):
                 handle.write(
                     _tool([os.path.join(os.path.dirname(sys.executable), "py-spy"), "dump", "--pid", str(me.pid)])
                 )
+            if stalls:  # (a rank waiting on another's stalled save has none: it waits to be stopped)
+                _record(opts["out"], rank, times, errors, stalls)
+                os._exit(3)  # the run ends here (this rank's workers die with it)
 
     times, errors = [], []
     threading.Thread(target=watchdog, daemon=True, name="watchdog").start()
@@ -262,7 +265,7 @@ def main(argv=None):
     print(
         json.dumps(
             {
-                "saves": min((len(r.get("times", [])) for r in records), default=0),
+                "saves": min((len(r["times"]) for r in records if "times" in r), default=0),
                 "wall_s": round(time.monotonic() - started, 1),
                 "save_s_mean": round(sum(times) / len(times), 3) if times else None,
                 "save_s_max": round(max(times), 3) if times else None,
