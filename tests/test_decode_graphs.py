@@ -229,6 +229,45 @@ def test_inductor_compiles_the_sdar_and_llada_steps_to_the_eager_tokens(megatron
         assert compiled.stats.graphs == MODES[name][2] and compiled.stats.compile_s > 0
 
 
+def _compiled_layer_counts(layers, tmp_path, monkeypatch):
+    """Compile LLaDA's exact step of a ``layers``-deep llada-tiny with inductor from a fresh cache:
+    (kernels inductor generated, layer calls of the captured graph, subgraphs they call)."""
+    from torch._inductor import metrics
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / f"inductor-{layers}"))
+    torch._dynamo.reset()
+    metrics.reset()
+    graphs = []
+    inductor = checked_backend("inductor", "default", "cpu")
+
+    def backend(gm, example_inputs):  # what Dynamo captured, before inductor's passes rewrite it
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        graphs.append((len(calls), len({getattr(gm, n.args[0].target) for n in calls})))
+        return inductor(gm, example_inputs)
+
+    model = _model("llada", layers=layers)
+    compiled = DecodingForward(model, "default", backend=backend)
+    ids, _ = _prompt(rows=1, length=8)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        logits = compiled(ids, logit_positions=torch.arange(4, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids, logit_positions=torch.arange(4, 8)))
+    ((calls, bodies),) = graphs
+    return metrics.generated_kernel_count, calls, bodies
+
+
+def test_the_layer_code_is_generated_once_whatever_the_depth(megatron_tp1, tmp_path, monkeypatch):
+    """Issue 73: inductor compiled the 32-36 identical layers of a captured step one by one (a cold
+    compile of 136-296 s per graph at the 8B layer counts). Each layer is now a call of one nested
+    compile region: the captured graph calls one subgraph per layer with that layer's parameters as
+    inputs, and inductor generates the same kernels for 8 layers as for 2 (before: ~4x as many)."""
+    kernels2, calls2, bodies2 = _compiled_layer_counts(2, tmp_path, monkeypatch)
+    kernels8, calls8, bodies8 = _compiled_layer_counts(8, tmp_path, monkeypatch)
+    assert (calls2, calls8) == (2, 8), "every layer a call of the region"
+    assert bodies2 == bodies8 == 1, "one subgraph for all the layers"
+    assert kernels2 > 0 and kernels8 == kernels2, (kernels2, kernels8)
+
+
 def test_a_compiled_sampler_refuses_what_it_cannot_capture(megatron_tp1):
     model = _model("sdar")
     ids, valid = _prompt()
@@ -244,6 +283,14 @@ def test_a_host_read_inside_the_step_is_refused():
     """Dynamo captures ``int(tensor)`` into a ``fullgraph`` graph instead of breaking it; the
     decoding step's backend refuses it by name (a CUDA graph cannot hold a host read)."""
     step = torch.compile(lambda t: t * int(t[0]), fullgraph=True, backend=checked_backend("eager", "default", "cpu"))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="reads a tensor on the host") as raised:
+        step(torch.arange(3))
+    assert isinstance(raised.value.inner_exception, HostReadInStepError)
+    # inside a nested compile region (each transformer layer is one): the subgraph's nodes are checked
+    region = torch.compiler.nested_compile_region(lambda t: t * int(t[0]))
+    step = torch.compile(
+        lambda t: region(region(t) + 1), fullgraph=True, backend=checked_backend("eager", "default", "cpu")
+    )
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="reads a tensor on the host") as raised:
         step(torch.arange(3))
     assert isinstance(raised.value.inner_exception, HostReadInStepError)

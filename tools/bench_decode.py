@@ -26,6 +26,13 @@ by default; ``--json`` writes every figure:
 
       PYTHONPATH=. .venv/bin/python tools/bench_decode.py rows --rows 16 64 128
 
+- ``cold``: the cold compile seconds per graph (a fresh ``TORCHINDUCTOR_CACHE_DIR``, the FX graph
+  cache off) and ms per forward of LLaDA's dual block step and SDAR's block step at 4 and at the 8B
+  layer counts (batch 1, tiny width), eager, with the layers as one nested compile region (``on``,
+  shipped) and inlined (``off``, as before issue 73)::
+
+      PYTHONPATH=. .venv/bin/python tools/bench_decode.py cold --layers 4 32 --sdar-layers 4 36
+
 Compile time is paid once per process and shape; every timed figure excludes it.
 """
 
@@ -77,9 +84,30 @@ def _timed(fn, repeats: int):
     return statistics.median(cpu), statistics.median(wall)
 
 
+def _step(model, fwd, step: str, x, P: int):
+    """The timed forward of ``step`` on the rows ``x`` (prompt ``P`` tokens) through ``fwd``, after
+    what it needs (a filled cache: a graph of its own for LLaDA's dual step, eager for SDAR)."""
+    from stabledrl_mcore.models import AttentionLayout
+
+    batch, L = x.shape
+    if step == "exact":  # a full forward, the logits of one 32-token block
+        read = torch.arange(P, P + 32)
+        return lambda: fwd(x, logit_positions=read)
+    cache = fwd.cache(batch, L)
+    if step == "dual":  # the filled cache, then a 32-token block step against it
+        fwd(x, kv_cache=cache, logit_positions=torch.arange(P, P + 32))
+        slots = torch.arange(P + 64, P + 96)
+        return lambda: fwd(x[:, P + 64 : P + 96], kv_cache=cache, cache_slots=slots)
+    # SDAR: the prompt's blocks prefilled, a 4-token block step
+    with cache.storing():
+        model(x[:, :P], attention_mask=AttentionLayout.block_causal(4), kv_cache=cache)
+    slots = torch.arange(P + 8, P + 12)
+    layout = AttentionLayout.block_causal(4)
+    return lambda: fwd(x[:, P + 8 : P + 12], kv_cache=cache, cache_slots=slots, layout=layout)
+
+
 def host(args) -> list:
     """Per-forward host time of the three step kinds, eager vs compiled."""
-    from stabledrl_mcore.models import AttentionLayout
     from stabledrl_mcore.models.decoding import DecodingForward
 
     P, G = args.prompt_length, args.gen_length
@@ -94,32 +122,9 @@ def host(args) -> list:
             for mode in args.modes:
                 torch._dynamo.reset()
                 fwd = DecodingForward(model, mode)
-                if step == "exact":  # a full forward, the logits of one 32-token block
-                    read = torch.arange(P, P + 32)
-
-                    def call(fwd=fwd, read=read):
-                        return fwd(x, logit_positions=read)
-
-                elif step == "dual":  # the filled cache, then a 32-token block step against it
-                    cache = fwd.cache(batch, L)
-                    fwd(x, kv_cache=cache, logit_positions=torch.arange(P, P + 32))
-                    slots = torch.arange(P + 64, P + 96)
-
-                    def call(fwd=fwd, cache=cache, slots=slots):
-                        return fwd(x[:, P + 64 : P + 96], kv_cache=cache, cache_slots=slots)
-
-                else:  # SDAR: the prompt's blocks prefilled, a 4-token block step
-                    cache = fwd.cache(batch, L)
-                    with cache.storing():
-                        model(x[:, :P], attention_mask=AttentionLayout.block_causal(4), kv_cache=cache)
-                    slots = torch.arange(P + 8, P + 12)
-                    layout = AttentionLayout.block_causal(4)
-
-                    def call(fwd=fwd, cache=cache, slots=slots, layout=layout):
-                        return fwd(x[:, P + 8 : P + 12], kv_cache=cache, cache_slots=slots, layout=layout)
-
                 with torch.no_grad():
                     start = time.perf_counter()
+                    call = _step(model, fwd, step, x, P)
                     out = call()
                     first_s = time.perf_counter() - start
                     cpu_ms, wall_ms = _timed(call, args.repeats)
@@ -240,9 +245,64 @@ def rows_sweep(args) -> list:
     return out
 
 
+def cold_compile(args) -> list:
+    """Cold compile seconds per graph (a fresh inductor cache, FX graph cache off) and ms per
+    forward of the compiled step at several layer counts, with the layers as one nested compile
+    region (the default) and without (``--regions on off``: each layer inlined, as before issue 73)."""
+    import tempfile
+
+    from stabledrl_mcore.models import model as model_module
+    from stabledrl_mcore.models.decoding import DecodingForward
+
+    P = args.prompt_length
+    L = P + args.gen_length
+    shipped = model_module._compiled_layer
+    rows = []
+    for arch, step in (("llada", "dual"), ("sdar", "block")):
+        if step not in args.steps:
+            continue
+        for layers in args.layers if arch == "llada" else args.sdar_layers:
+            model = _model(arch, layers, args.width)
+            x = torch.randint(3, 250, (1, L), generator=torch.Generator().manual_seed(1))
+            reference = None
+            for region in ["none"] + args.regions:
+                model_module._compiled_layer = shipped if region == "on" else model_module._layer
+                torch._dynamo.reset()
+                fwd = DecodingForward(model, "none" if region == "none" else "default")
+                with tempfile.TemporaryDirectory(prefix="inductor-cold-") as cache_dir, torch.no_grad():
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+                    with torch._inductor.config.patch(fx_graph_cache=False):
+                        call = _step(model, fwd, step, x, P)
+                        out = call()
+                        cpu_ms, wall_ms = _timed(call, args.repeats)
+                model_module._compiled_layer = shipped
+                reference = out if reference is None else reference
+                graphs = fwd.stats.graphs
+                row = dict(
+                    arch=arch,
+                    step=step,
+                    layers=layers,
+                    region=region,
+                    graphs=graphs,
+                    compile_s_per_graph=round(fwd.stats.compile_s / graphs, 1) if graphs else 0.0,
+                    cpu_ms=cpu_ms,
+                    wall_ms=wall_ms,
+                    max_abs_diff_to_eager=float((out - reference).abs().max()),
+                    load_avg=os.getloadavg()[0],
+                )
+                rows.append(row)
+                print(
+                    f"  {arch} {step} {layers} layers, region {region:>4}: {row['compile_s_per_graph']} s/graph cold "
+                    f"({graphs} graphs), {cpu_ms:.2f} ms/forward (wall {wall_ms:.2f}), "
+                    f"|diff| {row['max_abs_diff_to_eager']:.1e}, load {row['load_avg']:.1f}",
+                    flush=True,
+                )
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("host", "graphs", "rows"))
+    parser.add_argument("what", choices=("host", "graphs", "rows", "cold"))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument(
@@ -259,6 +319,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--compile", default="none", choices=MODES, help="rows: how the rollout decodes")
     parser.add_argument("--backend", default="inductor", help="graphs: torch.compile backend (aot_eager: no codegen)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 32], help="cold: LLaDA layer counts")
+    parser.add_argument("--sdar-layers", type=int, nargs="+", default=[4, 36], help="cold: SDAR layer counts")
+    parser.add_argument(
+        "--regions",
+        nargs="+",
+        default=["on", "off"],
+        choices=("on", "off"),
+        help="cold: the layers as one nested compile region (on, shipped) or inlined (off, before issue 73)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -268,7 +337,7 @@ def main(argv=None) -> int:
     bootstrap.initialize(1, 1, seed=0)
     load = os.getloadavg()
     print(f"{args.what}: torch {torch.__version__}, {args.threads} thread(s), load {load[0]:.1f}", flush=True)
-    results = {"host": host, "graphs": graphs, "rows": rows_sweep}[args.what](args)
+    results = {"host": host, "graphs": graphs, "rows": rows_sweep, "cold": cold_compile}[args.what](args)
     if args.json:
         meta = dict(argv=sys.argv, torch=torch.__version__, python=platform.python_version(), load_avg=load)
         with open(args.json, "w") as handle:

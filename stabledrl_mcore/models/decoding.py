@@ -131,6 +131,14 @@ def _decoding_forward(model, input_ids, attention_mask, kv_cache, cache_slots, l
     )
 
 
+def _parameters_own_storage(model) -> bool:
+    """Whether no two parameters of ``model`` share a storage (they do in Megatron DDP's
+    contiguous parameter buffer): the layers of a captured step can then be one nested compile
+    region, whose inputs may not alias (``DLLMModel._inference_layers``)."""
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    return len(set(storages)) == len(storages)
+
+
 def _model_device(model) -> torch.device:
     for param in model.parameters():
         return param.device
@@ -158,6 +166,10 @@ class DecodingForward:
         self._replayed = self.mode == "reduce-overhead" and device == "cuda" and backend == "inductor"
         """CUDA graphs: outputs live in the graphs' memory pool, which the next replay reuses."""
         if self.mode != "none":
+            separate = _parameters_own_storage(model)
+            for module in model.modules():  # the model, or the one a wrapper holds
+                if hasattr(type(module), "layer_regions"):
+                    module.layer_regions = separate
             compiler = checked_backend(backend, self.mode, device)
             self._fn = torch.compile(_decoding_forward, fullgraph=True, dynamic=False, backend=compiler)
 
@@ -276,8 +288,16 @@ class HostReadInStepError(RuntimeError):
 def refuse_host_reads(graph_module: torch.fx.GraphModule) -> None:
     """Raise :class:`HostReadInStepError` naming the first node of ``graph_module`` that reads a
     tensor on the host. ``fullgraph=True`` alone does not: Dynamo captures ``Tensor.item()`` /
-    ``int(tensor)`` into the graph as a data-dependent scalar instead of breaking it."""
-    for node in graph_module.graph.nodes:
+    ``int(tensor)`` into the graph as a data-dependent scalar instead of breaking it. The nodes of
+    its nested graphs are checked too (the subgraph every transformer layer calls, a nested compile
+    region: see ``DLLMModel._inference_layers``)."""
+    nodes = (
+        node
+        for module in graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
+    for node in nodes:
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
         if node.op in ("call_method", "call_function") and name.split(".")[0] in HOST_READS:
             where = (node.stack_trace or "").strip().splitlines()[-2:]

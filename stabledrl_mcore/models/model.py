@@ -108,6 +108,10 @@ class DLLMModel(LanguageModule):
         for attention in self.core_attentions():
             attention.backend = dllm_config.attention_backend
 
+    layer_regions = True
+    """Whether a captured step runs each layer as one nested compile region (see
+    :meth:`_inference_layers`; set by :class:`~.decoding.DecodingForward`)."""
+
     def core_attentions(self):
         """The :class:`SDPACoreAttention` module of every layer on this stage (found once: a
         KV-cached forward binds its cache to each, and walking every module per forward cost
@@ -298,12 +302,23 @@ class DLLMModel(LanguageModule):
         nor a checkpoint, so the detour only costs: it is a graph break for ``torch.compile``
         (Dynamo refuses ``requires_grad=True`` tensor creation). The layers, their arguments and
         the final norm are the block's own; nothing of Megatron is patched.
+
+        Inside a captured step (``torch.compile``) every layer runs as one nested compile region
+        (:func:`_compiled_layer`): the layers share one traced subgraph, their parameters and KV
+        buffers its inputs, so inductor generates the layer's code once however deep the model
+        is (the cold compile does not grow with the layer count). Not where the parameters are views
+        of one buffer (Megatron DDP's contiguous parameter buffer, the trainer's model): a region's
+        inputs may not alias, so :class:`~.decoding.DecodingForward` sets :attr:`layer_regions`
+        False there and the layers are traced one by one, as before.
         """
         block = self.decoder
         if not self.pre_process:
             hidden = block.input_tensor
+        run = _layer
+        if torch.compiler.is_compiling() and self.layer_regions:
+            run, hidden = _compiled_layer, _row_major(hidden)
         for layer in block.layers:
-            hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+            hidden = run(layer, hidden, mask, rotary)
         if block.final_layernorm is not None:
             hidden = block.final_layernorm(hidden)
         return hidden
@@ -325,6 +340,32 @@ class DLLMModel(LanguageModule):
         start = parallel_state.get_tensor_model_parallel_rank() * width
         padded = torch.arange(start, start + width, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def _layer(layer, hidden, mask, rotary):
+    """One transformer layer of an inference forward: its output hidden states."""
+    return layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)[0]
+
+
+_compiled_layer = torch.compiler.nested_compile_region(_layer)
+"""``_layer`` as a nested compile region (``torch.compiler.nested_compile_region``, an
+``invoke_subgraph`` of Dynamo): traced where a step is captured, the layers of a model become calls
+of one subgraph that inductor lowers once and calls per layer, each call with that layer's
+parameters and KV buffers as inputs (not constants). Eagerly it is ``_layer``."""
+
+
+def _row_major(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` with row-major strides on every dimension, size-1 ones included (a view when it
+    is contiguous). The first layer's input then has the strides of every later layer's input: a
+    traced ``[S, 1, H]`` embedding output keeps the stride ``S * H`` on its batch dimension, and a
+    nested compile region traced with other input strides is another subgraph (compiled apart)."""
+    if not hidden.is_contiguous():
+        return hidden.contiguous()
+    strides, step = [], 1
+    for size in reversed(hidden.shape):
+        strides.append(step)
+        step *= size
+    return hidden.as_strided(hidden.shape, tuple(reversed(strides)))
 
 
 def _canonical_strides(hidden: torch.Tensor) -> torch.Tensor:
