@@ -166,10 +166,12 @@ class DecodingForward:
         self._replayed = self.mode == "reduce-overhead" and device == "cuda" and backend == "inductor"
         """CUDA graphs: outputs live in the graphs' memory pool, which the next replay reuses."""
         if self.mode != "none":
-            separate = _parameters_own_storage(model)
+            # inductor's C++ wrapper (reduce-overhead on CPU) has no code for a nested region
+            cpp_wrapper = self.mode == "reduce-overhead" and device != "cuda" and backend == "inductor"
+            regions = _parameters_own_storage(model) and not cpp_wrapper
             for module in model.modules():  # the model, or the one a wrapper holds
                 if hasattr(type(module), "layer_regions"):
-                    module.layer_regions = separate
+                    module.layer_regions = regions
             compiler = checked_backend(backend, self.mode, device)
             self._fn = torch.compile(_decoding_forward, fullgraph=True, dynamic=False, backend=compiler)
 
