@@ -528,6 +528,28 @@ def test_a_setpgid_child_of_a_reward_goes_when_its_worker_dies_between_calls(hos
             task.close()
 
 
+def test_a_worker_killed_between_calls_is_replaced_as_soon_as_it_is_a_zombie():
+    """CI failure of 2026-12-07: a killed worker's main thread shows as a zombie before its second
+    thread has exited, and ``waitpid`` reports nothing until then; a call made in that window was
+    sent to the dying worker and scored 0 ("killed by signal 9 during the call"). The next call
+    waits for it and starts a fresh one (the old code failed 99 of 100 such calls)."""
+    from stabledrl_mcore.common.isolated_calls import IsolatedFunction
+    from stabledrl_mcore.common.process_tree import running
+
+    fn = IsolatedFunction(abs)
+    try:
+        for _ in range(20):
+            assert fn.call((-1.0,), 30.0) == 1.0
+            pid = fn.worker_pid
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while running(pid) and time.monotonic() < deadline:
+                pass  # no sleep: the call lands in the window where it is a zombie not yet reported
+            assert fn.call((-2.0,), 30.0) == 2.0 and fn.worker_pid != pid
+    finally:
+        fn.close()
+
+
 CALLER = """
 import os, signal, sys
 sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[2])]

@@ -43,7 +43,7 @@ import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from stabledrl_mcore.common.errors import one_line
-from stabledrl_mcore.common.process_tree import become_subreaper, kill_descendants, kill_session, kill_tree
+from stabledrl_mcore.common.process_tree import become_subreaper, kill_descendants, kill_session, kill_tree, running
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start (the interpreter and ``fn``'s imports); not part of any call's limit."""
@@ -151,6 +151,21 @@ def _stop(proc: Optional[subprocess.Popen]) -> None:
             pipe.close()
 
 
+def _alive(proc: subprocess.Popen) -> bool:
+    """``proc`` has not ended. A killed worker whose main thread is already a zombie is not
+    reported by ``waitpid`` until its other threads have exited too (Linux delays a thread-group
+    leader's wait); it is ending, so it is waited for here rather than sent the next call."""
+    if proc.poll() is not None:
+        return False
+    if running(proc.pid):
+        return True
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a kernel that does not reap
+        pass
+    return False
+
+
 def _stop_all(holder: Dict[str, Any]) -> None:
     if holder.get("owner") == os.getpid():
         _stop(holder.get("proc"))
@@ -238,7 +253,7 @@ class IsolatedFunction:
         if holder["owner"] != os.getpid():  # a forked copy: the worker is the parent's
             holder.update(proc=None, owner=os.getpid())
         proc = holder["proc"]
-        if proc is not None and proc.poll() is None:
+        if proc is not None and _alive(proc):
             return proc
         self.close()
         if self._broken is not None:
