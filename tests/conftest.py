@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import json
 import os
 import sys
 
@@ -46,6 +47,15 @@ def llada_hf(tmp_path_factory) -> str:
     from hf_fixtures import write_hf_checkpoint
 
     return write_hf_checkpoint(str(tmp_path_factory.mktemp("hf") / "llada"), "llada", seed=3)
+
+
+@pytest.fixture
+def qa_file(request, tmp_path) -> str:
+    """The test module's ``ROWS`` (a list of dicts) as a JSON-lines data file in ``tmp_path``, one
+    row a line: what ``--data-path`` of the qa task reads."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in request.module.ROWS))
+    return str(path)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -48,6 +48,18 @@ def test_single_process_env():
     assert (launch.rank, launch.world_size, launch.launcher) == (0, 1, "single")
 
 
+def test_the_ranks_on_this_host_are_read_whatever_the_launcher():
+    """``local_world_size``: ``LOCAL_WORLD_SIZE``, else ``SLURM_NTASKS_PER_NODE`` (an sbatch shell has
+    no ``SLURM_PROCID``), a positive whole number or None (what the preflight's memory check divides by)."""
+    assert detect_launch_env({}).local_world_size is None
+    torchrun = dict(RANK="0", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", SLURM_NTASKS_PER_NODE="2")
+    assert detect_launch_env(torchrun).local_world_size == 4
+    batch_shell = dict(SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4")
+    assert detect_launch_env(batch_shell).launcher == "single" and detect_launch_env(batch_shell).local_world_size == 4
+    assert detect_launch_env(dict(LOCAL_WORLD_SIZE="0", SLURM_NTASKS_PER_NODE="2")).local_world_size == 2
+    assert detect_launch_env(dict(SLURM_NTASKS_PER_NODE="4(x2)")).local_world_size is None
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

@@ -25,13 +25,6 @@ ROWS = [  # columns named unlike qa's defaults (prompt / answer); gold is a regu
 ]
 
 
-@pytest.fixture
-def qa_file(tmp_path):
-    path = tmp_path / "mine.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    return str(path)
-
-
 def _options(command):
     """Every option string ``stabledrl COMMAND`` accepts (from its parser)."""
     parser = build_parser(command)

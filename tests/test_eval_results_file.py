@@ -20,13 +20,6 @@ class Stopped(Exception):
     """What the injected fault raises (a kill, in-process)."""
 
 
-@pytest.fixture
-def qa_file(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    return str(path)
-
-
 def _rows(path):
     return [json.loads(line) for line in open(path)]
 

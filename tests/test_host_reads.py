@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 from test_decode_paths import HostReads
-from test_trainer import CONFIG, in_process_trainer, overrides
+from test_trainer import in_process_trainer, one_step_config
 
-from stabledrl_mcore.config.schema import load_config
 from stabledrl_mcore.rl import trainer
 
 PATHS = ("old_logp_phase", "iteration_inputs", "loss_coefficients", "accumulate_gradients")
@@ -39,20 +38,14 @@ def _counted_step(monkeypatch, run_dir, micro_batch, likelihood):
 
         monkeypatch.setattr(trainer, name, counting)
     with in_process_trainer():
-        cfg = load_config(
-            CONFIG,
-            overrides(
-                str(run_dir),
-                **{
-                    "logging.progress": False,
-                    "steps": 1,
-                    "rollout.prompts_per_step": 2,
-                    "parallel.micro_batch_size": micro_batch,
-                    "algo.inner_iterations": 2,
-                    "algo.num_mc": 2,
-                    "algo.likelihood": likelihood,
-                },
-            ),
+        cfg = one_step_config(
+            run_dir,
+            **{
+                "parallel.micro_batch_size": micro_batch,
+                "algo.inner_iterations": 2,
+                "algo.num_mc": 2,
+                "algo.likelihood": likelihood,
+            },
         )
         setup = trainer.build_training(cfg)
         setup.model.register_forward_pre_hook(lambda *_: counted.__setitem__("forwards", counted["forwards"] + 1))

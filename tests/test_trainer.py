@@ -85,6 +85,15 @@ def overrides(run_dir, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def one_step_config(run_dir, **extra):
+    """The config of a short in-process trainer run in ``run_dir``: :func:`overrides` with no
+    progress bar, one step of 2 prompts, then ``extra`` on top."""
+    from stabledrl_mcore.config.schema import load_config
+
+    base = {"logging.progress": False, "steps": 1, "rollout.prompts_per_step": 2}
+    return load_config(CONFIG, overrides(str(run_dir), **{**base, **extra}))
+
+
 def _train_worker(run_dir, extra, out_name, stop_after=None, resume=None):
     from stabledrl_mcore.tasks import available_tasks
 

@@ -230,26 +230,20 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
     """In the trainer, iteration 2 of a replayed plan scores the updated policy: its ratios differ
     from 1 (a stale ``old_token_logp`` as the current estimate would give exactly 1), while
     iteration 1's log-ratio variance is exactly 0 (same weights, same masks)."""
-    from test_trainer import CONFIG, in_process_trainer, overrides
+    from test_trainer import in_process_trainer, one_step_config
 
     from stabledrl_mcore.rl.trainer import train
 
     run_dir = tmp_path / "run"
     with in_process_trainer():
-        cfg = load_config(
-            CONFIG,
-            overrides(
-                str(run_dir),
-                **{
-                    "logging.progress": False,
-                    "rollout.prompts_per_step": 2,
-                    "steps": 1,
-                    "algo.inner_iterations": 2,
-                    "algo.mask_sampling": "replay",
-                    "rollout.temperature": 1.0,
-                    "optim.lr": 0.05,
-                },
-            ),
+        cfg = one_step_config(
+            run_dir,
+            **{
+                "algo.inner_iterations": 2,
+                "algo.mask_sampling": "replay",
+                "rollout.temperature": 1.0,
+                "optim.lr": 0.05,
+            },
         )
         train(cfg)
     row = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
@@ -261,7 +255,7 @@ def test_the_trainers_second_inner_iteration_scores_the_current_policy(tmp_path)
 def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
     """Run the in-process trainer, recording at each step the weights before the update, the loss
     of one autograd graph through the model on that step's batch, and ``before - lr * grad``."""
-    from test_trainer import CONFIG, in_process_trainer, overrides
+    from test_trainer import in_process_trainer, one_step_config
 
     from stabledrl_mcore.rl import trainer
 
@@ -284,27 +278,21 @@ def _anchored_trainer_run(monkeypatch, run_dir, lr, seen, resume=None, **extra):
 
     monkeypatch.setattr(trainer, "policy_update", anchored_update)
     with in_process_trainer():
-        cfg = load_config(
-            CONFIG,
-            overrides(
-                str(run_dir),
-                **{
-                    "logging.progress": False,
-                    "rollout.prompts_per_step": 2,
-                    "steps": 1,
-                    "rollout.temperature": 1.0,
-                    "optim.name": "sgd",
-                    "optim.distributed": False,
-                    "optim.weight_decay": 0.0,
-                    "optim.clip_grad": 0.0,
-                    "optim.lr": lr,
-                    "optim.decay_style": "constant",
-                    "parallel.micro_batch_size": 2,
-                    "algo.inner_iterations": 1,
-                    "algo.mask_sampling": "replay",
-                    **extra,
-                },
-            ),
+        cfg = one_step_config(
+            run_dir,
+            **{
+                "rollout.temperature": 1.0,
+                "optim.name": "sgd",
+                "optim.distributed": False,
+                "optim.weight_decay": 0.0,
+                "optim.clip_grad": 0.0,
+                "optim.lr": lr,
+                "optim.decay_style": "constant",
+                "parallel.micro_batch_size": 2,
+                "algo.inner_iterations": 1,
+                "algo.mask_sampling": "replay",
+                **extra,
+            },
         )
         s = trainer.train(cfg, resume=resume)
         final = [p.detach().clone() for p in s.model.parameters() if p.requires_grad]

@@ -15,7 +15,6 @@ is refused.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 from typing import Optional, Tuple
@@ -25,7 +24,7 @@ import torch
 
 from stabledrl_mcore.bench.plan import estimate, spec_for_run
 from stabledrl_mcore.common.errors import ConfigError
-from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError
+from stabledrl_mcore.parallel.bootstrap import ParallelLayoutError, detect_launch_env
 
 GIB = 1024**3
 
@@ -75,14 +74,7 @@ def rank_memory(cfg, world_size: Optional[int]) -> Optional[Tuple[float, str, bo
         if total is None:
             return None
         return float(total), f"{total / GIB:.1f} GiB of GPU memory per rank", True
-    local = 1
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            local = int(value)
-            break
-    else:
-        local = world_size or 1
+    local = detect_launch_env().local_world_size or world_size or 1
     available = psutil.virtual_memory().available
     share = f" / {local} ranks on this host" if local > 1 else ""
     source = f"{available / GIB:.1f} GiB of host memory available{share}"

@@ -48,6 +48,9 @@ class LaunchEnv:
     master_port: int
     launcher: str  # "torchrun" | "slurm" | "single"
     agent_store: bool = False  # the launcher serves the store on master_port; every rank is a client
+    local_world_size: Optional[int] = None
+    """Ranks on this host as the environment says (``LOCAL_WORLD_SIZE``, else ``SLURM_NTASKS_PER_NODE``,
+    whichever launcher: an sbatch shell has no ``SLURM_PROCID``); None where neither is a positive number."""
 
 
 AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
@@ -83,6 +86,7 @@ def expand_slurm_nodelist(nodelist: str) -> List[str]:
 def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the environment."""
     env = os.environ if environ is None else environ
+    local = _local_world_size(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(
             rank=int(env["RANK"]),
@@ -92,6 +96,7 @@ def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="torchrun",
             agent_store=env.get(AGENT_STORE_VARIABLE) == "True",
+            local_world_size=local,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
@@ -105,8 +110,17 @@ def detect_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
             master_addr=master_addr,
             master_port=port,
             launcher="slurm",
+            local_world_size=local,
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or 0), "single")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or 0), "single", local_world_size=local)
+
+
+def _local_world_size(env) -> Optional[int]:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def validate_parallel_layout(
