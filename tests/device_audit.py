@@ -74,7 +74,7 @@ class DeviceAudit(TorchFunctionMode):
     """``with DeviceAudit(device) as audit: ...``; ``audit.findings`` lists the offending calls.
 
     ``skip``: library sub-paths (relative to the repository root) not audited, e.g.
-    ``"stabledrl_mcore/checkpoint/"`` (host-side I/O).
+    ``"stabledrl_mcore/checkpoint/"`` and ``"stabledrl_mcore/convert/"`` (host-side I/O).
     """
 
     def __init__(self, device, skip: Sequence[str] = ()):

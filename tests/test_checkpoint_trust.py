@@ -20,9 +20,9 @@ import pytest
 import torch
 from hf_fixtures import upstream_config, upstream_shapes, write_hf_checkpoint
 
-from stabledrl_mcore.checkpoint import convert as conv
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.integrity import CheckpointError, verify_checksums, write_checksums
+from stabledrl_mcore.convert import convert as conv
 
 LAYER0_UP = "model.transformer.blocks.0.up_proj.weight"
 SYSTEM = f"{os.system.__module__}.system"  # what a pickle of os.system names (posix.system)
@@ -119,8 +119,8 @@ def _open(opener, path, clean, capsys, tmp_path):
     from megatron.core import dist_checkpointing
 
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
-    from stabledrl_mcore.checkpoint.loader import load_model
     from stabledrl_mcore.checkpoint.mcore_io import build_shell, ensure_single_process, load_model_weights
+    from stabledrl_mcore.convert.loader import load_model
 
     if opener == "mcore-to-hf":
         code = _stabledrl("convert", "mcore-to-hf", "--ckpt", path, "--out", str(tmp_path / "hf"), "--no-progress")
@@ -171,7 +171,7 @@ def test_the_real_checkpoint_still_loads_through_every_opener(sources, tmp_path,
 
 
 def test_a_crafted_common_state_is_one_line(sources, tmp_path):
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     marker = tmp_path / "exploit_ran"
@@ -191,7 +191,7 @@ def test_a_crafted_common_state_is_one_line(sources, tmp_path):
 def test_a_raw_pickle_common_state_is_named(sources, tmp_path, protocol, crafted):
     """A ``pickle.dump``-ed ``common.pt`` (issue #62): one line saying what it is, why and what to do
     (before: torch's 365 characters, or a RuntimeError 'Invalid magic number')."""
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     marker = tmp_path / "exploit_ran"
@@ -213,7 +213,7 @@ def test_a_raw_pickle_common_state_is_named(sources, tmp_path, protocol, crafted
 
 
 def test_a_legacy_torch_save_common_state_still_loads(sources, tmp_path):
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     old = _copy(sources["ckpt"], tmp_path / "old")
     common = torch.load(os.path.join(old, "common.pt"), weights_only=True)
@@ -226,7 +226,7 @@ def test_a_crafted_sharded_object_runs_no_code(sources, tmp_path):
     """torch's load planner reads a sharded object (``_extra_state``) with weights_only=False."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     marker = tmp_path / "exploit_ran"
@@ -256,7 +256,7 @@ def test_a_crafted_sharded_object_runs_no_code(sources, tmp_path):
 def test_metadata_naming_a_shard_outside_the_checkpoint_is_refused(sources, tmp_path, name):
     """Refused by its name: ``..`` and ``.`` are directories (the read would fail anyway, with another
     error), so only the message shows the name check ran."""
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     evil = _copy(sources["ckpt"], tmp_path / "evil")
     with open(os.path.join(evil, ".metadata"), "rb") as handle:
@@ -322,7 +322,7 @@ def test_a_symbolic_link_inside_a_checkpoint_is_refused(tmp_path, what):
 
 # ---------------------------------------------------------------------------- NaN from safetensors
 def test_load_model_refuses_nonfinite_hf_weights_by_name_unless_allowed(sources):
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     with pytest.raises(ConversionError) as err:
         load_model(sources["nan"])

@@ -20,10 +20,10 @@ import pytest
 import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
-from stabledrl_mcore.checkpoint import convert as conv
-from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.cli import convert as convert_cmd
+from stabledrl_mcore.convert import convert as conv
+from stabledrl_mcore.convert import hf_config as hfc
 from stabledrl_mcore.parallel.launch import spawn
 
 TOL = 1e-4
@@ -155,8 +155,8 @@ def test_checkpoint_layout(moe):
 
 def test_full_size_key_set():
     """The sdar-30b-a3b preset expects the released checkpoint's 18867 tensors (Qwen3-30B-A3B layout)."""
-    from stabledrl_mcore.checkpoint.engine import MappingEngine
-    from stabledrl_mcore.checkpoint.mappings import table_for
+    from stabledrl_mcore.convert.engine import MappingEngine
+    from stabledrl_mcore.convert.mappings import table_for
     from stabledrl_mcore.models import get_preset
 
     cfg = get_preset("sdar-30b-a3b")
@@ -191,8 +191,8 @@ def _ep2_tp2_worker(root, src, ckpt):
     from megatron.core import parallel_state as ps
 
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
-    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+    from stabledrl_mcore.convert.loader import load_hf_weights
     from stabledrl_mcore.models import AttentionLayout, build_model
     from stabledrl_mcore.parallel import bootstrap
 
@@ -255,7 +255,7 @@ def test_docs_tables_are_generated_from_mappings():
 
 
 def test_expert_names():
-    from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name
+    from stabledrl_mcore.convert.mappings import canonical_megatron_name, global_expert_name
 
     local = "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight"
     assert canonical_megatron_name("decoder.layers.3.mlp.experts.linear_fc2.weight1") == local  # TE grouped GEMM

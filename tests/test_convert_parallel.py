@@ -49,8 +49,8 @@ def _tp2pp2_worker(root):
     from megatron.core import parallel_state as ps
 
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
-    from stabledrl_mcore.checkpoint.loader import load_hf_weights
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights, save_model_checkpoint
+    from stabledrl_mcore.convert.loader import load_hf_weights
     from stabledrl_mcore.models import AttentionLayout, build_model
     from stabledrl_mcore.parallel import bootstrap
 
@@ -78,9 +78,9 @@ def _tp2pp2_worker(root):
 def test_tp2_pp2_load_forward_save_and_back(tmp_path):
     from megatron.core import dist_checkpointing
 
-    from stabledrl_mcore.checkpoint.convert import hf_to_mcore, mcore_to_hf
-    from stabledrl_mcore.checkpoint.hf_config import hf_to_dllm_config
-    from stabledrl_mcore.checkpoint.verify import public_reference, reference_logits
+    from stabledrl_mcore.convert.convert import hf_to_mcore, mcore_to_hf
+    from stabledrl_mcore.convert.hf_config import hf_to_dllm_config
+    from stabledrl_mcore.convert.verify import public_reference, reference_logits
 
     torch.set_num_threads(1)
     root = str(tmp_path)

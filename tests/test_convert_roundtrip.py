@@ -9,10 +9,10 @@ import pytest
 import torch
 from hf_fixtures import load_all, write_hf_checkpoint
 
-from stabledrl_mcore.checkpoint import convert as conv
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.hf_config import hf_to_dllm_config
 from stabledrl_mcore.cli import convert as convert_cmd
+from stabledrl_mcore.convert import convert as conv
+from stabledrl_mcore.convert.hf_config import hf_to_dllm_config
 
 TOL = 1e-4
 CASES = {  # name: (arch, fixture options); fp32 for logit parity, bf16 + shards for the way back
@@ -78,7 +78,7 @@ def test_converted_checkpoint_layout(converted):
 @pytest.mark.parametrize("name", ["llada", "sdar", "sdar_tied"])
 def test_load_model_logits_match_transformers(converted, name):
     from stabledrl_mcore import load_model
-    from stabledrl_mcore.checkpoint.verify import public_reference, reference_logits
+    from stabledrl_mcore.convert.verify import public_reference, reference_logits
 
     src, ckpt, _ = converted[name]
     cfg = hf_to_dllm_config(json.load(open(os.path.join(src, "config.json"))))
@@ -209,7 +209,7 @@ def test_cli_verify_overwrite_and_exit_codes(converted, tmp_path, capsys):
 
 
 def test_remote_reference_fails_with_a_clear_message(converted):
-    from stabledrl_mcore.checkpoint.verify import verify
+    from stabledrl_mcore.convert.verify import verify
 
     src, ckpt, _ = converted["llada"]
     with pytest.raises(ConversionError, match="trust_remote_code.*--reference public"):

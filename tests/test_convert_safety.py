@@ -15,9 +15,9 @@ import pytest
 import torch
 from hf_fixtures import upstream_config, upstream_shapes, write_hf_checkpoint
 
-from stabledrl_mcore.checkpoint import convert as conv
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.cli import convert as convert_cmd
+from stabledrl_mcore.convert import convert as conv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER0_UP = "model.transformer.blocks.0.up_proj.weight"

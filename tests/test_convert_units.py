@@ -7,11 +7,11 @@ import pytest
 import torch
 from hf_fixtures import DROP, load_all, random_tensors, upstream_config, upstream_shapes, write_hf_checkpoint
 
-from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.hf_config import dllm_to_hf_config, hf_to_dllm_config
-from stabledrl_mcore.checkpoint.mappings import table_for
-from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
+from stabledrl_mcore.convert.engine import MappingEngine
+from stabledrl_mcore.convert.hf_config import dllm_to_hf_config, hf_to_dllm_config
+from stabledrl_mcore.convert.mappings import table_for
+from stabledrl_mcore.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 
 # ------------------------------------------------------------------------------ configs
@@ -191,7 +191,7 @@ def test_vocab_rows_are_padded_with_zeros_and_cut_back():
 
 # ------------------------------------------------------------------------------ bad inputs
 def _convert(src, out, **kw):
-    from stabledrl_mcore.checkpoint.convert import hf_to_mcore
+    from stabledrl_mcore.convert.convert import hf_to_mcore
 
     return hf_to_mcore(src, out, progress=False, **kw)
 
@@ -243,7 +243,7 @@ def test_missing_weights_and_wrong_model_flag(tmp_path):
 
 def test_model_choice_is_an_architecture_or_a_preset_with_its_shape():
     """slurm/convert.sh passes a preset (STABLEDRL_MODEL=llada-8b); the CLI once refused it."""
-    from stabledrl_mcore.checkpoint.convert import check_preset_shape, resolve_model_choice
+    from stabledrl_mcore.convert.convert import check_preset_shape, resolve_model_choice
     from stabledrl_mcore.models import get_preset
 
     assert resolve_model_choice("sdar") == ("sdar", None)

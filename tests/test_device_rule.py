@@ -77,7 +77,7 @@ def _audited_step(run_dir, extra):
     cfg = load_config(CONFIG, [f"{k}={v}" for k, v in base.items()])
     setup = build_training(cfg)
     device = next(setup.model.parameters()).device
-    with DeviceAudit(device, skip=("stabledrl_mcore/checkpoint/",)) as audit:
+    with DeviceAudit(device, skip=("stabledrl_mcore/checkpoint/", "stabledrl_mcore/convert/")) as audit:
         train(cfg, setup=setup)
     with open(os.path.join(run_dir, "audit.json"), "w") as handle:
         json.dump({"findings": sorted(set(audit.findings)), "checked": audit.checked}, handle)

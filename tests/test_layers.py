@@ -30,7 +30,8 @@ LAYERS = (
     ("config", "the typed run config, YAML and dotted overrides, every cross-field check"),
     ("models", "LLaDA / SDAR on Megatron-Core: presets, specs, attention, masks, MoE, KV cache"),
     ("diffusion", "forward process, mask plans, likelihood estimators, samplers, SFT loss"),
-    ("checkpoint", "formats: HF <-> Megatron, safetensors, training state, optimizer state"),
+    ("checkpoint", "Megatron-side formats: model-only checkpoints, training state, optimizer state, integrity"),
+    ("convert", "HF <-> Megatron conversion: mapping tables and their engine, safetensors, load_model, LoRA exports"),
     (
         "engine",
         "the runtime RL, SFT and bench share: model/optimizer set-up, seeding, gradients, "

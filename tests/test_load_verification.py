@@ -30,7 +30,7 @@ LIMIT_S = 120  # a subprocess that would hang on a FIFO is killed past this
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A converted tiny LLaDA checkpoint (one process, as ``stabledrl convert hf-to-mcore`` writes it)."""
-    from stabledrl_mcore.checkpoint import convert as conv
+    from stabledrl_mcore.convert import convert as conv
     from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
     root = tmp_path_factory.mktemp("verify")
@@ -116,7 +116,7 @@ def test_eval_refuses_a_checkpoint_without_checksums_or_with_a_linked_shard(ckpt
 
 
 def test_generate_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     path = _unverified(ckpt, tmp_path)
     code = _stabledrl("generate", "--ckpt", path, "--prompt", "tok11", *SAMPLING)
@@ -179,7 +179,7 @@ def test_a_file_the_manifest_does_not_list_is_refused_by_name(ckpt, tmp_path, ca
     generate loaded it unchecked, exit 0) and a file added after the save: each refused by name
     (issue #70, slice 4); the manifest and every file it lists still verify, and --trust-unverified
     loads a checkpoint with an added file."""
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     path = str(tmp_path / "CK")
     shutil.copytree(ckpt, path)
@@ -206,8 +206,8 @@ def test_a_file_the_manifest_does_not_list_is_refused_by_name(ckpt, tmp_path, ca
 
 def test_model_checkpoint_refuses_a_checkpoint_without_checksums_unless_trusted(ckpt, tmp_path, capsys):
     from stabledrl_mcore.checkpoint.info import read_checkpoint_info
-    from stabledrl_mcore.checkpoint.loader import load_weights
     from stabledrl_mcore.checkpoint.mcore_io import build_shell, ensure_single_process
+    from stabledrl_mcore.convert.loader import load_weights
 
     path = _unverified(ckpt, tmp_path)
     base = ["train", "--config", CONFIG, f"logging.run_dir={tmp_path / 'run'}", f"model.checkpoint={path}"]
@@ -270,7 +270,7 @@ def test_a_fifo_as_an_hf_weight_file_is_named(tmp_path):
     """An HF directory has no manifest; its weight file was already never opened unless a regular
     file, and is now named rather than reported missing."""
     from stabledrl_mcore.checkpoint.errors import ConversionError
-    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+    from stabledrl_mcore.convert.safetensors_io import SafetensorsReader
 
     hf = write_hf_checkpoint(str(tmp_path / "hf"), "llada", seed=3)
     weights = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors"))[0]

@@ -32,7 +32,7 @@ RANK, ALPHA = 4, 8.0
 
 # ----------------------------------------------------------------- one linear against a hand-built one
 def _unit_worker(out):
-    from stabledrl_mcore.checkpoint.mappings import LLADA
+    from stabledrl_mcore.convert.mappings import LLADA
     from stabledrl_mcore.models import build_model, get_preset
     from stabledrl_mcore.models.lora import LoRASettings, adapter_params_per_layer, adapters, apply_lora
     from stabledrl_mcore.parallel import bootstrap
@@ -48,7 +48,7 @@ def _unit_worker(out):
     q_rows, kv_rows = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
     results = {}
 
-    def fuse_qkv(q, k, v, width):  # the converter's layout (checkpoint/mappings.py QKV), any width
+    def fuse_qkv(q, k, v, width):  # the converter's layout (convert/mappings.py QKV), any width
         fake = types.SimpleNamespace(
             num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels, hidden_size=width
         )
@@ -242,7 +242,7 @@ def lora_runs(tmp_path_factory):
 
 
 def _convert_worker(hf, out):
-    from stabledrl_mcore.checkpoint.convert import hf_to_mcore
+    from stabledrl_mcore.convert.convert import hf_to_mcore
 
     hf_to_mcore(hf, out, progress=False)
 
@@ -310,9 +310,9 @@ def _export_worker(job, out):
     """One process: the adapted model (base + the TP=2 run's adapters, unmerged), its base with the
     adapters off (the KL reference), the merged export, a plain model of the base, and ``load_model`` of
     the LoRA checkpoint itself (what eval and generate load) -- their logits on the same tokens."""
-    from stabledrl_mcore.checkpoint.loader import InspectionModel, load_model, load_weights, read_config
     from stabledrl_mcore.checkpoint.state import read_lora_run
     from stabledrl_mcore.checkpoint.trust import load_sharded
+    from stabledrl_mcore.convert.loader import InspectionModel, load_model, load_weights, read_config
     from stabledrl_mcore.engine.expert import phase_model
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.models.lora import AdapterCheckpointView, BaseWithoutAdapters, adapters, apply_lora

@@ -31,9 +31,9 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def exported(megatron_tp1, tmp_path_factory):  # noqa: F811
-    from stabledrl_mcore.checkpoint.convert import mcore_to_hf
-    from stabledrl_mcore.checkpoint.loader import InspectionModel, load_weights, read_config
     from stabledrl_mcore.checkpoint.state import TrainState, save_checkpoint
+    from stabledrl_mcore.convert.convert import mcore_to_hf
+    from stabledrl_mcore.convert.loader import InspectionModel, load_weights, read_config
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.models.lora import LoRASettings, adapters, apply_lora, checkpointed
 
@@ -67,7 +67,7 @@ def exported(megatron_tp1, tmp_path_factory):  # noqa: F811
 
 
 def test_the_merged_export_is_the_adapted_model_at_fp32_precision(exported):
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
 
     merged, base = load_all(exported["out"]), load_all(exported["base"])
     assert {t.dtype for t in merged.values()} == {torch.float32}, "written in the run's model.dtype"
@@ -93,7 +93,7 @@ def test_the_merged_export_is_the_adapted_model_at_fp32_precision(exported):
 def test_the_peft_adapter_loads_with_peft_and_gives_the_merged_logits(exported):
     from peft import PeftModel
 
-    from stabledrl_mcore.checkpoint.verify import public_reference
+    from stabledrl_mcore.convert.verify import public_reference
 
     ids = exported["ids"]
     with torch.no_grad():

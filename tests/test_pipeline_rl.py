@@ -114,8 +114,8 @@ def _assert_replicas_equal(model):
 
 def _save_final_weights(root, names):
     """``weights.pt`` (rank 0): each ``(run, arch)``'s step-2 checkpoint loaded at TP=PP=1."""
-    from stabledrl_mcore.checkpoint.loader import read_config
     from stabledrl_mcore.checkpoint.mcore_io import load_model_weights
+    from stabledrl_mcore.convert.loader import read_config
     from stabledrl_mcore.models import build_model
     from stabledrl_mcore.parallel import bootstrap
 

@@ -225,7 +225,7 @@ def test_truncated_safetensors_is_one_line_naming_the_file(capsys, tmp_path, hf_
     import shutil
 
     from stabledrl_mcore.checkpoint.errors import ConversionError
-    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+    from stabledrl_mcore.convert.safetensors_io import SafetensorsReader
 
     broken = str(tmp_path / "broken")
     shutil.copytree(hf_llada, broken)

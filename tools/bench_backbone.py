@@ -33,7 +33,7 @@ import torch
 def _hf_model(cfg):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from stabledrl_mcore.checkpoint.hf_config import transformers_shape
+    from stabledrl_mcore.convert.hf_config import transformers_shape
 
     common = transformers_shape(cfg, tied=False, attn_implementation="sdpa")
     if cfg.arch == "llada":

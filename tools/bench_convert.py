@@ -46,10 +46,10 @@ WRAPPER = (
 def make_checkpoint(path: str, args) -> dict:
     import torch
 
-    from stabledrl_mcore.checkpoint.engine import MappingEngine
-    from stabledrl_mcore.checkpoint.hf_config import dllm_to_hf_config
-    from stabledrl_mcore.checkpoint.mappings import table_for
-    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsWriter
+    from stabledrl_mcore.convert.engine import MappingEngine
+    from stabledrl_mcore.convert.hf_config import dllm_to_hf_config
+    from stabledrl_mcore.convert.mappings import table_for
+    from stabledrl_mcore.convert.safetensors_io import SafetensorsWriter
     from stabledrl_mcore.models import get_preset
 
     cfg = get_preset(
@@ -132,7 +132,7 @@ def run_measured(argv) -> dict:
 def same_tensors(a: str, b: str) -> bool:
     import torch
 
-    from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+    from stabledrl_mcore.convert.safetensors_io import SafetensorsReader
 
     ra, rb = SafetensorsReader(a), SafetensorsReader(b)
     if sorted(ra.keys()) != sorted(rb.keys()):

@@ -229,7 +229,7 @@ def logit_compare(a, b):
 
 
 def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) -> None:
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
     from stabledrl_mcore.diffusion import generate_llada
 
     fd, lg = peers.get("fast_dllm"), peers.get("llada")
@@ -327,7 +327,7 @@ def llada_workloads(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) 
 
 
 def sdar_workload(args, peers, cfg, hf_dir, mcore_dir, out: list, meta: dict) -> None:
-    from stabledrl_mcore.checkpoint.loader import load_model
+    from stabledrl_mcore.convert.loader import load_model
     from stabledrl_mcore.diffusion import generate_sdar
     from stabledrl_mcore.models import block_causal_mask
 

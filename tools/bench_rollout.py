@@ -45,7 +45,7 @@ def _model(args):
     from stabledrl_mcore.parallel import bootstrap
 
     if args.ckpt:
-        from stabledrl_mcore.checkpoint.loader import load_model
+        from stabledrl_mcore.convert.loader import load_model
 
         return load_model(args.ckpt, device=args.device).model
     bootstrap.initialize(1, 1, seed=0)

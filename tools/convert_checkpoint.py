@@ -7,7 +7,7 @@ Same command as ``stabledrl convert``::
         --out ckpt/llada-8b --tp 2 --pp 2 --dtype bf16 [--verify]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt ckpt/llada-8b --out LLaDA-8B-export
 
-See ``stabledrl_mcore/checkpoint/convert.py`` for every option and the exit codes.
+See ``stabledrl_mcore/convert/convert.py`` for every option and the exit codes.
 """
 
 import argparse

@@ -56,7 +56,7 @@ BUNDLE: Tuple[Wheel, ...] = (
     Wheel("megatron-core", "0.16.1", "megatron", False, "the models' layers, parallel state, checkpoints"),
     Wheel("packaging", "26.4", "packaging", True, "megatron-core's own import", needed_by="megatron-core"),
     Wheel("pyyaml", "6.0.4", "yaml", False, "the run configs"),
-    Wheel("safetensors", "0.8.0", "safetensors", False, "checkpoint.safetensors_io"),
+    Wheel("safetensors", "0.8.0", "safetensors", False, "convert.safetensors_io"),
     Wheel("psutil", "7.2.2", "psutil", False, "parallel.launch (and Megatron's checkpoint writer)"),
     Wheel("tqdm", "4.70.1", "tqdm", True, "progress bars (engine.metrics, diffusion sampling)"),
     Wheel("sentencepiece", "0.2.3", "sentencepiece", False, "the tiny tasks' tokenizer (train and bench checks)"),

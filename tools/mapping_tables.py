@@ -1,4 +1,4 @@
-"""The HF <-> Megatron tables of docs/models.md, generated from stabledrl_mcore/checkpoint/mappings.py.
+"""The HF <-> Megatron tables of docs/models.md, generated from stabledrl_mcore/convert/mappings.py.
 
     python tools/mapping_tables.py                   # print every table (Markdown)
     python tools/mapping_tables.py --check docs/models.md   # exit 1 if a table there is stale
@@ -16,7 +16,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stabledrl_mcore.checkpoint.mappings import (  # noqa: E402
+from stabledrl_mcore.convert.mappings import (  # noqa: E402
     LLADA,
     MOE_TABLES,
     QKV,

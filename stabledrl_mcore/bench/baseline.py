@@ -34,7 +34,7 @@ import torch
 
 from stabledrl_mcore.algorithms.losses import sequence_policy_loss
 from stabledrl_mcore.bench.phases import fill_flat_groups, phase_jobs
-from stabledrl_mcore.checkpoint.hf_config import transformers_shape
+from stabledrl_mcore.convert.hf_config import transformers_shape
 from stabledrl_mcore.engine.seeding import chunk_generators, derive_seed, first_chunk
 from stabledrl_mcore.models.masks import block_causal_mask, padding_mask
 from stabledrl_mcore.rl.estimates import draw_plan, sequence_estimates

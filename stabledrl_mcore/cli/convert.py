@@ -1,4 +1,4 @@
-"""``stabledrl convert hf-to-mcore | mcore-to-hf``: the converters of :mod:`stabledrl_mcore.checkpoint.convert` with progress, verification and safe interruption."""
+"""``stabledrl convert hf-to-mcore | mcore-to-hf``: the converters of :mod:`stabledrl_mcore.convert.convert` with progress, verification and safe interruption."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import threading
 import warnings
 from typing import Callable
 
-from stabledrl_mcore.checkpoint.convert import VerificationFailed, hf_to_mcore, mcore_to_hf
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
-from stabledrl_mcore.checkpoint.verify import verify
+from stabledrl_mcore.convert.convert import VerificationFailed, hf_to_mcore, mcore_to_hf
+from stabledrl_mcore.convert.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+from stabledrl_mcore.convert.verify import verify
 
 
 # ------------------------------------------------------------------ command line

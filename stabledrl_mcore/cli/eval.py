@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import yaml
 
-from stabledrl_mcore.checkpoint.loader import check_loadable, read_config
 from stabledrl_mcore.cli.args import (
     PROMPT_FLAGS,
     add_config_args,
@@ -26,6 +25,7 @@ from stabledrl_mcore.cli.args import (
 )
 from stabledrl_mcore.cli.data_args import EVAL_FIELDS, command_config, command_task, names_a_task
 from stabledrl_mcore.common.errors import DataError, UserError
+from stabledrl_mcore.convert.loader import check_loadable, read_config
 from stabledrl_mcore.engine.model_setup import load_initial_weights
 from stabledrl_mcore.evaluation.at_k import check_ks, default_ks
 from stabledrl_mcore.evaluation.distributed import data_parallel_position, evaluate_model

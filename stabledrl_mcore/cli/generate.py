@@ -10,7 +10,6 @@ from typing import List
 import torch
 from tqdm.auto import tqdm
 
-from stabledrl_mcore.checkpoint.loader import check_loadable, load_model, read_config
 from stabledrl_mcore.cli.args import (
     PROMPT_FLAGS,
     add_config_args,
@@ -24,6 +23,7 @@ from stabledrl_mcore.cli.args import (
 from stabledrl_mcore.cli.data_args import GENERATE_FIELDS, command_config, command_task, names_a_task
 from stabledrl_mcore.common.errors import UserError
 from stabledrl_mcore.common.files import special_kind
+from stabledrl_mcore.convert.loader import check_loadable, load_model, read_config
 from stabledrl_mcore.diffusion import generate
 from stabledrl_mcore.evaluation.scoring import write_jsonl
 from stabledrl_mcore.models.decoding import prompt_padding

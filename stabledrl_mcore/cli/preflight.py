@@ -22,10 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from stabledrl_mcore.checkpoint import hf_config
 from stabledrl_mcore.checkpoint.info import MARKER, MODEL_CONFIG, read_checkpoint_info
 from stabledrl_mcore.checkpoint.integrity import check_verifiable
-from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
 from stabledrl_mcore.cli.memory_check import check_memory
 from stabledrl_mcore.common.errors import ConfigError, DataError
 from stabledrl_mcore.config.checks import (
@@ -37,6 +35,8 @@ from stabledrl_mcore.config.checks import (
 )
 from stabledrl_mcore.config.io import get_dotted
 from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.convert import hf_config
+from stabledrl_mcore.convert.safetensors_io import SafetensorsReader
 from stabledrl_mcore.engine import metrics
 from stabledrl_mcore.engine.resume import check_resume
 from stabledrl_mcore.engine.run_lock import check_run_dir_unlocked

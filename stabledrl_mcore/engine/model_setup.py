@@ -7,9 +7,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from stabledrl_mcore.checkpoint.loader import load_weights, read_config
 from stabledrl_mcore.common.errors import ConfigError
 from stabledrl_mcore.config.schema import RunConfig
+from stabledrl_mcore.convert.loader import load_weights, read_config
 from stabledrl_mcore.models import build_model, get_preset
 from stabledrl_mcore.models.lora import BaseWithoutAdapters, LoRASettings, apply_lora, has_lora
 
@@ -79,7 +79,7 @@ def sync_reference(reference, model, mixup: float) -> None:
 
 def load_initial_weights(model, path: str, *, trust_unverified: bool = False) -> None:
     """Weights from an HF directory, a converted checkpoint or a training checkpoint (any TP/PP; a
-    LoRA run's with its adapters merged into its base: :func:`~..checkpoint.loader.load_weights`;
+    LoRA run's with its adapters merged into its base: :func:`~..convert.loader.load_weights`;
     ``trust_unverified``: a Megatron checkpoint without ``checksums.json`` loads, unverified)."""
     load_weights(model, path, trust_unverified=trust_unverified)
 

@@ -107,7 +107,7 @@ def module_parts(targets: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
 def local_output_parts(module: str, cfg: DLLMConfig, tp_size: int, tp_rank: int) -> List[str]:
     """The part (``q``/``k``/``v``, ``gate``/``up``) of each output row this TP rank's shard of a fused
     column-parallel linear holds: ``linear_qkv`` rows are grouped per KV group ``g`` as
-    ``[q heads of g; k_g; v_g]`` and split over TP by whole groups (checkpoint/mappings.py ``QKV``);
+    ``[q heads of g; k_g; v_g]`` and split over TP by whole groups (convert/mappings.py ``QKV``);
     ``linear_fc1`` holds ``[gate_r; up_r]`` (Megatron's SwiGLU sharding)."""
     if module == "self_attention.linear_qkv":
         groups, d = cfg.num_query_groups, cfg.kv_channels

@@ -3,7 +3,7 @@
 ``hf_to_mcore``: upstream directory (``config.json`` in the model's own field
 names, ``model.safetensors`` or shards + ``model.safetensors.index.json``,
 tokenizer files, optional ``*.py`` remote code) -> model-only ``torch_dist``
-checkpoint (:mod:`.mcore_io` describes the layout) loadable at any TP/PP.
+checkpoint (:mod:`..checkpoint.mcore_io` describes the layout) loadable at any TP/PP.
 ``mcore_to_hf``: the way back, to safetensors shards + index, ``config.json``
 and every non-weight upstream file, so that ``transformers`` loads the result.
 
@@ -33,7 +33,7 @@ CLI (``stabledrl convert ...`` and ``python tools/convert_checkpoint.py ...``)::
 
 Exit status: 0 done, 1 ``--verify`` found logits further apart than ``--tolerance``
 (nothing is written; an existing output stays), 2 bad input
-(:class:`~.errors.ConversionError`, message names the culprit), 143 SIGTERM.
+(:class:`~..checkpoint.errors.ConversionError`, message names the culprit), 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -47,14 +47,9 @@ from typing import Callable, Optional
 import torch
 from tqdm import tqdm
 
-from stabledrl_mcore.checkpoint import hf_config as hfc
-from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.info import DTYPES, HF_ASSETS, read_checkpoint_info, write_json
 from stabledrl_mcore.checkpoint.integrity import verify_checksums, write_checksums
-from stabledrl_mcore.checkpoint.loader import is_hf_dir
-from stabledrl_mcore.checkpoint.lora_io import Adapters, base_source, write_peft_adapter
-from stabledrl_mcore.checkpoint.mappings import VocabRows, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     attach,
     build_shell,
@@ -67,15 +62,20 @@ from stabledrl_mcore.checkpoint.mcore_io import (
     prepare_output,
     write_marker,
 )
-from stabledrl_mcore.checkpoint.safetensors_io import (
+from stabledrl_mcore.checkpoint.state import read_lora_run
+from stabledrl_mcore.checkpoint.writers import save_sharded
+from stabledrl_mcore.convert import hf_config as hfc
+from stabledrl_mcore.convert.engine import MappingEngine
+from stabledrl_mcore.convert.loader import is_hf_dir
+from stabledrl_mcore.convert.lora_io import Adapters, base_source, write_peft_adapter
+from stabledrl_mcore.convert.mappings import VocabRows, table_for
+from stabledrl_mcore.convert.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     FiniteReader,
     SafetensorsReader,
     SafetensorsWriter,
     check_finite,
 )
-from stabledrl_mcore.checkpoint.state import read_lora_run
-from stabledrl_mcore.checkpoint.writers import save_sharded
 from stabledrl_mcore.models import DLLMConfig, available_presets, get_preset
 from stabledrl_mcore.parallel import bootstrap
 

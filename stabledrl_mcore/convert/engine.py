@@ -20,8 +20,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.mappings import GatedMLP, Mapping, ModelTable, VocabRows, canonical_megatron_name
-from stabledrl_mcore.checkpoint.safetensors_io import Plan, SafetensorsReader
+from stabledrl_mcore.convert.mappings import GatedMLP, Mapping, ModelTable, VocabRows, canonical_megatron_name
+from stabledrl_mcore.convert.safetensors_io import Plan, SafetensorsReader
 from stabledrl_mcore.models import DLLMConfig
 
 Group = Tuple[str, List[Mapping]]

@@ -22,16 +22,16 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from stabledrl_mcore.checkpoint import hf_config as hfc
-from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.hf_config import read_hf_config
 from stabledrl_mcore.checkpoint.info import CheckpointInfo, read_checkpoint_info
-from stabledrl_mcore.checkpoint.loader import is_hf_dir, load_adapters
-from stabledrl_mcore.checkpoint.mappings import table_for
 from stabledrl_mcore.checkpoint.mcore_io import build_shell, iter_full_tensors
-from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader
 from stabledrl_mcore.checkpoint.state import read_lora_run
+from stabledrl_mcore.convert import hf_config as hfc
+from stabledrl_mcore.convert.engine import MappingEngine
+from stabledrl_mcore.convert.hf_config import read_hf_config
+from stabledrl_mcore.convert.loader import is_hf_dir, load_adapters
+from stabledrl_mcore.convert.mappings import table_for
+from stabledrl_mcore.convert.safetensors_io import FiniteReader, SafetensorsReader
 from stabledrl_mcore.models import DLLMConfig
 from stabledrl_mcore.models.lora import (
     PART_ORDER,

@@ -31,10 +31,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from stabledrl_mcore.checkpoint import hf_config as hfc
 from stabledrl_mcore.checkpoint.errors import ConversionError
-from stabledrl_mcore.checkpoint.loader import load_model, read_config
-from stabledrl_mcore.checkpoint.safetensors_io import SafetensorsReader
+from stabledrl_mcore.convert import hf_config as hfc
+from stabledrl_mcore.convert.loader import load_model, read_config
+from stabledrl_mcore.convert.safetensors_io import SafetensorsReader
 from stabledrl_mcore.models import DLLMConfig, block_causal_mask
 
 # LLaDA (OLMo names) -> LlamaForCausalLM names; SDAR already uses Qwen3's.

@@ -13,7 +13,7 @@ only an omitted ``attention_mask`` means the inference attention above.
 
 :func:`load_hf_weights` fills any (TP/PP-sharded) :class:`DLLMModel` straight
 from an upstream directory; converted checkpoints load with
-:func:`~.mcore_io.load_model_weights` at any layout.
+:func:`~..checkpoint.mcore_io.load_model_weights` at any layout.
 """
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ from typing import Optional, Union
 
 import torch
 
-from stabledrl_mcore.checkpoint import hf_config as hfc
-from stabledrl_mcore.checkpoint.engine import MappingEngine
 from stabledrl_mcore.checkpoint.errors import ConversionError
 from stabledrl_mcore.checkpoint.info import is_model_checkpoint, read_checkpoint_info
 from stabledrl_mcore.checkpoint.integrity import check_finite as check_all_finite
 from stabledrl_mcore.checkpoint.integrity import check_verifiable, verify_checksums
-from stabledrl_mcore.checkpoint.mappings import canonical_megatron_name, global_expert_name, table_for
 from stabledrl_mcore.checkpoint.mcore_io import (
     build_shell,
     ensure_single_process,
     load_model_weights,
 )
-from stabledrl_mcore.checkpoint.safetensors_io import FiniteReader, SafetensorsReader, check_finite
 from stabledrl_mcore.checkpoint.state import LoRARun, read_lora_run
 from stabledrl_mcore.checkpoint.trust import load_sharded, verify_metadata
+from stabledrl_mcore.convert import hf_config as hfc
+from stabledrl_mcore.convert.engine import MappingEngine
+from stabledrl_mcore.convert.mappings import canonical_megatron_name, global_expert_name, table_for
+from stabledrl_mcore.convert.safetensors_io import FiniteReader, SafetensorsReader, check_finite
 from stabledrl_mcore.models import AttentionLayout, DLLMConfig, block_causal_mask, padding_mask
 from stabledrl_mcore.models.lora import AdapterCheckpointView, apply_lora, merge_adapters
 
@@ -99,7 +99,7 @@ def is_hf_dir(path: str) -> bool:
 def check_loadable(path: str, *, trust_unverified: bool = False) -> None:
     """The cheap pre-load check of :func:`load_weights` (nothing hashed): an HF directory passes; a
     Megatron checkpoint with a link, a FIFO or a device, or without ``checksums.json`` (unless
-    ``trust_unverified``) raises :class:`~.integrity.CheckpointError` naming it."""
+    ``trust_unverified``) raises :class:`~..checkpoint.integrity.CheckpointError` naming it."""
     if not is_hf_dir(path):
         check_verifiable(path, trust_unverified=trust_unverified)
 
@@ -223,7 +223,7 @@ def load_model(
     ``dtype``: parameter dtype (``torch.float32`` default, or ``"bf16"``/``"fp32"``).
     ``arch``: expected ``"llada"``/``"sdar"`` (checked against an HF config).
     ``allow_nonfinite``: load NaN/inf weights of an HF directory (refused by tensor name otherwise;
-    a converted or training checkpoint's are always refused: :func:`~.mcore_io.load_model_weights`).
+    a converted or training checkpoint's are always refused: :func:`~..checkpoint.mcore_io.load_model_weights`).
     ``trust_unverified``: load a converted or training checkpoint that has no ``checksums.json``.
     """
     if isinstance(dtype, str):
