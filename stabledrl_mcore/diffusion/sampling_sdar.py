@@ -137,7 +137,7 @@ def generate_sdar(
             model(
                 x[:, : prefill * bs],
                 position_ids=(pos[None] if padded is None else padded)[:, : prefill * bs],
-                attention_mask=_mask_fn(prompt_valid, pads, B, total, P, bs, device)(0, prefill * bs),
+                attention_mask=_mask_fn(prompt_valid, pads, total, bs, device)(0, prefill * bs),
                 kv_cache=target,
                 logit_positions=slice(0, 0),
             )  # fills the cache: no head
@@ -149,7 +149,7 @@ def generate_sdar(
         if pads is not None:
             pads = tuple(p for p, c in zip(pads, counts) for _ in range(c))
         padded = None if padded is None else repeat_rows(padded, counts)
-    step_mask = _step_mask(prompt_valid, pads, total, P, bs, device)
+    step_mask = _step_mask(prompt_valid, pads, total, bs, device)
     slots: dict = {}
 
     def cached(start: int, end: int, read=None):
@@ -188,7 +188,7 @@ def generate_sdar(
             elif use_cache:
                 logits = cached(s, e)
             else:
-                mask = _mask_fn(prompt_valid, pads, B, total, P, bs, device)
+                mask = _mask_fn(prompt_valid, pads, total, bs, device)
                 logits = model(
                     x[:, :e],
                     position_ids=(pos[None] if padded is None else padded)[:, :e],
@@ -247,24 +247,27 @@ def _padded_positions(prompt_valid: Optional[Tensor], pads, total: int) -> Optio
     (the blocks are columns of the batch, as upstream's batched decoding has them)."""
     if prompt_valid is None or (pads is not None and not any(pads)):
         return None
+    return valid_positions(_row_validity(prompt_valid, total))
+
+
+def _row_validity(prompt_valid: Tensor, total: int) -> Tensor:
+    """``[B, total]`` bool: the prompt's own validity, then every generated slot valid."""
     valid = torch.ones(prompt_valid.shape[0], total, dtype=torch.bool, device=prompt_valid.device)
     valid[:, : prompt_valid.shape[1]] = prompt_valid.bool()
-    return valid_positions(valid)
+    return valid
 
 
-def _step_mask(prompt_valid: Optional[Tensor], pads, total: int, P: int, bs: int, device) -> dict:
+def _step_mask(prompt_valid: Optional[Tensor], pads, total: int, bs: int, device) -> dict:
     """The mask arguments of a cached step over the ``total`` cache slots: the block-causal layout
     and the pad counts as a tensor (the mask is built inside the step from the slots); a prompt mask
     that is not a left pad adds its keys' validity as ``attention_mask``."""
     layout = AttentionLayout.block_causal(bs)
     if prompt_valid is None or pads is not None:
         return {"layout": layout, "pads": torch.tensor(pads, device=device) if any(pads or ()) else None}
-    valid = torch.ones(prompt_valid.shape[0], total, dtype=torch.bool, device=device)
-    valid[:, :P] = prompt_valid.bool()
-    return {"layout": layout, "pads": None, "attention_mask": padding_mask(valid)}
+    return {"layout": layout, "pads": None, "attention_mask": padding_mask(_row_validity(prompt_valid, total))}
 
 
-def _mask_fn(prompt_valid: Optional[Tensor], pads, B: int, total: int, P: int, bs: int, device):
+def _mask_fn(prompt_valid: Optional[Tensor], pads, total: int, bs: int, device):
     """``mask(offset, length)``: the attention of queries ``offset..offset+length-1`` over keys
     ``0..offset+length-1``. A left-padded prompt (the usual case, ``pads`` = its
     :func:`left_pad_counts`) travels as the layout's pad counts; any other key mask falls back
@@ -272,9 +275,7 @@ def _mask_fn(prompt_valid: Optional[Tensor], pads, B: int, total: int, P: int, b
     if prompt_valid is None:
         pads = ()
     layout = AttentionLayout.block_causal(bs, pad=pads) if pads is not None else None
-    valid = None
-    if layout is None:
-        valid = torch.cat([prompt_valid.bool(), torch.ones(B, total - P, dtype=torch.bool, device=device)], 1)
+    valid = _row_validity(prompt_valid, total) if layout is None else None
 
     def mask(offset: int, length: int):
         if layout is not None:  # queries are the last `length` keys: what the layout assumes
