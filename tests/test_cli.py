@@ -184,3 +184,54 @@ def test_ctrl_c_before_the_command_runs_is_the_same_one_line_and_exit_130(capsys
     assert captured.err.splitlines() == ["stabledrl plan: interrupted"] and captured.out == ""
     with pytest.raises(KeyboardInterrupt):
         main(["plan", "--model", "llada-tiny", "--debug"])
+
+
+_INTERRUPT_THE_IMPORT = """
+import sys
+
+class Interrupts:
+    def find_spec(self, name, path=None, target=None):
+        if name == "stabledrl_mcore.cli.app":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupts())
+from stabledrl_mcore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_ctrl_c_while_the_command_line_is_imported_is_one_line_and_exit_130(debug):
+    """Ctrl-C in the console script's first tenth of a second, while it imports ``cli.app`` (the
+    last review: still a traceback there): one line and 130; ``--debug`` keeps the traceback."""
+    argv = ["plan", "--model", "llada-tiny"] + (["--debug"] if debug else [])
+    env = {k: v for k, v in os.environ.items() if k != "STABLEDRL_DEBUG"}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_THE_IMPORT, *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+    if debug:
+        assert done.returncode != 130 and "KeyboardInterrupt" in done.stderr, done.stderr
+    else:
+        assert (done.returncode, done.stderr.splitlines(), done.stdout) == (130, ["stabledrl plan: interrupted"], "")
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_no_traceback():
+    """``stabledrl plan ... | head -1``: the reader closes the pipe; the command ends
+    with 141 (128 + SIGPIPE, as a shell reports it) and prints nothing to stderr (before: a
+    BrokenPipeError traceback)."""
+    reader, writer = os.pipe()
+    code = "import sys; from stabledrl_mcore.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "plan", "--model", "llada-8b", "--nodes", "2"],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(writer)
+    os.close(reader)  # the reader has gone before the command prints: its output meets a closed pipe
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (141, ""), err

@@ -67,6 +67,7 @@ matplotlib, flex attention's compiler) or used by one optional path only."""
 
 DYNAMIC_IMPORTS = {
     f"{PACKAGE}",
+    f"{PACKAGE}.cli",
     f"{PACKAGE}.cli.app",
     f"{PACKAGE}.common.errors",
     f"{PACKAGE}.tasks.custom_reward",
@@ -75,7 +76,8 @@ DYNAMIC_IMPORTS = {
     f"{PACKAGE}.bench.check_parts",
 }
 """Modules allowed to call ``importlib.import_module``: the package facade (``load_model`` on first
-use), the command dispatcher (only the chosen command's module is loaded), the user's reward function
+use), the console script's entry (``cli.main`` imports ``cli.app`` under its Ctrl-C guard), the command
+dispatcher (only the chosen command's module is loaded), the user's reward function
 (``rollout.reward_fn=package.module:fn``), the error table (an
 exception class named by another rank), and the ``models`` and ``sft`` package APIs, whose names built
 on megatron-core load on first use (their own submodules only), so the presets, configs and checks
