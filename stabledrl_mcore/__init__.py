@@ -2,7 +2,7 @@
 
 The layers, bottom up (docs/architecture.md; tests/test_layers.py keeps them): ``common``,
 ``parallel``, ``algorithms``, ``tasks``, ``config``, ``models``, ``diffusion``, ``checkpoint``,
-``engine``, ``evaluation``, ``rl``, ``sft``, ``bench``, ``experiments``, ``cli``.
+``convert``, ``engine``, ``evaluation``, ``rl``, ``sft``, ``bench``, ``experiments``, ``cli``.
 """
 
 import importlib
