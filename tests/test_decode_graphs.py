@@ -84,6 +84,35 @@ def test_each_decoding_mode_is_a_fixed_number_of_graphs_equal_to_eager(megatron_
     assert compiled.stats.forwards > 2 * graphs
 
 
+def test_the_prefix_step_is_one_static_graph_whatever_the_block(megatron_tp1):
+    """LLaDA's prefix step forwards the block and the suffix after it, a length that shrinks per
+    block: it was compiled as one graph over a symbolic length (on a GPU, a CUDA graph per length).
+    It forwards a fixed window now: an 8-block generation compiles 2 graphs of fixed shapes (no
+    symbolic size in any input), a second one none, and the tokens equal eager."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    torch._dynamo.reset()
+    symbolic = []
+    aot = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):  # what Dynamo traced: symbols in the inputs' example values?
+        values = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+        symbolic.append(any(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt))))
+        return aot(gm, example_inputs)
+
+    model = _model("llada")
+    options = dict(cache="prefix", steps=16, block_length=4)
+    ids, valid = _prompt()
+    kw = dict(prompt_valid=valid, gen_length=32, progress=False, **options)
+    compiled = DecodingForward(model, "default", backend=backend)
+    first = generate_llada(model, ids, compile=compiled, **kw)
+    assert compiled.stats.graphs == 2 and symbolic == [False, False], symbolic
+    again = generate_llada(model, ids, compile=compiled, **kw)
+    assert compiled.stats.graphs == 2, "a second generation compiles nothing"
+    eager = generate_llada(model, ids, **kw)
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+
+
 def test_compiled_decoding_says_before_its_first_compile_and_how_long_it_took(megatron_tp1, capsys):
     """Issue 70: a compiled generation waited 50-100 s in silence (eval, generate). A line goes out
     before the first graph compiles (the backend sees it already printed), one with the graphs and
@@ -155,8 +184,8 @@ def test_the_kv_buffers_are_the_static_inputs_the_captured_step_mutates(megatron
         real.append(list(example_inputs))
         return aot(gm, example_inputs)
 
-    for arch, options in (("sdar", MODES["sdar"][1]), ("llada", MODES["llada-dual"][1])):
-        model = _model(arch)
+    for arch, mode in (("sdar", "sdar"), ("llada", "llada-dual"), ("llada", "llada-prefix")):
+        model, options = _model(arch), MODES[mode][1]
         compiled = DecodingForward(model, "reduce-overhead", backend=backend)
         seen.clear()
         _generate(model, arch, options, compiled)

@@ -20,6 +20,7 @@ prompt replaced by masks, logits = u + (cfg_scale + 1) (c - u).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -117,7 +118,10 @@ class BlockLogits:
     (:func:`~stabledrl_mcore.models.positions.position_inputs`: a padded row decodes as it would
     alone, eager or compiled, whatever the batch's width). Every forward goes through the model's
     :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
-    (the read positions, the slots), so it is one graph per kind whatever the block.
+    (the read positions, the slots), so it is one graph per kind whatever the block. Compiled,
+    ``prefix`` forwards one fixed window, the whole generation, at every block step and writes only
+    the slots from the block on (:meth:`KVCache.writing_from`): the block and its suffix see the
+    keys they see eagerly, for up to ``gen_length / suffix`` times the eager step's arithmetic.
     What is approximate: the stored keys were computed
     when the block still held the masks of its first step, so within a block the prefix
     (and, for ``dual``, the suffix) does not see the tokens committed since. They are
@@ -160,6 +164,13 @@ class BlockLogits:
         key = (start, end)
         if key not in self._slots:
             self._slots[key] = torch.arange(start, end, device=device)
+        return self._slots[key]
+
+    def _start(self, start: int, device) -> Tensor:
+        """``start`` as a 0-d tensor (a write start), one per block."""
+        key = ("start", start)
+        if key not in self._slots:
+            self._slots[key] = torch.tensor(start, device=device)
         return self._slots[key]
 
     def _rows(self, x: Tensor) -> Tensor:
@@ -227,15 +238,23 @@ class BlockLogits:
         if start != s:
             raise RuntimeError(f"the cache was filled for the block at {start}, not {s}")
         rows = self._rows(x)
-        logits = self.forward(
-            rows[:, start:end],
-            attention_mask=self.attn,
-            kv_cache=self.cache,
-            cache_slots=self._positions(start, end, x.device),
-            logit_positions=slice(0, e - s),
-            dynamic_length=self.mode == "prefix",
-            **self._positions_of(rows, start, end),
-        )
+        read = slice(0, e - s)
+        writes = contextlib.nullcontext()
+        if self.mode == "prefix" and self.forward.compiled:
+            # One static window, the whole generation [P, L), whatever the block: the slots before
+            # the block keep their stored keys (the queries there are computed and not read), so
+            # the block and its suffix attend to what the eager step's do.
+            start, read = self.prompt_len, self._positions(s - self.prompt_len, e - self.prompt_len, x.device)
+            writes = self.cache.writing_from(self._start(s, x.device))
+        with writes:
+            logits = self.forward(
+                rows[:, start:end],
+                attention_mask=self.attn,
+                kv_cache=self.cache,
+                cache_slots=self._positions(start, end, x.device),
+                logit_positions=read,
+                **self._positions_of(rows, start, end),
+            )
         self.cached_step = True
         if self.stats is not None:
             self.stats.block_forwards += 1
