@@ -113,6 +113,21 @@ def test_the_prefix_step_is_one_static_graph_whatever_the_block(megatron_tp1):
     assert torch.equal(first, eager) and torch.equal(again, eager)
 
 
+def test_the_compiled_prefix_window_decodes_as_eager_with_guidance_and_as_exact_rebuilt(megatron_tp1):
+    """The prefix step's window with classifier-free guidance (the rows doubled) and a padded batch:
+    the eager prefix tokens; with the cache rebuilt every step, the exact decode's."""
+    torch._dynamo.reset()
+    model = _model("llada")
+    ids, valid = _prompt()
+    kw = dict(prompt_valid=valid, gen_length=12, steps=6, block_length=4, cfg_scale=0.5, progress=False)
+    compiled = DecodingForward(model, "default", backend="aot_eager")
+    fast = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+    assert torch.equal(fast, generate_llada(model, ids, cache="prefix", **kw))
+    rebuilt = generate_llada(model, ids, cache="prefix", refresh_every_step=True, compile=compiled, **kw)
+    assert torch.equal(rebuilt, generate_llada(model, ids, cache="none", **kw))
+    assert compiled.stats.graphs == 2
+
+
 def test_compiled_decoding_says_before_its_first_compile_and_how_long_it_took(megatron_tp1, capsys):
     """Issue 70: a compiled generation waited 50-100 s in silence (eval, generate). A line goes out
     before the first graph compiles (the backend sees it already printed), one with the graphs and
