@@ -37,7 +37,7 @@ def _prompt(rows=2, length=6):
 MODES = {
     # (arch, sampler options, graphs per generation shape: see models/decoding.py)
     "llada-exact": ("llada", dict(cache="none", steps=8, block_length=4), 1),
-    "llada-prefix": ("llada", dict(cache="prefix", steps=8, block_length=4), 2),
+    "llada-prefix": ("llada", dict(cache="prefix", steps=8, block_length=4), 5),
     "llada-dual": ("llada", dict(cache="dual", steps=8, block_length=4), 2),
     "llada-dual-threshold": ("llada", dict(cache="dual", steps=16, block_length=4, threshold=0.2), 2),
     "sdar": ("sdar", dict(steps=2), 2),
@@ -84,11 +84,12 @@ def test_each_decoding_mode_is_a_fixed_number_of_graphs_equal_to_eager(megatron_
     assert compiled.stats.forwards > 2 * graphs
 
 
-def test_the_prefix_step_is_one_static_graph_whatever_the_block(megatron_tp1):
+def test_the_prefix_step_is_a_fixed_number_of_static_graphs_whatever_the_blocks(megatron_tp1):
     """LLaDA's prefix step forwards the block and the suffix after it, a length that shrinks per
     block: it was compiled as one graph over a symbolic length (on a GPU, a CUDA graph per length).
-    It forwards a fixed window now: an 8-block generation compiles 2 graphs of fixed shapes (no
-    symbolic size in any input), a second one none, and the tokens equal eager."""
+    It forwards one of 4 fixed windows now (a quarter to all of the generation): a generation of 8
+    blocks and one of 16 each compile 5 graphs (the filling forward, 4 windows) of fixed shapes (no
+    symbolic size in any input), a second generation none, and the tokens equal eager."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
     torch._dynamo.reset()
@@ -101,16 +102,17 @@ def test_the_prefix_step_is_one_static_graph_whatever_the_block(megatron_tp1):
         return aot(gm, example_inputs)
 
     model = _model("llada")
-    options = dict(cache="prefix", steps=16, block_length=4)
     ids, valid = _prompt()
-    kw = dict(prompt_valid=valid, gen_length=32, progress=False, **options)
     compiled = DecodingForward(model, "default", backend=backend)
-    first = generate_llada(model, ids, compile=compiled, **kw)
-    assert compiled.stats.graphs == 2 and symbolic == [False, False], symbolic
-    again = generate_llada(model, ids, compile=compiled, **kw)
-    assert compiled.stats.graphs == 2, "a second generation compiles nothing"
-    eager = generate_llada(model, ids, **kw)
-    assert torch.equal(first, eager) and torch.equal(again, eager)
+    for blocks in (8, 16):
+        kw = dict(prompt_valid=valid, gen_length=4 * blocks, steps=2 * blocks, block_length=4, progress=False)
+        before = compiled.stats.graphs
+        first = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+        assert compiled.stats.graphs - before == 5 and not any(symbolic), (blocks, symbolic)
+        again = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+        assert compiled.stats.graphs - before == 5, "a second generation compiles nothing"
+        eager = generate_llada(model, ids, cache="prefix", **kw)
+        assert torch.equal(first, eager) and torch.equal(again, eager)
 
 
 def test_the_compiled_prefix_window_decodes_as_eager_with_guidance_and_as_exact_rebuilt(megatron_tp1):
@@ -125,7 +127,7 @@ def test_the_compiled_prefix_window_decodes_as_eager_with_guidance_and_as_exact_
     assert torch.equal(fast, generate_llada(model, ids, cache="prefix", **kw))
     rebuilt = generate_llada(model, ids, cache="prefix", refresh_every_step=True, compile=compiled, **kw)
     assert torch.equal(rebuilt, generate_llada(model, ids, cache="none", **kw))
-    assert compiled.stats.graphs == 2
+    assert compiled.stats.graphs == 4  # the filling forward, windows of 4, 8 and 12
 
 
 def test_compiled_decoding_says_before_its_first_compile_and_how_long_it_took(megatron_tp1, capsys):

@@ -52,6 +52,21 @@ StepHook = Callable[[int, Tensor, Tensor], None]
 CACHE_MODES = ("none", "prefix", "dual")
 """``none``: exact decoding (a full forward per step); ``prefix`` / ``dual``: see :class:`BlockLogits`."""
 
+PREFIX_WINDOWS = 4
+"""Window lengths the compiled ``prefix`` step forwards (:func:`prefix_window`): a quarter, a half,
+three quarters of the generation and all of it; one graph each, whatever the number of blocks."""
+
+
+def prefix_window(gen_length: int, block_length: int, suffix: int, windows: Optional[int] = None) -> int:
+    """The fixed window a compiled ``prefix`` step forwards for a block whose suffix (the block and
+    the positions after it) is ``suffix`` long: the shortest of ``j / windows`` of ``gen_length``
+    (``j = 1 .. windows``, rounded up to whole blocks) that covers it. A few static lengths instead
+    of one per block; the positions before the block in it are computed and not used. ``windows``:
+    default :data:`PREFIX_WINDOWS`."""
+    windows = windows or PREFIX_WINDOWS
+    lengths = {-(-gen_length * j // (windows * block_length)) * block_length for j in range(1, windows + 1)}
+    return min(n for n in lengths if n >= suffix)
+
 
 def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float, kmax: Optional[int] = None) -> Tensor:
     """Fast-dLLM's parallel-decoding rule (``get_transfer_index`` with a threshold), ``[B, n]`` bool.
@@ -119,9 +134,10 @@ class BlockLogits:
     alone, eager or compiled, whatever the batch's width). Every forward goes through the model's
     :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
     (the read positions, the slots), so it is one graph per kind whatever the block. Compiled,
-    ``prefix`` forwards one fixed window, the whole generation, at every block step and writes only
-    the slots from the block on (:meth:`KVCache.writing_from`): the block and its suffix see the
-    keys they see eagerly, for up to ``gen_length / suffix`` times the eager step's arithmetic.
+    ``prefix`` forwards a window of one of :data:`PREFIX_WINDOWS` fixed lengths ending at the
+    sequence's end (:func:`prefix_window`) and writes only the slots from the block on
+    (:meth:`KVCache.writing_from`): the block and its suffix see the keys they see eagerly, for
+    under twice the eager step's tokens while the suffix is over a quarter of the generation.
     What is approximate: the stored keys were computed
     when the block still held the masks of its first step, so within a block the prefix
     (and, for ``dual``, the suffix) does not see the tokens committed since. They are
@@ -241,10 +257,11 @@ class BlockLogits:
         read = slice(0, e - s)
         writes = contextlib.nullcontext()
         if self.mode == "prefix" and self.forward.compiled:
-            # One static window, the whole generation [P, L), whatever the block: the slots before
-            # the block keep their stored keys (the queries there are computed and not read), so
-            # the block and its suffix attend to what the eager step's do.
-            start, read = self.prompt_len, self._positions(s - self.prompt_len, e - self.prompt_len, x.device)
+            # A static window [L - n, L) over the suffix, of one of a few lengths whatever the block:
+            # the slots before the block keep their stored keys (the queries there are computed and
+            # not read), so the block and its suffix attend to what the eager step's do.
+            start = end - prefix_window(end - self.prompt_len, e - s, end - s)
+            read = self._positions(s - start, e - start, x.device)
             writes = self.cache.writing_from(self._start(s, x.device))
         with writes:
             logits = self.forward(

@@ -11,8 +11,10 @@ graphs. Per generation shape (rows, prompt + generation length, block) that is:
 
 - LLaDA exact (``cache="none"``): 1 graph;
 - LLaDA ``dual``: 2 (the filling forward, the block step);
-- LLaDA ``prefix``: 2 (the filling forward; the block-and-suffix step, a fixed window over the
-  whole generation that writes the cache from the block on, see
+- LLaDA ``prefix``: 5 (the filling forward; the block-and-suffix step, forwarded as one of 4 fixed
+  windows ending at the sequence's end -- a quarter, half, three quarters or all of the generation,
+  rounded up to whole blocks, so fewer below 4 blocks -- that write the cache from the block on:
+  ``diffusion/sampling_llada.py`` ``prefix_window``,
   :meth:`~stabledrl_mcore.models.kv_cache.KVCache.writing_from`);
 - SDAR: 2 (the block step, the store-by-next-block step; the prompt's prefill runs eagerly,
   once per generation, with flex attention on GPU for long prompts).
