@@ -11,7 +11,7 @@ graphs. Per generation shape (rows, prompt + generation length, block) that is:
 
 - LLaDA exact (``cache="none"``): 1 graph;
 - LLaDA ``dual``: 2 (the filling forward, the block step);
-- LLaDA ``prefix``: 5 (the filling forward; the block-and-suffix step, forwarded as one of 4 fixed
+- LLaDA ``prefix``: at most 5 (the filling forward; the block-and-suffix step, as one of 4 fixed
   windows ending at the sequence's end -- a quarter, half, three quarters or all of the generation,
   rounded up to whole blocks, so fewer below 4 blocks -- that write the cache from the block on:
   ``diffusion/sampling_llada.py`` ``prefix_window``,
