@@ -37,7 +37,7 @@ def _prompt(rows=2, length=6):
 MODES = {
     # (arch, sampler options, graphs per generation shape: see models/decoding.py)
     "llada-exact": ("llada", dict(cache="none", steps=8, block_length=4), 1),
-    "llada-prefix": ("llada", dict(cache="prefix", steps=8, block_length=4), 2),
+    "llada-prefix": ("llada", dict(cache="prefix", steps=8, block_length=4), 5),
     "llada-dual": ("llada", dict(cache="dual", steps=8, block_length=4), 2),
     "llada-dual-threshold": ("llada", dict(cache="dual", steps=16, block_length=4, threshold=0.2), 2),
     "sdar": ("sdar", dict(steps=2), 2),
@@ -82,6 +82,52 @@ def test_each_decoding_mode_is_a_fixed_number_of_graphs_equal_to_eager(megatron_
     eager = _generate(model, arch, options, "none")
     assert torch.equal(first, eager) and torch.equal(again, eager)
     assert compiled.stats.forwards > 2 * graphs
+
+
+def test_the_prefix_step_is_a_fixed_number_of_static_graphs_whatever_the_blocks(megatron_tp1):
+    """LLaDA's prefix step forwards the block and the suffix after it, a length that shrinks per
+    block: it was compiled as one graph over a symbolic length (on a GPU, a CUDA graph per length).
+    It forwards one of 4 fixed windows now (a quarter to all of the generation): a generation of 8
+    blocks and one of 16 each compile 5 graphs (the filling forward, 4 windows) of fixed shapes (no
+    symbolic size in any input), a second generation none, and the tokens equal eager."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    torch._dynamo.reset()
+    symbolic = []
+    aot = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):  # what Dynamo traced: symbols in the inputs' example values?
+        values = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+        symbolic.append(any(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt))))
+        return aot(gm, example_inputs)
+
+    model = _model("llada")
+    ids, valid = _prompt()
+    compiled = DecodingForward(model, "default", backend=backend)
+    for blocks in (8, 16):
+        kw = dict(prompt_valid=valid, gen_length=4 * blocks, steps=2 * blocks, block_length=4, progress=False)
+        before = compiled.stats.graphs
+        first = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+        assert compiled.stats.graphs - before == 5 and not any(symbolic), (blocks, symbolic)
+        again = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+        assert compiled.stats.graphs - before == 5, "a second generation compiles nothing"
+        eager = generate_llada(model, ids, cache="prefix", **kw)
+        assert torch.equal(first, eager) and torch.equal(again, eager)
+
+
+def test_the_compiled_prefix_window_decodes_as_eager_with_guidance_and_as_exact_rebuilt(megatron_tp1):
+    """The prefix step's window with classifier-free guidance (the rows doubled) and a padded batch:
+    the eager prefix tokens; with the cache rebuilt every step, the exact decode's."""
+    torch._dynamo.reset()
+    model = _model("llada")
+    ids, valid = _prompt()
+    kw = dict(prompt_valid=valid, gen_length=12, steps=6, block_length=4, cfg_scale=0.5, progress=False)
+    compiled = DecodingForward(model, "default", backend="aot_eager")
+    fast = generate_llada(model, ids, cache="prefix", compile=compiled, **kw)
+    assert torch.equal(fast, generate_llada(model, ids, cache="prefix", **kw))
+    rebuilt = generate_llada(model, ids, cache="prefix", refresh_every_step=True, compile=compiled, **kw)
+    assert torch.equal(rebuilt, generate_llada(model, ids, cache="none", **kw))
+    assert compiled.stats.graphs == 4  # the filling forward, windows of 4, 8 and 12
 
 
 def test_compiled_decoding_says_before_its_first_compile_and_how_long_it_took(megatron_tp1, capsys):
@@ -155,8 +201,8 @@ def test_the_kv_buffers_are_the_static_inputs_the_captured_step_mutates(megatron
         real.append(list(example_inputs))
         return aot(gm, example_inputs)
 
-    for arch, options in (("sdar", MODES["sdar"][1]), ("llada", MODES["llada-dual"][1])):
-        model = _model(arch)
+    for arch, mode in (("sdar", "sdar"), ("llada", "llada-dual"), ("llada", "llada-prefix")):
+        model, options = _model(arch), MODES[mode][1]
         compiled = DecodingForward(model, "reduce-overhead", backend=backend)
         seen.clear()
         _generate(model, arch, options, compiled)

@@ -420,3 +420,18 @@ def test_a_stored_write_at_an_earlier_position_replaces_it_and_keeps_the_cache_l
     key, value = cache.get(1)
     assert key.flatten().tolist() == [0.0, 1.0, 9.0, 9.0, 4.0, 5.0]
     assert value.flatten().tolist() == [-0.0, -1.0, -9.0, -9.0, -4.0, -5.0]
+
+
+def test_a_slot_write_from_a_start_keeps_the_slots_before_it():
+    """``writing_from(start)`` (a 0-d tensor, LLaDA's compiled prefix window): a slot-addressed
+    forward writes the slots from ``start`` on; the earlier slots it forwards keep their keys."""
+    cache = KVCache(capacity=6)
+    cache.allocate({1: (1, 1)}, 1, torch.float32, "cpu")
+    cache.slots = torch.arange(6)
+    cache.update(1, torch.arange(6.0).reshape(1, 1, 6, 1), -torch.arange(6.0).reshape(1, 1, 6, 1))
+    cache.slots = torch.arange(2, 6)  # a window over slots 2..5, written from slot 4 on
+    with cache.writing_from(torch.tensor(4)):
+        keys, values = cache.update(1, torch.full((1, 1, 4, 1), 9.0), torch.full((1, 1, 4, 1), -9.0))
+    assert cache.write_from is None
+    assert keys.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 9.0, 9.0]
+    assert values.flatten().tolist() == [-0.0, -1.0, -2.0, -3.0, -9.0, -9.0]

@@ -99,10 +99,15 @@ def test_a_padded_row_decodes_the_tokens_it_decodes_alone(megatron_tp1, case):
     assert padded[:, 8:].tolist() == alone.tolist()
 
 
-@pytest.mark.parametrize("scheme", ["separator", "sdar"])
-def test_compiled_decoding_of_padded_prompts_gives_the_eager_tokens(megatron_tp1, scheme):
+@pytest.mark.parametrize(
+    "scheme,cache",
+    [("separator", "none"), ("sdar", None), ("rope", "prefix"), ("learned", "prefix"), ("separator", "prefix")],
+)
+def test_compiled_decoding_of_padded_prompts_gives_the_eager_tokens(megatron_tp1, scheme, cache):
     """The compiled path's prompts are widened to a multiple of 64 tokens (prompt_padding): the
-    demo's kind of model then decoded other tokens than eagerly (positions counted the pads)."""
+    demo's kind of model then decoded other tokens than eagerly (positions counted the pads). The
+    prefix cache's compiled step (a fixed window over the generation, the cache written from the
+    block on) gives the eager tokens for every position scheme too."""
     model = _model(scheme)
     cfg = model.dllm_config
 
@@ -118,7 +123,7 @@ def test_compiled_decoding_of_padded_prompts_gives_the_eager_tokens(megatron_tp1
     options = (
         dict(gen_length=8, steps=4, block_length=None)
         if scheme == "sdar"
-        else dict(gen_length=8, steps=8, block_length=4)
+        else dict(gen_length=8, steps=8, block_length=4, cache=cache)
     )
     compiled = DecodingForward(model, "default", backend="aot_eager")  # Dynamo's capture, no inductor
     eager_ids, eager_valid = encode_prompts(Tokenizer, texts, **prompt_padding("none", model))

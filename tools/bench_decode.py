@@ -33,6 +33,14 @@ by default; ``--json`` writes every figure:
 
       PYTHONPATH=. .venv/bin/python tools/bench_decode.py cold --layers 4 32 --sdar-layers 4 36
 
+- ``generate``: ms per LLaDA generation (``--cache``, default prefix; prompt ``--prompt-length``,
+  ``--gen-length`` new tokens, ``--block-length``, ``--gen-steps``) at ``--batches``, eager vs each
+  ``--modes`` compiled, ``--gen-layers`` layers at ``--width``: median CPU and wall ms of
+  ``--gen-repeats`` generations after one warm-up (which compiles), graphs, tokens against eager
+  (``--prefix-windows N``: the compiled prefix step's window count instead of the shipped one)::
+
+      PYTHONPATH=. .venv/bin/python tools/bench_decode.py generate --batches 4 --modes none default
+
 Compile time is paid once per process and shape; every timed figure excludes it.
 """
 
@@ -300,9 +308,60 @@ def cold_compile(args) -> list:
     return rows
 
 
+def generation(args) -> list:
+    """Milliseconds per LLaDA generation, eager vs compiled, per batch."""
+    from stabledrl_mcore.diffusion import generate_llada, sampling_llada
+    from stabledrl_mcore.models.decoding import DecodingForward
+
+    if args.prefix_windows and hasattr(sampling_llada, "PREFIX_WINDOWS"):
+        sampling_llada.PREFIX_WINDOWS = args.prefix_windows
+    model = _model("llada", args.gen_layers, args.width)
+    kw = dict(
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        steps=args.gen_steps,
+        cache=args.cache,
+        progress=False,
+    )
+    rows = []
+    for batch in args.batches:
+        ids = torch.randint(3, 250, (batch, args.prompt_length), generator=torch.Generator().manual_seed(2))
+        eager = None
+        for mode in args.modes:
+            fwd = DecodingForward(model, mode)
+            with torch.no_grad():
+                out = generate_llada(model, ids, compile=fwd, **kw)  # warm-up: compiles
+                cpu, wall = [], []
+                for _ in range(args.gen_repeats):
+                    c, w = time.process_time(), time.perf_counter()
+                    generate_llada(model, ids, compile=fwd, **kw)
+                    cpu.append((time.process_time() - c) * 1e3)
+                    wall.append((time.perf_counter() - w) * 1e3)
+            eager = out if mode == "none" else eager
+            row = dict(
+                cache=args.cache,
+                batch=batch,
+                compile=mode,
+                cpu_ms=statistics.median(cpu),
+                wall_ms=statistics.median(wall),
+                graphs=fwd.stats.graphs,
+                compile_s=round(fwd.stats.compile_s, 1),
+                tokens_equal_eager=None if eager is None else bool(torch.equal(out, eager)),
+                load_avg=os.getloadavg()[0],
+            )
+            rows.append(row)
+            print(
+                f"  {args.cache} b{batch} {mode:>15}: {row['cpu_ms']:.0f} ms/generation (wall {row['wall_ms']:.0f}), "
+                f"{row['graphs']} graphs ({row['compile_s']} s), tokens = eager: {row['tokens_equal_eager']}, "
+                f"load {row['load_avg']:.1f}",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("host", "graphs", "rows", "cold"))
+    parser.add_argument("what", choices=("host", "graphs", "rows", "cold", "generate"))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument(
@@ -328,6 +387,12 @@ def main(argv=None) -> int:
         choices=("on", "off"),
         help="cold: the layers as one nested compile region (on, shipped) or inlined (off, before issue 73)",
     )
+    parser.add_argument("--cache", default="prefix", choices=("none", "prefix", "dual"), help="generate: LLaDA cache")
+    parser.add_argument("--gen-layers", type=int, default=4, help="generate: layers")
+    parser.add_argument("--block-length", type=int, default=32, help="generate: block length")
+    parser.add_argument("--gen-steps", type=int, default=128, help="generate: denoising steps")
+    parser.add_argument("--gen-repeats", type=int, default=3, help="generate: timed generations")
+    parser.add_argument("--prefix-windows", type=int, help="generate: window lengths of the compiled prefix step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -337,7 +402,8 @@ def main(argv=None) -> int:
     bootstrap.initialize(1, 1, seed=0)
     load = os.getloadavg()
     print(f"{args.what}: torch {torch.__version__}, {args.threads} thread(s), load {load[0]:.1f}", flush=True)
-    results = {"host": host, "graphs": graphs, "rows": rows_sweep, "cold": cold_compile}[args.what](args)
+    results = {"host": host, "graphs": graphs, "rows": rows_sweep, "cold": cold_compile, "generate": generation}
+    results = results[args.what](args)
     if args.json:
         meta = dict(argv=sys.argv, torch=torch.__version__, python=platform.python_version(), load_avg=load)
         with open(args.json, "w") as handle:

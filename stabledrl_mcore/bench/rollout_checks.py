@@ -12,7 +12,8 @@ prompt of :attr:`~.check_sizes.RolloutSizes.prompt` tokens and
 (``rollout.compile=reduce-overhead``, :class:`~stabledrl_mcore.models.decoding.DecodingForward`:
 CUDA graphs on GPU). Each side first runs a warm-up generation (the captured side's compiles its graphs),
 stopped once two blocks are committed (every graph of a generation has run by then: LLaDA's fill
-and block steps in block 1, SDAR's store step at block 2), then a timed one. Per side: tokens/s of the
+and block steps in block 1, SDAR's store step at block 2; with LLaDA's prefix cache, whose shortest
+window first runs at the last block, the whole generation), then a timed one. Per side: tokens/s of the
 generation, ms per decoding forward, host ms vs device ms per forward (CUDA events around each
 forward; on CPU, process CPU ms vs wall ms), compile/capture seconds, peak memory, and whether the
 captured side's tokens equal the eager side's (same seed: the same Gumbel draws).
@@ -59,7 +60,7 @@ EIGHT_B = {"llada": "llada-8b", "sdar": "sdar-8b"}
 
 
 class _WarmedUp(Exception):
-    """Stops a side's warm-up generation once two blocks are committed (every graph has run)."""
+    """Stops a side's warm-up generation once its blocks are committed (every graph has run)."""
 
 
 class TimedForward(DecodingForward):
@@ -161,9 +162,13 @@ def _side(arch, model, prompts, settings, rs, mode: str, backend: str) -> Dict[s
     cuda = prompts.is_cuda
     committed = {"n": 0}
 
+    # LLaDA's compiled prefix step has a graph per window length, the shortest first used at the
+    # last block (sampling_llada.prefix_window): its warm-up is a whole generation
+    blocks = rs.gen // settings["block_length"] if arch == "llada" and settings["cache"] == "prefix" else 2
+
     def stop_after_two_blocks(step, transfer, x):
         committed["n"] += int(transfer[0].sum())
-        if committed["n"] >= 2 * settings["block_length"]:
+        if committed["n"] >= blocks * settings["block_length"]:
             raise _WarmedUp
 
     start = time.perf_counter()

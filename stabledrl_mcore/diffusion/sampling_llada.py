@@ -20,6 +20,7 @@ prompt replaced by masks, logits = u + (cfg_scale + 1) (c - u).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -50,6 +51,21 @@ StepHook = Callable[[int, Tensor, Tensor], None]
 
 CACHE_MODES = ("none", "prefix", "dual")
 """``none``: exact decoding (a full forward per step); ``prefix`` / ``dual``: see :class:`BlockLogits`."""
+
+PREFIX_WINDOWS = 4
+"""Window lengths the compiled ``prefix`` step forwards (:func:`prefix_window`): a quarter, a half,
+three quarters of the generation and all of it; one graph each, whatever the number of blocks."""
+
+
+def prefix_window(gen_length: int, block_length: int, suffix: int, windows: Optional[int] = None) -> int:
+    """The fixed window a compiled ``prefix`` step forwards for a block whose suffix (the block and
+    the positions after it) is ``suffix`` long: the shortest of ``j / windows`` of ``gen_length``
+    (``j = 1 .. windows``, rounded up to whole blocks) that covers it. A few static lengths instead
+    of one per block; the positions before the block in it are computed and not used. ``windows``:
+    default :data:`PREFIX_WINDOWS`."""
+    windows = windows or PREFIX_WINDOWS
+    lengths = {-(-gen_length * j // (windows * block_length)) * block_length for j in range(1, windows + 1)}
+    return min(n for n in lengths if n >= suffix)
 
 
 def threshold_transfer(confidence: Tensor, k: Tensor, threshold: float, kmax: Optional[int] = None) -> Tensor:
@@ -117,7 +133,11 @@ class BlockLogits:
     (:func:`~stabledrl_mcore.models.positions.position_inputs`: a padded row decodes as it would
     alone, eager or compiled, whatever the batch's width). Every forward goes through the model's
     :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
-    (the read positions, the slots), so it is one graph per kind whatever the block.
+    (the read positions, the slots), so it is one graph per kind whatever the block. Compiled,
+    ``prefix`` forwards a window of one of :data:`PREFIX_WINDOWS` fixed lengths ending at the
+    sequence's end (:func:`prefix_window`) and writes only the slots from the block on
+    (:meth:`KVCache.writing_from`): the block and its suffix see the keys they see eagerly, for
+    under twice the eager step's tokens while the suffix is over a quarter of the generation.
     What is approximate: the stored keys were computed
     when the block still held the masks of its first step, so within a block the prefix
     (and, for ``dual``, the suffix) does not see the tokens committed since. They are
@@ -160,6 +180,13 @@ class BlockLogits:
         key = (start, end)
         if key not in self._slots:
             self._slots[key] = torch.arange(start, end, device=device)
+        return self._slots[key]
+
+    def _start(self, start: int, device) -> Tensor:
+        """``start`` as a 0-d tensor (a write start), one per block."""
+        key = ("start", start)
+        if key not in self._slots:
+            self._slots[key] = torch.tensor(start, device=device)
         return self._slots[key]
 
     def _rows(self, x: Tensor) -> Tensor:
@@ -227,15 +254,24 @@ class BlockLogits:
         if start != s:
             raise RuntimeError(f"the cache was filled for the block at {start}, not {s}")
         rows = self._rows(x)
-        logits = self.forward(
-            rows[:, start:end],
-            attention_mask=self.attn,
-            kv_cache=self.cache,
-            cache_slots=self._positions(start, end, x.device),
-            logit_positions=slice(0, e - s),
-            dynamic_length=self.mode == "prefix",
-            **self._positions_of(rows, start, end),
-        )
+        read = slice(0, e - s)
+        writes = contextlib.nullcontext()
+        if self.mode == "prefix" and self.forward.compiled:
+            # A static window [L - n, L) over the suffix, of one of a few lengths whatever the block:
+            # the slots before the block keep their stored keys (the queries there are computed and
+            # not read), so the block and its suffix attend to what the eager step's do.
+            start = end - prefix_window(end - self.prompt_len, e - s, end - s)
+            read = self._positions(s - start, e - start, x.device)
+            writes = self.cache.writing_from(self._start(s, x.device))
+        with writes:
+            logits = self.forward(
+                rows[:, start:end],
+                attention_mask=self.attn,
+                kv_cache=self.cache,
+                cache_slots=self._positions(start, end, x.device),
+                logit_positions=read,
+                **self._positions_of(rows, start, end),
+            )
         self.cached_step = True
         if self.stats is not None:
             self.stats.block_forwards += 1

@@ -11,8 +11,11 @@ graphs. Per generation shape (rows, prompt + generation length, block) that is:
 
 - LLaDA exact (``cache="none"``): 1 graph;
 - LLaDA ``dual``: 2 (the filling forward, the block step);
-- LLaDA ``prefix``: 2 (the filling forward; the block-and-suffix step, compiled once with a
-  dynamic length since the suffix shrinks per block; a CUDA graph is recorded per length);
+- LLaDA ``prefix``: at most 5 (the filling forward; the block-and-suffix step, as one of 4 fixed
+  windows ending at the sequence's end -- a quarter, half, three quarters or all of the generation,
+  rounded up to whole blocks, so fewer below 4 blocks -- that write the cache from the block on:
+  ``diffusion/sampling_llada.py`` ``prefix_window``,
+  :meth:`~stabledrl_mcore.models.kv_cache.KVCache.writing_from`);
 - SDAR: 2 (the block step, the store-by-next-block step; the prompt's prefill runs eagerly,
   once per generation, with flex attention on GPU for long prompts).
 
@@ -218,7 +221,6 @@ class DecodingForward:
         pads: Optional[Tensor] = None,
         position_ids: Optional[Tensor] = None,
         segment_ids: Optional[Tensor] = None,
-        dynamic_length: bool = False,
     ) -> Tensor:
         """One decoding forward: logits ``[B, n, V]`` at ``logit_positions``.
 
@@ -227,19 +229,15 @@ class DecodingForward:
         (``[B]`` tensor or None): the mask over the cache slots is built inside the step
         (:meth:`AttentionLayout.over_slots`), joined with ``attention_mask`` when both are given.
         ``position_ids`` / ``segment_ids``: as the model's (default: the slots); the separator
-        scheme's, computed by the caller. ``dynamic_length``: the sequence length changes from call
-        to call (LLaDA's prefix step), so the graph is compiled for any length. Runs under
-        ``torch.no_grad()``: nothing of decoding is differentiated, and without autograd the model
-        takes its inference path (no Megatron ``make_viewless_tensor``, a graph break).
+        scheme's, computed by the caller. Runs under ``torch.no_grad()``: nothing of decoding is
+        differentiated, and without autograd the model takes its inference path (no Megatron
+        ``make_viewless_tensor``, a graph break).
         """
         if kv_cache is not None and cache_slots is None:
             cache_slots = _all_slots(input_ids.shape[1], input_ids.device)
         extra = {} if position_ids is None else {"position_ids": position_ids}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
-        if self.compiled and dynamic_length:
-            for tensor in (input_ids, cache_slots, *extra.values()):
-                torch._dynamo.mark_dynamic(tensor, tensor.dim() - 1)
         args = (self.model, input_ids, attention_mask, kv_cache, cache_slots, logit_positions, layout, pads, extra)
         self.stats.forwards += 1
         if not self.compiled:

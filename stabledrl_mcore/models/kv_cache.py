@@ -15,6 +15,8 @@ attended view is the whole fixed-size buffer, so a step at block 1 and at block 
 same computation with other tensor values -- one compiled graph, and a CUDA graph can replay
 it (the buffers are fixed addresses, see :meth:`KVCache.allocate`). The buffers start as
 zeros, so a masked slot never holds a NaN that the attention's weighted sum would carry.
+Inside :meth:`KVCache.writing_from` only the slots at or after a start given as a tensor are
+written: one window of slots serves a write span that changes per block.
 
 **Appended** (no slots; a prefill, the first step of a cached LLaDA block, or a caller
 stepping by hand): the forward's keys go to positions ``offset .. offset+S-1`` (``offset`` =
@@ -54,6 +56,9 @@ class KVCache:
         """Positions each buffer holds (None: grown on demand by appended forwards)."""
         self.slots: Optional[torch.Tensor] = None
         """The slots the running forward writes (set by the model for a slot-addressed forward)."""
+        self.write_from: Optional[torch.Tensor] = None
+        """A 0-d LongTensor (see :meth:`writing_from`): a slot-addressed forward writes only the
+        slots at or after it; None: every slot it forwards."""
         self._buffers: Dict[int, KV] = {}
         self._length = 0
         self._write_at: Optional[int] = None
@@ -123,6 +128,18 @@ class KVCache:
         finally:
             self._write_at = previous
 
+    @contextlib.contextmanager
+    def writing_from(self, start: torch.Tensor) -> Iterator["KVCache"]:
+        """Within the block, slot-addressed forwards write their keys/values only to the slots
+        ``>= start`` (a 0-d LongTensor, so a captured step takes it as an input, not a constant):
+        the other positions they forward attend to the stored keys and leave them as they are.
+        A fixed window of slots then serves any write start (LLaDA's compiled prefix step)."""
+        previous, self.write_from = self.write_from, start
+        try:
+            yield self
+        finally:
+            self.write_from = previous
+
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached positions."""
         if not 0 <= length <= self._length:
@@ -171,8 +188,13 @@ class KVCache:
             if layer_number not in self._buffers:  # allocated by the first write (eager callers)
                 self.allocate({layer_number: key.shape[1::2]}, key.shape[0], key.dtype, key.device, keep=True)
             keys, values = self._buffers[layer_number]
-            keys.index_copy_(2, self.slots, key.to(keys.dtype))
-            values.index_copy_(2, self.slots, value.to(values.dtype))
+            key, value = key.to(keys.dtype), value.to(values.dtype)
+            if self.write_from is not None:  # the slots before it keep their stored keys/values
+                keep = (self.slots < self.write_from)[:, None]
+                key = torch.where(keep, keys.index_select(2, self.slots), key)
+                value = torch.where(keep, values.index_select(2, self.slots), value)
+            keys.index_copy_(2, self.slots, key)
+            values.index_copy_(2, self.slots, value)
             return keys, values
         seq = key.shape[2]
         start, end = self.offset, self.offset + seq
