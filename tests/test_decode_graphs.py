@@ -513,3 +513,28 @@ def test_a_decoded_rows_estimate_bounds_its_measured_memory(megatron_tp1, prompt
     per_row = (_live_peak(model, 256, prompt) - _live_peak(model, 64, prompt)) / 192
     estimate = decode_row_bytes(model, prompt + 16, 8, vocab, query=prompt + 8, cached=False)
     assert 0.6 * estimate <= per_row <= 1.02 * estimate, (per_row, estimate)
+
+
+def test_each_mode_of_one_model_traces_with_its_own_layer_regions(megatron_tp1):
+    """One model decoded with ``reduce-overhead`` (CPU: inductor's C++ wrapper, no code for a
+    nested region) and with ``default`` (regions on): each mode's step runs, and traces, with its
+    own ``layer_regions`` whichever was made last. Before, the last DecodingForward made set the
+    model's flag for all: ``tools/bench_peers.py --compile reduce-overhead default`` crashed at the
+    C++ wrapper's next shape (batch 4) with ``codegen invoke_subgraph is not implemented for cpp
+    wrapper``."""
+    model = _model("llada")
+    seen = []
+
+    def record(*args):
+        seen.append(model.layer_regions)
+        return torch.zeros(1)
+
+    cpp = DecodingForward(model, "reduce-overhead")
+    python = DecodingForward(model, "default")
+    cpp._fn = python._fn = record  # what the step would trace with; nothing compiled
+    ids, _ = _prompt(rows=1, length=4)
+    cpp(ids)
+    python(ids)
+    cpp(ids)
+    assert seen == [False, True, False]
+    assert model.layer_regions  # the class default outside a step

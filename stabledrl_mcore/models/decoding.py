@@ -168,19 +168,35 @@ class DecodingForward:
         device = _model_device(model).type
         self._replayed = self.mode == "reduce-overhead" and device == "cuda" and backend == "inductor"
         """CUDA graphs: outputs live in the graphs' memory pool, which the next replay reuses."""
+        self._regions = False
+        """Whether this mode's graphs trace each layer as one nested compile region (set on the
+        model for each call only: one model may hold a mode with regions and one without)."""
+        self._region_modules = [m for m in model.modules() if hasattr(type(m), "layer_regions")]
+        """The model, or the one a wrapper holds."""
         if self.mode != "none":
             # inductor's C++ wrapper (reduce-overhead on CPU) has no code for a nested region
             cpp_wrapper = self.mode == "reduce-overhead" and device != "cuda" and backend == "inductor"
-            regions = _parameters_own_storage(model) and not cpp_wrapper
-            for module in model.modules():  # the model, or the one a wrapper holds
-                if hasattr(type(module), "layer_regions"):
-                    module.layer_regions = regions
+            self._regions = _parameters_own_storage(model) and not cpp_wrapper
             compiler = checked_backend(backend, self.mode, device)
             self._fn = torch.compile(_decoding_forward, fullgraph=True, dynamic=False, backend=compiler)
 
     @property
     def compiled(self) -> bool:
         return self.mode != "none"
+
+    @contextlib.contextmanager
+    def _layer_regions(self):
+        """The model's ``layer_regions`` as this mode needs while its step runs (and traces), the
+        earlier value back after: a ``default`` and a ``reduce-overhead`` DecodingForward of one
+        model on CPU each trace with their own (the C++ wrapper has no code for a region)."""
+        before = [m.layer_regions for m in self._region_modules]
+        for module in self._region_modules:
+            module.layer_regions = self._regions
+        try:
+            yield
+        finally:
+            for module, value in zip(self._region_modules, before):
+                module.layer_regions = value
 
     def cache(self, rows: int, capacity: int) -> KVCache:
         """A zeroed KV cache of ``rows`` x ``capacity`` positions for one generation: the same
@@ -252,7 +268,7 @@ class DecodingForward:
         if self._replayed:  # every forward is a new step of the graph trees: earlier outputs are not kept
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            with _compile_limits():
+            with _compile_limits(), self._layer_regions():
                 logits = self._fn(*args)
             if self._replayed:  # the caller's copy (a sampler may hold two forwards' logits at once)
                 logits = logits.clone()

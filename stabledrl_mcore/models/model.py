@@ -309,7 +309,7 @@ class DLLMModel(LanguageModule):
         is (the cold compile does not grow with the layer count). Not where the parameters are views
         of one buffer (Megatron DDP's contiguous parameter buffer, the trainer's model): a region's
         inputs may not alias, so :class:`~.decoding.DecodingForward` sets :attr:`layer_regions`
-        False there (and for inductor's C++ wrapper, which has no code for a region) and the layers
+        False while its step runs there (and for inductor's C++ wrapper, which has no code for a region) and the layers
         are traced one by one, as before.
         """
         block = self.decoder
