@@ -148,8 +148,11 @@ def test_parallel_rewards_equal_the_serial_ones_in_sample_order(reward_file, iso
         tensors = [score_rollouts(_batch(completions, references), t).rewards for t in (serial, parallel)]
         assert torch.equal(tensors[0], tensors[1]) and tensors[1].tolist() == torch.tensor(expected).tolist()
         assert serial.pop_failures() == parallel.pop_failures() == 0
-        if isolation == "process":  # every slot had a worker process of its own
-            assert [w.starts for w in parallel.pool] == [1, 1, 1, 1] and len(serial.pool) == 1
+        if isolation == "process":  # a worker process per slot, none restarted; a slot whose thread
+            # found the samples all taken by the others started none (CI, load 290: [1, 1, 1, 0]);
+            # that the four are in flight at once is test_a_batchs_calls_are_in_flight_at_once's
+            assert len(parallel.pool) == 4 and all(w.starts <= 1 for w in parallel.pool), parallel.pool
+            assert sum(w.starts for w in parallel.pool) >= 1 and len(serial.pool) == 1
     finally:
         serial.close()
         parallel.close()
