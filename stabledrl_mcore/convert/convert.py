@@ -298,7 +298,7 @@ def mcore_to_hf(
     ``hf_assets``: where ``config.json``/tokenizer/``*.py`` come from (default:
     the checkpoint's ``hf/``); without any, a template config is written.
     ``allow_nonfinite``/``before_commit``: as in :func:`hf_to_mcore`. A LoRA run's checkpoint
-    (adapters only, :mod:`.lora_export`) is exported merged into its base (``lora_base`` replaces
+    (adapters only, :mod:`.lora_io`) is exported merged into its base (``lora_base`` replaces
     the base its ``config.yaml`` names); ``peft_out`` also writes the adapter in PEFT's format.
     ``ckpt`` (and a Megatron base) is verified first (``checksums.json``: one without is refused
     unless ``trust_unverified``; links and FIFOs always).
