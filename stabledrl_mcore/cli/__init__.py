@@ -9,11 +9,28 @@ command quietly (status 141, as a shell reports SIGPIPE). ``build_parser`` and `
 import importlib
 import os
 import sys
+from typing import Optional
 
 __all__ = ["build_parser", "main", "parse_args"]
 
-_INTERRUPTED = 130  # 128 + SIGINT, as app.EXIT_INTERRUPTED
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (of this process, or of a --nproc launcher: parallel.launch.Interrupted)
 _BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a command whose reader closed the pipe
+
+
+def wants_traceback(argv) -> bool:
+    """``--debug`` anywhere on the line, or ``STABLEDRL_DEBUG`` set to anything but 0."""
+    return "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
+
+
+def command_of(argv) -> Optional[str]:
+    """The sub-command a line names (its first word that is not a flag), None for a bare one."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def interrupted(command: Optional[str]) -> int:
+    """A Ctrl-C's one line on stderr, and its status."""
+    print(f"stabledrl {command}: interrupted" if command else "stabledrl: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def main(argv=None) -> int:
@@ -22,11 +39,9 @@ def main(argv=None) -> int:
         run = importlib.import_module("stabledrl_mcore.cli.app").main
     except KeyboardInterrupt:
         args = list(sys.argv[1:] if argv is None else argv)
-        if "--debug" in args or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0"):
+        if wants_traceback(args):
             raise
-        command = next((a for a in args if not a.startswith("-")), None)
-        print(f"stabledrl {command}: interrupted" if command else "stabledrl: interrupted", file=sys.stderr)
-        return _INTERRUPTED
+        return interrupted(command_of(args))
     try:
         status = run(argv)
         sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a traceback

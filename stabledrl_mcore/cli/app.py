@@ -24,13 +24,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from stabledrl_mcore.cli import command_of, interrupted, wants_traceback
 from stabledrl_mcore.common.errors import RunFailed, is_user_error, is_user_error_type, one_line
 from stabledrl_mcore.common.files import directory_problem
 from stabledrl_mcore.common.version import __version__
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C (of this process, or of a --nproc launcher: parallel.launch.Interrupted)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,8 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``stabledrl`` console script."""
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("STABLEDRL_DEBUG", "0") not in ("", "0")
-    command = next((a for a in argv if not a.startswith("-")), None)
+    debug, command = wants_traceback(argv), command_of(argv)
     refusal = compile_cache_refusal() if command in DYNAMO_COMMANDS else ""
     if refusal:  # before the command's module (and torch._dynamo, which creates it) is imported
         print(f"stabledrl {command}: error: {refusal}", file=sys.stderr)
@@ -170,16 +169,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"stabledrl {command}: interrupted" if command else "stabledrl: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(command)
     args.debug = debug
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt as err:  # Ctrl-C: one line (--debug: the traceback, unless --nproc's ranks were stopped)
         if debug and type(err).__name__ != "Interrupted":
             raise
-        print(f"stabledrl {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted(args.command)
     except Exception as err:  # noqa: BLE001 - bugs keep their traceback, input errors get one line
         failed_rank = getattr(err, "first_error", None)  # parallel.launch.WorkerFailed (--nproc)
         if failed_rank is not None:

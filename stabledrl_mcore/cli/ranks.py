@@ -17,7 +17,8 @@ from typing import List, Optional
 
 from stabledrl_mcore.checkpoint.info import MODEL_CONFIG
 from stabledrl_mcore.checkpoint.state import find_latest
-from stabledrl_mcore.cli.app import EXIT_INTERRUPTED, StartRanks
+from stabledrl_mcore.cli import EXIT_INTERRUPTED
+from stabledrl_mcore.cli.app import StartRanks
 from stabledrl_mcore.engine.preemption import EXIT_PREEMPTED
 from stabledrl_mcore.engine.run_dir import checkpoint_root
 from stabledrl_mcore.parallel import launch
