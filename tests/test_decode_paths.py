@@ -11,6 +11,7 @@ from test_models_hf import megatron_tp1  # noqa: F401  (module-scoped Megatron T
 from torch.overrides import TorchFunctionMode
 
 from stabledrl_mcore.diffusion import block_elbo_staircase, generate_llada, generate_sdar
+from stabledrl_mcore.diffusion.sampling_common import masked_first, read_count
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
 from stabledrl_mcore.models import AttentionLayout, KVCache, build_model, get_preset, staircase_position_ids
 from stabledrl_mcore.models.masks import padding_mask
@@ -48,6 +49,49 @@ def test_logit_positions_equal_the_full_forward_at_the_read_positions(megatron_t
                 assert torch.allclose(part, shard[:, span], atol=1e-5, rtol=0), span
             none = model(x, position_ids=pos, attention_mask=mask, logit_positions=slice(0, 0))
             assert none.shape == (3, 0, full.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "preset, options",
+    [
+        ("llada-tiny", {}),  # RoPE
+        ("llada-tiny", {"position_embedding": "learned", "max_position_embeddings": 64}),
+        ("sdar-tiny", {}),
+        ("sdar-moe-tiny", {}),
+    ],
+)
+def test_each_rows_own_read_positions_equal_the_full_forward_there(megatron_tp1, preset, options):
+    """A decoding step reads each row's masked positions only (``logit_positions`` ``[B, n]``): the
+    last layer's MLP and the head run on those rows (a dense layer's; a MoE layer runs whole), and
+    the logits equal the full forward's at them, padded or alone, on every kind of model we ship."""
+    torch.manual_seed(0)
+    model = build_model(get_preset(preset, init_std=0.2, **options)).eval()
+    last = model.decoder.layers[-1]
+    seen = []
+    last.mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (3, 16), generator=g)
+    valid = torch.ones(3, 16, dtype=torch.bool)
+    valid[0, :3] = False
+    read = torch.stack([torch.randperm(16, generator=g)[:5] for _ in range(3)])  # [3, 5], each row its own
+    moe = getattr(last, "is_moe_layer", False)
+    with torch.no_grad():
+        for mask in (padding_mask(valid), None):
+            full = model(ids, attention_mask=mask)
+            seen.clear()
+            part = model(ids, attention_mask=mask, logit_positions=read)
+            assert seen == [16 if moe else 5], "the last layer's MLP runs on the read rows only"
+            expected = full.gather(1, read.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
+            torch.testing.assert_close(part, expected, atol=1e-5, rtol=0)
+            shared = model(ids, attention_mask=mask, logit_positions=read[0])  # one set for every row
+            torch.testing.assert_close(shared, full[:, read[0]], atol=1e-5, rtol=0)
+
+
+def test_masked_first_reads_each_rows_masked_positions_then_the_others():
+    masked = torch.tensor([[True, False, True, False], [False, False, False, True], [False] * 4])
+    assert masked_first(masked, 3).tolist() == [[0, 2, 1], [3, 0, 1], [0, 1, 2]]
+    assert [read_count(m, 32) for m in (32, 17, 0)] == [32, 17, 1]
+    assert [read_count(m, 32, 4) for m in (32, 25, 24, 17, 9, 1, 0)] == [32, 32, 24, 24, 16, 8, 8]
 
 
 def test_the_staircase_likelihood_reads_the_noisy_half_only(megatron_tp1):

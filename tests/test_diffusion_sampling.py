@@ -5,6 +5,7 @@ import torch
 
 from stabledrl_mcore.diffusion import generate, generate_llada, generate_sdar, num_transfer_tokens, select_transfer
 from stabledrl_mcore.diffusion.toy import ToyDiffusionLM, ToyDLLMConfig
+from stabledrl_mcore.models.positions import take_positions
 
 MASK, EOS = 15, 1
 
@@ -178,7 +179,7 @@ class EosModel(torch.nn.Module):
             pos = kw["cache_slots"][None]
         read = kw.get("logit_positions")
         pos = pos.expand(ids.shape)
-        pos = pos.index_select(1, read) if isinstance(read, torch.Tensor) else pos[:, read or slice(None)]
+        pos = take_positions(pos, read if read is not None else slice(None), 1)
         logits[..., EOS] += 50.0 * (pos >= self.start).to(logits.dtype)
         return logits
 

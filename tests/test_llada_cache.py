@@ -313,8 +313,9 @@ def _worker(result_dir, run_dir):
             for name, net in (("", model), ("separated/", build_model(separated).eval())):
                 for mode in ("prefix", "dual"):
                     blocks = BlockLogits(net, mode, padding_mask(keys), keys, 0.0, 5, cfg.mask_token_id, None)
-                    full = blocks(x, 9, 13, first=True)
-                    cached = blocks(x, 9, 13, first=False)
+                    read = torch.arange(4).expand(2, 4)  # every position of the block
+                    full = blocks(x, 9, 13, first=True, read=read)
+                    cached = blocks(x, 9, 13, first=False, read=read)
                     assert blocks.cached_step
                     result[f"{name}{mode}/block_start_diff"] = (cached - full).abs().max().item()
             for mode in ("none", "prefix", "dual"):

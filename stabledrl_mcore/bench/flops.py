@@ -82,8 +82,8 @@ def _shape(args, kwargs):
 def _head_rows(kwargs, queries: int) -> int:
     """Positions the LM head runs on: ``logit_positions`` (a slice or a tensor of them) or every query."""
     positions = kwargs.get("logit_positions")
-    if isinstance(positions, torch.Tensor):
-        return int(positions.numel())
+    if isinstance(positions, torch.Tensor):  # shared [n], or each row's own [B, n]
+        return int(positions.shape[-1])
     return queries if positions is None else len(range(*positions.indices(queries)))
 
 

@@ -66,15 +66,43 @@ def select_transfer(
     return torch.where(use_high[:, None], high, top)
 
 
-def gumbel_argmax(logits: Tensor, temperature: float, generator: Optional[torch.Generator]) -> Tensor:
-    """LLaDA's ``add_gumbel_noise`` + argmax: exp(l) / (-log u)^T in float64; T = 0 is greedy."""
+def gumbel_argmax(
+    logits: Tensor, temperature: float, generator: Optional[torch.Generator], rows: Optional[Tuple[Tensor, int]] = None
+) -> Tensor:
+    """LLaDA's ``add_gumbel_noise`` + argmax: exp(l) / (-log u)^T in float64; T = 0 is greedy.
+
+    ``rows``: ``(read [B, n], width)`` when ``logits [B, n, V]`` are the rows ``read`` of a
+    ``width``-position block (:func:`masked_first`): the noise is drawn for the whole block and
+    read at those rows, so a position's draw does not depend on which positions were read."""
     if temperature == 0:
         return logits.argmax(-1)
     if generator is None:
         raise TypeError("temperature > 0 needs an explicit torch.Generator")
     l64 = logits.double()
-    noise = uniform(l64.shape, generator, l64.device, torch.float64)
+    if rows is None:
+        noise = uniform(l64.shape, generator, l64.device, torch.float64)
+    else:
+        read, width = rows
+        noise = uniform((l64.shape[0], width, l64.shape[-1]), generator, l64.device, torch.float64)
+        noise = noise.gather(1, read.unsqueeze(-1).expand(-1, -1, l64.shape[-1]))
     return (l64.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+
+
+def masked_first(masked: Tensor, count: int) -> Tensor:
+    """``[B, count]`` positions of each row of ``masked [B, n]``: its masked positions first, then
+    its unmasked ones, each in order (distinct within a row). With ``count`` at least a row's masked
+    count, the read positions of a step that needs the logits of the masked positions only."""
+    return torch.argsort((~masked).to(torch.uint8), dim=1, stable=True)[:, :count]
+
+
+def read_count(masked: int, width: int, buckets: int = 0) -> int:
+    """Positions a step reads when at most ``masked`` of the block's ``width`` are masked: ``masked``,
+    or with ``buckets`` (a compiled step: one graph per count) rounded up to a multiple of
+    ``ceil(width / buckets)``, at most ``width``."""
+    if buckets <= 0:
+        return max(masked, 1)
+    unit = -(-width // buckets)
+    return min(width, max(1, -(-masked // unit)) * unit)
 
 
 def filter_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:

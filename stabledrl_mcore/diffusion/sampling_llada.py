@@ -36,7 +36,9 @@ from stabledrl_mcore.diffusion.sampling_common import (
     fill_after_eos,
     first_eos_settled,
     gumbel_argmax,
+    masked_first,
     progress_bar,
+    read_count,
     repeat_counts,
     repeat_rows,
     select_transfer,
@@ -55,6 +57,12 @@ CACHE_MODES = ("none", "prefix", "dual")
 PREFIX_WINDOWS = 4
 """Window lengths the compiled ``prefix`` step forwards (:func:`prefix_window`): a quarter, a half,
 three quarters of the generation and all of it; one graph each, whatever the number of blocks."""
+
+
+READ_BUCKETS = 4
+"""Read counts a compiled exact or ``dual`` step takes (:func:`~.sampling_common.read_count`): a
+step reads the logits of the block's masked positions only, rounded up to a multiple of a quarter
+of the block when compiled (one graph per count: a quarter, half, three quarters, all)."""
 
 
 def prefix_window(gen_length: int, block_length: int, suffix: int, windows: Optional[int] = None) -> int:
@@ -133,7 +141,8 @@ class BlockLogits:
     (:func:`~stabledrl_mcore.models.positions.position_inputs`: a padded row decodes as it would
     alone, eager or compiled, whatever the batch's width). Every forward goes through the model's
     :class:`~stabledrl_mcore.models.decoding.DecodingForward` with the block's offsets as tensors
-    (the read positions, the slots), so it is one graph per kind whatever the block. Compiled,
+    (the read positions, the slots), so it is a few graphs per kind whatever the block (one per
+    read count, :data:`READ_BUCKETS`; each step reads the logits of its masked positions). Compiled,
     ``prefix`` forwards a window of one of :data:`PREFIX_WINDOWS` fixed lengths ending at the
     sequence's end (:func:`prefix_window`) and writes only the slots from the block on
     (:meth:`KVCache.writing_from`): the block and its suffix see the keys they see eagerly, for
@@ -212,25 +221,35 @@ class BlockLogits:
             inputs = position_inputs(self.config, rows, self.valid)
         return {name: ids[:, start:end] for name, ids in inputs.items()}
 
-    def exact(self, x: Tensor, s: int, e: int) -> Tensor:
-        """A full forward without a cache (today's step)."""
-        rows = self._rows(x)
-        read = self._positions(s, e, x.device)
-        extra = self._positions_of(rows, 0, x.shape[1])
-        return self._guided(self.forward(rows, attention_mask=self.attn, logit_positions=read, **extra))
+    def _read_rows(self, read: Tensor, offset: int) -> Tensor:
+        """``read + offset`` (each row's read positions in the forwarded window), for both halves
+        of classifier-free guidance."""
+        rows = read if offset == 0 else read + offset
+        return rows if self.cfg_scale <= 0.0 else torch.cat([rows, rows])
 
-    def __call__(self, x: Tensor, s: int, e: int, first: bool) -> Tensor:
+    def exact(self, x: Tensor, s: int, e: int, read: Tensor) -> Tensor:
+        """A full forward without a cache (today's step): the logits at the block's positions
+        ``read [B, n]`` (counted from ``s``)."""
+        rows = self._rows(x)
+        extra = self._positions_of(rows, 0, x.shape[1])
+        return self._guided(
+            self.forward(rows, attention_mask=self.attn, logit_positions=self._read_rows(read, s), **extra)
+        )
+
+    def __call__(self, x: Tensor, s: int, e: int, first: bool, read: Tensor) -> Tensor:
+        """The logits ``[B, n, V]`` of block ``[s, e)`` at its positions ``read [B, n]`` (counted
+        from ``s``; each row its own, :func:`~.sampling_common.masked_first`)."""
         if self.mode == "none":
             if self.stats is not None:
                 self.stats.full_forwards += 1
-            return self.exact(x, s, e)
+            return self.exact(x, s, e, read)
         if first or self.refresh:
-            logits = self._fill(x, s, e)
+            logits = self._fill(x, s, e, read)
             if first:
                 return logits
-        return self._block(x, s, e)
+        return self._block(x, s, e, read)
 
-    def _fill(self, x: Tensor, s: int, e: int) -> Tensor:
+    def _fill(self, x: Tensor, s: int, e: int, read: Tensor) -> Tensor:
         """Full forward storing every position's keys/values; the block's exact logits."""
         rows = self._rows(x)
         L = x.shape[1]
@@ -240,7 +259,7 @@ class BlockLogits:
             rows,
             attention_mask=self.attn,
             kv_cache=self.cache,
-            logit_positions=self._positions(s, e, x.device),
+            logit_positions=self._read_rows(read, s),
             **self._positions_of(rows, 0, L),
         )
         self.span = (s, L if self.mode == "prefix" else e)
@@ -249,19 +268,17 @@ class BlockLogits:
             self.stats.full_forwards += 1
         return self._guided(logits)
 
-    def _block(self, x: Tensor, s: int, e: int) -> Tensor:
+    def _block(self, x: Tensor, s: int, e: int, read: Tensor) -> Tensor:
         start, end = self.span
         if start != s:
             raise RuntimeError(f"the cache was filled for the block at {start}, not {s}")
         rows = self._rows(x)
-        read = slice(0, e - s)
         writes = contextlib.nullcontext()
         if self.mode == "prefix" and self.forward.compiled:
             # A static window [L - n, L) over the suffix, of one of a few lengths whatever the block:
             # the slots before the block keep their stored keys (the queries there are computed and
             # not read), so the block and its suffix attend to what the eager step's do.
             start = end - prefix_window(end - self.prompt_len, e - s, end - s)
-            read = self._positions(s - start, e - start, x.device)
             writes = self.cache.writing_from(self._start(s, x.device))
         with writes:
             logits = self.forward(
@@ -269,7 +286,7 @@ class BlockLogits:
                 attention_mask=self.attn,
                 kv_cache=self.cache,
                 cache_slots=self._positions(start, end, x.device),
-                logit_positions=read,
+                logit_positions=self._read_rows(read, s - start),
                 **self._positions_of(rows, start, end),
             )
         self.cached_step = True
@@ -278,12 +295,17 @@ class BlockLogits:
         return self._guided(logits)
 
 
-def _propose(logits: Tensor, temperature: float, remasking: str, generator: Optional[torch.Generator]):
-    """``(x0, confidence)``: upstream's Gumbel-max proposal and its remasking score."""
-    x0 = gumbel_argmax(logits, temperature, generator)
+def _propose(
+    logits: Tensor, temperature: float, remasking: str, generator: Optional[torch.Generator], read: Tensor, width: int
+):
+    """``(x0, confidence)`` ``[B, n]`` at the positions ``read`` of a ``width``-position block
+    (``logits [B, n, V]``): upstream's Gumbel-max proposal and its remasking score. The random
+    draws are made for the whole block and read at ``read``, so a position's draw does not depend
+    on which positions a step reads (a compiled step reads a few more)."""
+    x0 = gumbel_argmax(logits, temperature, generator, rows=(read, width))
     if remasking == "low_confidence":
         return x0, torch.softmax(logits.float(), -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    return x0, uniform(x0.shape, generator, logits.device)
+    return x0, uniform((read.shape[0], width), generator, logits.device).gather(1, read)
 
 
 def _log_prob_of(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -370,6 +392,9 @@ def generate_llada(
         valid = torch.cat([prompt_valid.bool(), torch.ones(B, gen_length, dtype=torch.bool, device=device)], dim=1)
         attn = padding_mask(valid)
     block_logits = BlockLogits(model, cache, attn, valid, cfg_scale, P, mask_id, stats, refresh_every_step, compile)
+    # compiled: a graph per read count; prefix's window step reads the whole block (its graphs are
+    # already one per window, and its forward's cost is the suffix, not the head)
+    read_buckets = 0 if not block_logits.forward.compiled else 1 if cache == "prefix" else READ_BUCKETS
     measure = stats is not None and stats.measure_gap and cache != "none"
     bar = progress_bar(steps, progress, "llada")
     # Every block starts with all its positions masked (only the current block is ever committed),
@@ -379,6 +404,7 @@ def generate_llada(
     for blk in range(num_blocks):
         s, e = P + blk * block_length, P + (blk + 1) * block_length
         row_masked = None  # the last device read of which rows hold masks (None: every row)
+        most_masked = block_length  # a host bound on any decoding row's masked count in the block
         for i in range(steps_per_block):
             active = [
                 c for c, d in zip(chunks, settled) if not d and (row_masked is None or any(row_masked[c[0] : c[1]]))
@@ -386,25 +412,31 @@ def generate_llada(
             if not active:
                 bar.update(steps_per_block - i)
                 break  # the threshold finished the block early
-            logits = block_logits(x, s, e, first=i == 0)
             cur = x[:, s:e]
             masked = cur == mask_id
+            # the logits of the masked positions only (the head and the last layer's MLP run on them)
+            read = masked_first(masked, read_count(most_masked, block_length, read_buckets))
+            logits = block_logits(x, s, e, first=i == 0, read=read)
             if len(chunks) == 1:
-                x0, conf = _propose(logits, temperature, remasking, chunks[0][2])
+                x0, conf = _propose(logits, temperature, remasking, chunks[0][2], read, block_length)
             else:
-                x0, conf = cur.clone(), torch.full(cur.shape, -torch.inf, device=device)
+                x0, conf = torch.zeros_like(read), torch.full(read.shape, -torch.inf, device=device)
                 for a, b, gen in active:
-                    x0[a:b], conf[a:b] = _propose(logits[a:b], temperature, remasking, gen)
+                    x0[a:b], conf[a:b] = _propose(logits[a:b], temperature, remasking, gen, read[a:b], block_length)
+            x0 = cur.scatter(1, read, x0)
+            conf = torch.full(cur.shape, -torch.inf, device=device).scatter(1, read, conf)
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            most_masked -= schedule[i]
             k = torch.full((B,), schedule[i], dtype=torch.long, device=device)
             if threshold is None:
                 transfer = select_transfer(conf, k, kmax=schedule[i])
             else:
                 transfer = threshold_transfer(conf, k, threshold, kmax=max(schedule[i], 1))
             if measure and block_logits.cached_step:
-                exact = block_logits.exact(x, s, e)
-                gap = (_log_prob_of(logits, x0) - _log_prob_of(exact, x0)).abs()
-                stats.gap_sum += float(gap[transfer].double().sum())
+                exact = block_logits.exact(x, s, e, read)
+                proposed = x0.gather(1, read)
+                gap = (_log_prob_of(logits, proposed) - _log_prob_of(exact, proposed)).abs()
+                stats.gap_sum += float(gap[transfer.gather(1, read)].double().sum())
             if stats is not None:
                 stats.steps += 1
                 stats.gap_tokens += int(transfer.sum()) if measure else 0

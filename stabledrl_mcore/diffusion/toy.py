@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.masks import AttentionLayout
+from stabledrl_mcore.models.positions import take_positions
 
 
 @dataclass
@@ -131,10 +132,8 @@ class ToyDiffusionLM(nn.Module):
         if kv_cache is not None:
             kv_cache.commit()
             kv_cache.slots = None
-        if isinstance(logit_positions, Tensor):
-            x = x.index_select(1, logit_positions)
-        elif logit_positions is not None:
-            x = x[:, logit_positions]
+        if logit_positions is not None:
+            x = take_positions(x, logit_positions, 1)
         logits = F.linear(_rms(x, self.norms[-1]), self.head) * c.logit_scale
         if c.suppress_mask:
             bias = torch.zeros(c.vocab_size, dtype=logits.dtype, device=logits.device)

@@ -283,8 +283,8 @@ def split_rows(batch: MicroBatch, count: int) -> List[MicroBatch]:
         sl = slice(start, start + size)
         part = {}
         for key, value in batch.items():
-            if key in POSITIONAL:
-                pass
+            if key in POSITIONAL and not (isinstance(value, torch.Tensor) and value.dim() == 2):
+                pass  # positions shared by every row (a [B, n] logit_positions is per row: sliced)
             elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
                 value = value[sl]
             elif isinstance(value, AttentionLayout) and value.pad:

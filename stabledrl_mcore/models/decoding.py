@@ -1,4 +1,4 @@
-"""A model's decoding forwards, eager or captured: one graph per kind of step, whatever the block.
+"""A model's decoding forwards, eager or captured: a few graphs per kind of step, whatever the block.
 
 The samplers run three kinds of forward (:class:`DecodingForward`): a full forward (LLaDA's exact
 step), a full forward that also fills a KV cache (the first step of a cached LLaDA block), and a
@@ -7,13 +7,17 @@ store-by-next-block step, see :class:`~stabledrl_mcore.models.kv_cache.KVCache`)
 changes from one block to the next is a tensor -- the cache slots written, the read positions of
 the head, the pad counts -- and the attended keys are the whole fixed-capacity cache under a mask
 built in the step from those tensors, so a 256-token generation of 8 or 64 blocks runs the same
-graphs. Per generation shape (rows, prompt + generation length, block) that is:
+graphs. A LLaDA step reads the logits of the block's masked positions only (the head and the last
+layer's MLP run on those rows), rounded up to a quarter, half, three quarters or all of the block
+when compiled (``diffusion/sampling_llada.py`` ``READ_BUCKETS``), a graph per count. Per generation
+shape (rows, prompt + generation length, block) that is:
 
-- LLaDA exact (``cache="none"``): 1 graph;
-- LLaDA ``dual``: 2 (the filling forward, the block step);
+- LLaDA exact (``cache="none"``): at most 4 graphs (one per read count);
+- LLaDA ``dual``: at most 5 (the filling forward, the block step per read count);
 - LLaDA ``prefix``: at most 5 (the filling forward; the block-and-suffix step, as one of 4 fixed
   windows ending at the sequence's end -- a quarter, half, three quarters or all of the generation,
-  rounded up to whole blocks, so fewer below 4 blocks -- that write the cache from the block on:
+  rounded up to whole blocks, so fewer below 4 blocks -- that write the cache from the block on and
+  read the whole block:
   ``diffusion/sampling_llada.py`` ``prefix_window``,
   :meth:`~stabledrl_mcore.models.kv_cache.KVCache.writing_from`);
 - SDAR: 2 (the block step, the store-by-next-block step; the prompt's prefill runs eagerly,

@@ -41,7 +41,7 @@ from stabledrl_mcore.models.kv_cache import KVCache
 from stabledrl_mcore.models.linear import AutogradColumnParallelLinear
 from stabledrl_mcore.models.masks import AttentionLayout
 from stabledrl_mcore.models.placement import default_device, place_model
-from stabledrl_mcore.models.positions import segment_positions
+from stabledrl_mcore.models.positions import segment_positions, take_positions
 from stabledrl_mcore.models.presets import DLLMConfig, to_transformer_config
 from stabledrl_mcore.models.rope import rotary_angles, rotary_cos_sin
 from stabledrl_mcore.models.specs import dllm_layer_spec
@@ -155,10 +155,11 @@ class DLLMModel(LanguageModule):
         """Logits ``[B, S, V]`` on the last stage (``[B, S, V/tp]`` if not ``gather_output``),
         hidden states ``[S, B, H]`` on the other stages.
 
-        ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted, or a
+        ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted, a
         LongTensor of them (a decoding step's read positions, which change per block while the
-        graph does not); the LM head runs on those only and the logits are ``[B, n, V]``
-        (equal to the full forward's logits at those positions). ``slice(0, 0)`` runs no head
+        graph does not) or a ``[B, n]`` LongTensor of each sequence's own (a step's masked
+        positions); the LM head, and the last layer's MLP at inference, run on those only and the
+        logits are ``[B, n, V]`` (the full forward's logits at those positions, up to rounding). ``slice(0, 0)`` runs no head
         at all (a forward that only fills a KV cache). With sequence parallelism the head runs
         on the whole sequence and the logits are read after.
 
@@ -246,10 +247,8 @@ class DLLMModel(LanguageModule):
             return hidden
         if self.config.sequence_parallel:  # the head gathers the sequence dim: keep [S, B, H]
             logits = self.output_layer(hidden)[0].transpose(0, 1).contiguous()
-            if isinstance(logit_positions, torch.Tensor):
-                logits = logits.index_select(1, logit_positions)
-            elif logit_positions is not None:
-                logits = logits[:, logit_positions]
+            if logit_positions is not None:
+                logits = take_positions(logits, logit_positions, 1)
         elif hidden.shape[0] == 0:  # slice(0, 0): no head
             width = self.padded_vocab_size // self.config.tensor_model_parallel_size
             logits = hidden.new_zeros(hidden.shape[1], 0, width)
@@ -267,16 +266,11 @@ class DLLMModel(LanguageModule):
 
     def _decode(self, hidden, mask, rotary, logit_positions):
         """The transformer block, then (last stage) the rows of ``logit_positions``."""
+        rows = logit_positions if self.post_process and not self.config.sequence_parallel else None
         if self._records_nothing():
-            hidden = self._inference_layers(hidden, mask, rotary)
-        else:
-            hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-        if logit_positions is not None and self.post_process and not self.config.sequence_parallel:
-            if isinstance(logit_positions, torch.Tensor):
-                hidden = hidden.index_select(0, logit_positions)
-            else:
-                hidden = hidden[logit_positions]
-        return hidden
+            return self._inference_layers(hidden, mask, rotary, rows)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        return hidden if rows is None else take_positions(hidden, rows, 0)
 
     def _records_nothing(self) -> bool:
         """True for a forward that records no autograd graph and runs none of the block's
@@ -291,8 +285,10 @@ class DLLMModel(LanguageModule):
             and not config.cpu_offloading
         )
 
-    def _inference_layers(self, hidden, mask, rotary):
-        """``TransformerBlock.forward`` at inference, without its ``make_viewless_tensor`` calls.
+    def _inference_layers(self, hidden, mask, rotary, rows=None):
+        """``TransformerBlock.forward`` at inference, without its ``make_viewless_tensor`` calls;
+        with ``rows`` (the read positions, see :func:`~.positions.take_positions`) only those rows leave the last
+        layer (:func:`_layer_at_rows`).
 
         Megatron makes the block's input and output "viewless" (``MakeViewlessTensor``, an
         autograd function that allocates ``torch.empty(..., requires_grad=True)`` and swaps
@@ -318,8 +314,13 @@ class DLLMModel(LanguageModule):
         run = _layer
         if torch.compiler.is_compiling() and self.layer_regions:
             run, hidden = _compiled_layer, _row_major(hidden)
-        for layer in block.layers:
-            hidden = run(layer, hidden, mask, rotary)
+        last = len(block.layers) - 1 if rows is not None else -1
+        for index, layer in enumerate(block.layers):
+            hidden = (
+                _layer_at_rows(layer, hidden, mask, rotary, rows) if index == last else run(layer, hidden, mask, rotary)
+            )
+        if rows is not None and last < 0:  # a stage without layers
+            hidden = take_positions(hidden, rows, 0)
         if block.final_layernorm is not None:
             hidden = block.final_layernorm(hidden)
         return hidden
@@ -346,6 +347,24 @@ class DLLMModel(LanguageModule):
 def _layer(layer, hidden, mask, rotary):
     """One transformer layer of an inference forward: its output hidden states."""
     return layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)[0]
+
+
+def _layer_at_rows(layer, hidden, mask, rotary, rows):
+    """``_layer(layer, hidden, mask, rotary)`` at ``rows`` only (:func:`~.positions.take_positions`),
+    for the last layer of a forward that reads the logits of a few positions: the attention runs
+    over every position (their keys and values are the cache's; the queries attend as in the full
+    layer), the MLP on the rows read only, the part of the layer nothing else needs. The layer's
+    own ``_forward_attention`` and ``_forward_mlp`` (Megatron's ``TransformerLayer.forward`` is those
+    two calls). A MoE layer runs whole: its router sees every token, as in the training forward
+    (capacity drops and the routing statistics depend on the tokens routed together). Equal to
+    the full layer's rows up to the GEMMs' rounding over fewer rows."""
+    if getattr(layer, "is_moe_layer", False):
+        return take_positions(_layer(layer, hidden, mask, rotary), rows, 0)
+    hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+    hidden = take_positions(hidden, rows, 0)
+    if hidden.shape[0] == 0:  # no logits wanted (a forward that only fills a KV cache)
+        return hidden
+    return layer._forward_mlp(hidden)
 
 
 _compiled_layer = torch.compiler.nested_compile_region(_layer)

@@ -19,6 +19,20 @@ import torch
 from torch import Tensor
 
 
+def take_positions(t: Tensor, positions, dim: int) -> Tensor:
+    """``t``'s entries at ``positions`` of its sequence dimension ``dim`` (0: ``[S, B, ...]``,
+    1: ``[B, S, ...]``; the other of the two is the batch): a ``slice`` or a 1-D LongTensor of
+    positions shared by every sequence, or a ``[B, n]`` LongTensor of each sequence's own (a
+    decoding step's read positions, :func:`~stabledrl_mcore.diffusion.sampling_common.masked_first`)."""
+    if not isinstance(positions, Tensor):
+        return t[(slice(None),) * dim + (positions,)]
+    if positions.dim() == 1:
+        return t.index_select(dim, positions)
+    index = positions if dim == 1 else positions.t()
+    index = index.reshape(index.shape + (1,) * (t.dim() - 2)).expand(index.shape + t.shape[2:])
+    return t.gather(dim, index)
+
+
 def valid_positions(valid: Tensor) -> Tensor:
     """``[B, S]`` positions of ``valid`` ``[B, S]`` (True = a real token): the number of real tokens
     before each one; 0 on the pads."""
