@@ -48,6 +48,8 @@ MODES = {
     "llada-dual-sampled": ("llada", dict(cache="dual", steps=16, block_length=8, temperature=1.0), 5),
     "llada-exact-random": ("llada", dict(cache="none", steps=16, block_length=8, remasking="random"), 4),
     "sdar": ("sdar", dict(steps=2), 2),
+    # sampled, 8-token blocks, 8 steps: compiled reads 8, 6, 4, 2 positions where eager reads 7, 6, 5, ...
+    "sdar-sampled-block8": ("sdar", dict(steps=8, block_length=8, temperature=1.0, top_k=50), 5),
     "sdar-threshold-chunks": (
         "sdar",
         dict(
@@ -58,7 +60,7 @@ MODES = {
             repeats=2,
             row_chunks=[(2, torch.Generator().manual_seed(3)), (2, torch.Generator().manual_seed(4))],
         ),
-        2,
+        4,  # 4 steps of a 4-token block: the store step reading 4 positions, block steps reading 3, 2, 1
     ),
 }
 

@@ -79,13 +79,18 @@ def gumbel_argmax(
     if generator is None:
         raise TypeError("temperature > 0 needs an explicit torch.Generator")
     l64 = logits.double()
-    if rows is None:
-        noise = uniform(l64.shape, generator, l64.device, torch.float64)
-    else:
-        read, width = rows
-        noise = uniform((l64.shape[0], width, l64.shape[-1]), generator, l64.device, torch.float64)
-        noise = noise.gather(1, read.unsqueeze(-1).expand(-1, -1, l64.shape[-1]))
+    noise = _block_noise(l64.shape, generator, l64.device, rows)
     return (l64.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+
+
+def _block_noise(shape, generator: torch.Generator, device, rows: Optional[Tuple[Tensor, int]]) -> Tensor:
+    """float64 U[0, 1) noise of ``shape`` ``[B, n, V]``; with ``rows = (read [B, n], width)``, drawn
+    for the whole ``[B, width, V]`` block and read at ``read``."""
+    if rows is None:
+        return uniform(shape, generator, device, torch.float64)
+    read, width = rows
+    noise = uniform((shape[0], width, shape[-1]), generator, device, torch.float64)
+    return noise.gather(1, read.unsqueeze(-1).expand(-1, -1, shape[-1]))
 
 
 def masked_first(masked: Tensor, count: int) -> Tensor:
@@ -124,11 +129,13 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    rows: Optional[Tuple[Tensor, int]] = None,
 ):
     """SDAR's ``sample_with_temperature_topk_topp``: (token, its probability) per position.
 
     Sampling uses the Gumbel-max trick on float64 noise from ``generator``
     (same distribution as ``multinomial``, and works with a CPU generator for CUDA logits).
+    ``rows``: as :func:`gumbel_argmax`'s (the noise drawn for the whole block, read at the rows).
     """
     logits = logits.float()
     if temperature == 0:
@@ -139,7 +146,7 @@ def sample_tokens(
         raise TypeError("temperature > 0 needs an explicit torch.Generator")
     logits = filter_top_k_top_p(logits / temperature, top_k, top_p)
     probs = torch.softmax(logits, -1)
-    noise = uniform(logits.shape, generator, logits.device, torch.float64)
+    noise = _block_noise(logits.shape, generator, logits.device, rows)
     tok = (logits.double() - torch.log(-torch.log(noise))).argmax(-1)
     return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 

@@ -46,7 +46,9 @@ from stabledrl_mcore.diffusion.sampling_common import (
     chunk_bounds,
     commit_transfer,
     fill_after_eos,
+    masked_first,
     progress_bar,
+    read_count,
     repeat_counts,
     repeat_rows,
     sample_tokens,
@@ -59,6 +61,11 @@ from stabledrl_mcore.models.masks import AttentionLayout, block_causal_mask, lef
 from stabledrl_mcore.models.positions import valid_positions
 
 StepHook = Callable[[int, Tensor, Tensor], None]
+
+READ_BUCKETS = 4
+"""Read counts a compiled step takes (:func:`~.sampling_common.read_count`): a step reads the
+logits of the block's masked positions only, rounded up to a multiple of a quarter of the block
+when compiled (one graph per count; at SDAR's block of 4, every count)."""
 
 
 @torch.no_grad()
@@ -150,10 +157,12 @@ def generate_sdar(
             pads = tuple(p for p, c in zip(pads, counts) for _ in range(c))
         padded = None if padded is None else repeat_rows(padded, counts)
     step_mask = _step_mask(prompt_valid, pads, total, bs, device)
+    every = torch.arange(bs, device=device).expand(B, bs)  # the read of a whole block
     slots: dict = {}
 
-    def cached(start: int, end: int, read=None):
-        """A slot-addressed forward of positions ``[start, end)`` against the cache."""
+    def cached(start: int, end: int, read: Tensor):
+        """A slot-addressed forward of positions ``[start, end)`` against the cache, the logits at
+        ``read`` ``[B, n]`` (counted from ``start``)."""
         if (start, end) not in slots:
             slots[start, end] = pos[start:end].clone()
         extra = {} if padded is None else {"position_ids": padded[:, start:end]}  # else: the slots
@@ -161,6 +170,8 @@ def generate_sdar(
             x[:, start:end], kv_cache=cache, cache_slots=slots[start, end], logit_positions=read, **step_mask, **extra
         )
 
+    # a step reads the logits of the block's masked positions only; compiled, a graph per count
+    read_buckets = READ_BUCKETS if forward.compiled else 0
     plan = transfer_schedule(bs, steps)  # tokens per step, on the host
     schedule = torch.tensor(plan, device=device)
     chunks = chunk_bounds(row_chunks, generator, B)
@@ -182,29 +193,30 @@ def generate_sdar(
                 break
             cur = x[:, s:e]
             masked = cur == mask_id
+            read = masked_first(masked, read_count(remaining, bs, read_buckets))
             if use_cache and unstored is not None:  # store the finished block, denoise this one
-                logits = cached(unstored, e, slice(s - unstored, e - unstored))
+                logits = cached(unstored, e, read + (s - unstored))
                 unstored = None  # this block's keys are scratch until it is final
             elif use_cache:
-                logits = cached(s, e)
+                logits = cached(s, e, read)
             else:
                 mask = _mask_fn(prompt_valid, pads, total, bs, device)
                 logits = model(
                     x[:, :e],
                     position_ids=(pos[None] if padded is None else padded)[:, :e],
                     attention_mask=mask(0, e),
-                    logit_positions=slice(s, e),
+                    logit_positions=read + s,
                 )
-            if len(chunks) == 1:
-                x0, p = sample_tokens(logits, temperature, top_k, top_p, chunks[0][2])
-                conf = torch.where(masked, p, torch.full_like(p, -torch.inf))
-                transfer = select_transfer(conf, schedule[i].expand(B), threshold, kmax=plan[i])
-            else:
-                x0, transfer = cur.clone(), torch.zeros_like(masked)
-                for a, b, gen in active:
-                    x0[a:b], p = sample_tokens(logits[a:b], temperature, top_k, top_p, gen)
-                    conf = torch.where(masked[a:b], p, torch.full_like(p, -torch.inf))
-                    transfer[a:b] = select_transfer(conf, schedule[i].expand(b - a), threshold, kmax=plan[i])
+            # proposals at the read positions (the draws made for the whole block), put in place
+            x0, p = torch.zeros_like(read), torch.full(read.shape, -torch.inf, device=device)
+            for a, b, gen in active:
+                x0[a:b], p[a:b] = sample_tokens(logits[a:b], temperature, top_k, top_p, gen, rows=(read[a:b], bs))
+            x0 = cur.scatter(1, read, x0)
+            conf = torch.full(cur.shape, -torch.inf, device=device).scatter(1, read, p)
+            conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            transfer = torch.zeros_like(masked)
+            for a, b, _ in active:
+                transfer[a:b] = select_transfer(conf[a:b], schedule[i].expand(b - a), threshold, kmax=plan[i])
             step = commit_transfer(x, s, e, x0, transfer, step, bar, on_step)
             remaining -= plan[i]
             # At most one device->host read per step: which rows still hold masks (threshold) and,
@@ -227,7 +239,7 @@ def generate_sdar(
             done = [all(has_eos[a:b]) for a, b, _ in chunks]
         finished = all(done)
         if use_cache and unstored is not None:  # no step ran: store the previous block alone
-            cached(unstored, s)  # the block step's graph (its logits are not read)
+            cached(unstored, s, every)  # a block step's graph (its logits are not read)
             unstored = None
         if use_cache and blk < num_blocks - 1 and not finished:
             unstored = s  # stored by the next block's first forward
