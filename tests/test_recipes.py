@@ -211,8 +211,6 @@ def _group_worker(primaries, variants):
     prints each primary's resolved config (``stabledrl train --print-config``), every recipe trains
     through the CLI's own entry (``train_rank``) with a dense reward, each primary resumes from its
     step-1 checkpoint, and rank 0 exports both step-2 checkpoints with ``stabledrl convert mcore-to-hf``."""
-    from megatron.core import parallel_state
-
     from stabledrl_mcore.bench.workload_checks import probe_reward
     from stabledrl_mcore.cli.app import main
     from stabledrl_mcore.parallel import bootstrap
@@ -227,8 +225,10 @@ def _group_worker(primaries, variants):
                 assert main(["train", "--config", job["recipe"], *job["overrides"], "--print-config"]) == 0, job
 
     def run(recipe, overrides, what):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()  # the next recipe may have another layout
+        # the next recipe may have another layout; and every group goes (destroy_model_parallel alone
+        # kept Megatron's groups: ~400 per rank by the last run, their idle gloo threads slowed each
+        # run 2-6x)
+        bootstrap.destroy()
         try:
             status = train_rank(recipe, overrides)
         except Exception as err:

@@ -180,7 +180,7 @@ def _entry(payload: bytes, rank, world_size, port, threads, report_dir, parent_p
     finally:
         if torch.distributed.is_initialized():  # only ranks that started a process group
             try:
-                destroy()
+                destroy(collect=False)  # the process ends here
             except Exception:  # pragma: no cover - best effort clean-up
                 pass
     if done is None:
