@@ -62,13 +62,15 @@ def test_logit_positions_equal_the_full_forward_at_the_read_positions(megatron_t
 )
 def test_each_rows_own_read_positions_equal_the_full_forward_there(megatron_tp1, preset, options):
     """A decoding step reads each row's masked positions only (``logit_positions`` ``[B, n]``): the
-    last layer's MLP and the head run on those rows (a dense layer's; a MoE layer runs whole), and
-    the logits equal the full forward's at them, padded or alone, on every kind of model we ship."""
+    last layer's queries, output projection and MLP and the head run on those rows (a dense layer's;
+    a MoE layer runs whole), and the logits equal the full forward's at them, padded or alone, on
+    every kind of model we ship."""
     torch.manual_seed(0)
     model = build_model(get_preset(preset, init_std=0.2, **options)).eval()
     last = model.decoder.layers[-1]
-    seen = []
+    seen, projected = [], []
     last.mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    last.self_attention.linear_proj.register_forward_pre_hook(lambda _, args: projected.append(args[0].shape[0]))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 250, (3, 16), generator=g)
     valid = torch.ones(3, 16, dtype=torch.bool)
@@ -78,9 +80,9 @@ def test_each_rows_own_read_positions_equal_the_full_forward_there(megatron_tp1,
     with torch.no_grad():
         for mask in (padding_mask(valid), None):
             full = model(ids, attention_mask=mask)
-            seen.clear()
+            seen.clear(), projected.clear()
             part = model(ids, attention_mask=mask, logit_positions=read)
-            assert seen == [16 if moe else 5], "the last layer's MLP runs on the read rows only"
+            assert seen == projected == [16 if moe else 5], "the last layer's queries and MLP: the read rows only"
             expected = full.gather(1, read.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
             torch.testing.assert_close(part, expected, atol=1e-5, rtol=0)
             shared = model(ids, attention_mask=mask, logit_positions=read[0])  # one set for every row

@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stabledrl_mcore.models import flex
 from stabledrl_mcore.models.masks import AttentionLayout
+from stabledrl_mcore.models.positions import take_positions
 from stabledrl_mcore.models.rope import cos_sin_heads_major, rotate_heads_major
 
 
@@ -77,6 +78,15 @@ def _layout_of(attention_mask) -> Optional[AttentionLayout]:
     return layout
 
 
+def _mask_rows(allowed: torch.Tensor, rows, batch: int) -> torch.Tensor:
+    """The query rows ``rows`` of an SDPA mask ``[b|1, h|1, sq, sk]`` (``take_positions``' rows)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() == 1:
+        return allowed[:, :, rows] if not isinstance(rows, torch.Tensor) else allowed.index_select(2, rows)
+    allowed = allowed.expand(batch, *allowed.shape[1:])
+    index = rows[:, None, :, None].expand(batch, allowed.shape[1], rows.shape[1], allowed.shape[-1])
+    return allowed.gather(2, index)
+
+
 class SDPACoreAttention(MegatronModule):
     """Attention over one tensor-parallel partition of heads (SDPA, or flex on GPU).
 
@@ -107,6 +117,10 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.backend = backend
         self.kv_cache = None  # bound by DLLMModel.forward for KV-cached decoding
+        self.query_rows = None
+        """Bound by ``DLLMModel`` for the last layer of a forward that reads a few positions: only
+        those queries attend (``take_positions``' rows: a slice, ``[n]`` or ``[B, n]``); the output
+        is ``[n, b, np * hn]``. Every key and value is still computed (and cached)."""
 
     def forward(
         self,
@@ -121,6 +135,9 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
         sq, b = query.shape[0], query.shape[1]
+        rows = self.query_rows
+        if rows is not None:
+            query = take_positions(query, rows, 0)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         if self.kv_cache is not None:  # keys/values copied into the cache, attended as its views
             k, v = self.kv_cache.update(self.layer_number, k, v)
@@ -137,7 +154,7 @@ class SDPACoreAttention(MegatronModule):
         layout = _layout_of(attention_mask)
         if layout is not None:
             layout.check(sq, sk, b)
-            if flex.use_flex(self.backend, layout, sq, q.device, gqa):
+            if rows is None and flex.use_flex(self.backend, layout, sq, q.device, gqa):
                 if dropout_p > 0:
                     raise ValueError("flex attention path does not implement attention dropout")
                 out = flex.flex_attention(q, k, v, layout, scale=self.softmax_scale, enable_gqa=gqa)
@@ -145,6 +162,9 @@ class SDPACoreAttention(MegatronModule):
             allowed = _allowed_mask(layout, sq, sk, str(q.device))
         else:
             allowed = None if attention_mask is None else ~attention_mask
+        if rows is not None and allowed is not None and allowed.shape[-2] != 1:  # the queries' rows
+            allowed = _mask_rows(allowed, rows, b)
+        sq = q.shape[2]
 
         mask_type = attn_mask_type or self.attn_mask_type
         is_causal = attention_mask is None and mask_type == AttnMaskType.causal

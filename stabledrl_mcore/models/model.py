@@ -351,20 +351,45 @@ def _layer(layer, hidden, mask, rotary):
 
 def _layer_at_rows(layer, hidden, mask, rotary, rows):
     """``_layer(layer, hidden, mask, rotary)`` at ``rows`` only (:func:`~.positions.take_positions`),
-    for the last layer of a forward that reads the logits of a few positions: the attention runs
-    over every position (their keys and values are the cache's; the queries attend as in the full
-    layer), the MLP on the rows read only, the part of the layer nothing else needs. The layer's
-    own ``_forward_attention`` and ``_forward_mlp`` (Megatron's ``TransformerLayer.forward`` is those
-    two calls). A MoE layer runs whole: its router sees every token, as in the training forward
-    (capacity drops and the routing statistics depend on the tokens routed together). Equal to
-    the full layer's rows up to the GEMMs' rounding over fewer rows."""
+    for the last layer of a forward that reads the logits of a few positions: every position's keys
+    and values are computed (and cached), only the rows read query them, and the output projection,
+    the residual and the MLP run on those rows, the part of the layer nothing else needs. The steps
+    of Megatron's ``TransformerLayer._forward_attention`` at inference (input norm, self-attention,
+    bias-dropout-add; the layers have no cross-attention), then the layer's own ``_forward_mlp``. A
+    MoE layer runs whole (its router sees every token, as in the training forward: capacity drops
+    and the routing statistics depend on the tokens routed together); a layer whose attention is
+    not :class:`SDPACoreAttention` (or a forward that reads no row) runs its attention whole and
+    the MLP on the rows. Equal to the full layer's rows up to the GEMMs' rounding over fewer rows."""
     if getattr(layer, "is_moe_layer", False):
         return take_positions(_layer(layer, hidden, mask, rotary), rows, 0)
-    hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-    hidden = take_positions(hidden, rows, 0)
-    if hidden.shape[0] == 0:  # no logits wanted (a forward that only fills a KV cache)
-        return hidden
+    attention = layer.self_attention
+    core = getattr(attention, "core_attention", None)
+    count = rows.shape[-1] if isinstance(rows, torch.Tensor) else len(range(*rows.indices(hidden.shape[0])))
+    if not isinstance(core, SDPACoreAttention) or count == 0 or not _plain_attention(layer):
+        hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        hidden = take_positions(hidden, rows, 0)
+        return hidden if hidden.shape[0] == 0 else layer._forward_mlp(hidden)
+    residual = take_positions(hidden, rows, 0)
+    core.query_rows = rows
+    try:
+        out = attention(layer.input_layernorm(hidden), attention_mask=mask, rotary_pos_emb=rotary)
+    finally:
+        core.query_rows = None
+    hidden = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
     return layer._forward_mlp(hidden)
+
+
+def _plain_attention(layer) -> bool:
+    """Whether ``layer``'s attention half is the steps :func:`_layer_at_rows` runs: no
+    cross-attention, no output gate, no fused tensor-parallel inference kernel."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    config = layer.config
+    return (
+        isinstance(layer.cross_attention, IdentityOp)
+        and not getattr(config, "attention_output_gate", False)
+        and not getattr(config, "inference_fuse_tp_communication", False)
+    )
 
 
 _compiled_layer = torch.compiler.nested_compile_region(_layer)
