@@ -71,9 +71,10 @@ def _no_process_group_left_behind():
     if torch.distributed.is_initialized() or (parallel_state and parallel_state.model_parallel_is_initialized()):
         from stabledrl_mcore.parallel import bootstrap, cpu_compat
 
-        bootstrap.destroy()
+        bootstrap.destroy()  # collects the freed groups itself
         cpu_compat.disable()
-    gc.collect()
+    else:
+        gc.collect()
 
 
 def pytest_sessionfinish(session, exitstatus):
