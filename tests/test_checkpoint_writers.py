@@ -296,6 +296,51 @@ def _write(tmp_path, monkeypatch, names, timeout_s=None):
     return out.get_nowait()
 
 
+_STALLED_FORKS = [0]
+"""Forks still to stall in the child (a test sets it; 0 otherwise: the hooks do nothing)."""
+
+
+def _stall_in_the_child():  # inside os.fork(), where Python 3.11's after-fork lock wait stalls a child
+    if _STALLED_FORKS[0] > 0:
+        time.sleep(600)
+
+
+def _forked():
+    _STALLED_FORKS[0] = max(_STALLED_FORKS[0] - 1, 0)
+
+
+os.register_at_fork(after_in_child=_stall_in_the_child, after_in_parent=_forked)
+
+
+def test_a_worker_that_never_leaves_fork_is_killed_and_forked_again(tmp_path, monkeypatch, workers_stopped):
+    """A rank's write worker stalled inside ``os.fork()`` (the suite saw one wait for ever in
+    ``PyOS_AfterFork_Child`` on a lock another thread held at the fork) is killed after
+    ``FORK_START_S`` and forked again; the save completes. Stalled every time: a one-line error."""
+    from stabledrl_mcore.checkpoint import writers
+
+    monkeypatch.setattr(writers, "FORK_START_S", 2.0)
+    before = set(multiprocessing.active_children())
+    _STALLED_FORKS[0] = 1
+    try:
+        done = _write(tmp_path, monkeypatch, ["ok", "ok2"])
+    finally:
+        _STALLED_FORKS[0] = 0
+    assert done == {0: ["wrote ok.distcp"], 1: ["wrote ok2.distcp"]}, done
+    assert set(multiprocessing.active_children()) <= before, "the stalled worker was left"
+    again = tmp_path / "again"
+    again.mkdir()
+    _STALLED_FORKS[0] = writers.FORK_TRIES
+    try:
+        outcome = _write(again, monkeypatch, ["ok"])
+    finally:
+        _STALLED_FORKS[0] = 0
+    assert isinstance(outcome, CheckpointError) and "\n" not in str(outcome), outcome
+    assert f"rank 3, writing ok.distcp: a checkpoint write worker did not start: {writers.FORK_TRIES} forks" in str(
+        outcome
+    )
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_a_write_that_fails_while_another_hangs_ends_and_kills_the_hung_one(tmp_path, monkeypatch, workers_stopped):
     outcome = _write(tmp_path, monkeypatch, ["fail", "hang"])
     assert isinstance(outcome, CheckpointError), outcome

@@ -44,6 +44,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import sys
 import time
@@ -63,6 +64,15 @@ POLL_SECONDS = 0.2
 """How often the parent looks at its write workers while none has reported."""
 TERM_GRACE_S = 10.0
 """How long a write still running when SIGTERM arrives may go on before it is stopped."""
+FORK_START_S = 30.0
+"""Seconds a forked write worker has to run its first line. Python 3.11's child side of ``fork``
+(``PyOS_AfterFork_Child``) takes the runtime's thread-list lock before re-initialising it: forked
+while another thread held it (a thread starting or ending), the child waits on it for ever inside
+``os.fork()`` (seen in the test suite: a rank's worker in ``_PyThreadState_DeleteExcept``). Such a
+worker is killed and forked again (:data:`FORK_TRIES` in all)."""
+
+FORK_TRIES = 3
+
 AUTO_LIMIT_BASE_S = 600.0
 AUTO_LIMIT_BYTES_PER_S = 10 * 2**20
 """The automatic write time limit: ``AUTO_LIMIT_BASE_S`` plus the rank's bytes at this rate."""
@@ -223,7 +233,13 @@ class _WriteWorker(ForkProcess):
     def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
         return _NoFlushPopen(process_obj)
 
+    started_fd: Optional[int] = None
+    """The write end of the pipe the worker says it runs on (:func:`_start_worker`)."""
+
     def _bootstrap(self, parent_sentinel: Any = None) -> int:
+        if self.started_fd is not None:  # out of fork(): the parent stops waiting
+            os.write(self.started_fd, b"s")
+            os.close(self.started_fd)
         _lock_free_streams()
         mp_util._afterfork_registry.clear()
         return super()._bootstrap(parent_sentinel)
@@ -252,20 +268,37 @@ class _Inbox:
 
 
 def _start_worker(args: tuple, inbox: _Inbox) -> Any:
-    """Fork one write worker with ``args`` + its end of a new pipe, the garbage collector off in it."""
-    reader, sender = mp.Pipe(duplex=False)
-    worker = _WriteWorker(target=_write_one, args=(*args, sender), daemon=True)
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        worker.start()
-    finally:
-        if enabled:
-            gc.enable()
-        sender.close()  # the worker's alone: later workers do not inherit it
-    inbox.readers.append(reader)
-    inbox.opened.append(reader)
-    return worker
+    """Fork one write worker with ``args`` + its end of a new pipe, the garbage collector off in it;
+    one that has not left ``fork()`` within :data:`FORK_START_S` is killed and forked again."""
+    for _ in range(FORK_TRIES):
+        reader, sender = mp.Pipe(duplex=False)
+        started, started_w = os.pipe()
+        worker = _WriteWorker(target=_write_one, args=(*args, sender), daemon=True)
+        worker.started_fd = started_w
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            worker.start()
+        finally:
+            if enabled:
+                gc.enable()
+            sender.close()  # the worker's alone: later workers do not inherit it
+            os.close(started_w)
+        try:  # readable: it ran its first line (or ended: then found dead by the watch)
+            ready = select.select([started], [], [], FORK_START_S)[0]
+        finally:
+            os.close(started)
+        if ready:
+            inbox.readers.append(reader)
+            inbox.opened.append(reader)
+            return worker
+        worker.kill()
+        worker.join(FORK_START_S)
+        reader.close()
+    raise CheckpointError(
+        f"a checkpoint write worker did not start: {FORK_TRIES} forks each waited {FORK_START_S:g} s "
+        f"inside fork() (a lock another thread held when it forked); the save was not written"
+    )
 
 
 def _exit_reason(code: int) -> str:
@@ -285,9 +318,14 @@ def write_buckets(
     :class:`CheckpointError` as soon as one worker reports an error or is found dead without a
     report (the others are then killed). Never waits on a worker that cannot answer."""
     results = _Inbox()
-    workers = [_start_worker((transform_list, use_msc, index, bucket), results) for index, bucket in enumerate(buckets)]
-    done: Dict[int, Any] = {}
+    workers: List[Any] = []
     error = None
+    try:
+        for index, bucket in enumerate(buckets):
+            workers.append(_start_worker((transform_list, use_msc, index, bucket), results))
+    except CheckpointError as failed:  # one never left fork(): the ones started are killed below
+        error = CheckpointError(f"rank {rank}, writing {os.path.basename(str(buckets[len(workers)][0]))}: {failed}")
+    done: Dict[int, Any] = {}
     limit = write_limit_s(buckets, _SAVE["timeout_s"])
     deadline, term_deadline, terms = time.monotonic() + limit, None, _terminations()
 
