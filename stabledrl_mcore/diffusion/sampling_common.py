@@ -100,6 +100,15 @@ def masked_first(masked: Tensor, count: int) -> Tensor:
     return torch.argsort((~masked).to(torch.uint8), dim=1, stable=True)[:, :count]
 
 
+def put_in_place(cur: Tensor, masked: Tensor, read: Tensor, x0: Tensor, confidence: Tensor):
+    """``(x0, confidence)`` ``[B, width]`` of a block ``cur`` from the proposals at its positions
+    ``read`` ``[B, n]``: ``cur``'s own tokens elsewhere, and -inf confidence at every position that
+    is not ``masked`` (a read position beyond a row's masked ones included)."""
+    x0 = cur.scatter(1, read, x0)
+    confidence = torch.full(cur.shape, -torch.inf, device=cur.device).scatter(1, read, confidence)
+    return x0, torch.where(masked, confidence, torch.full_like(confidence, -torch.inf))
+
+
 def read_count(masked: int, width: int, buckets: int = 0) -> int:
     """Positions a step reads when at most ``masked`` of the block's ``width`` are masked: ``masked``,
     or with ``buckets`` (a compiled step: one graph per count) rounded up to a multiple of

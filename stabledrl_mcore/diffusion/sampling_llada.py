@@ -38,6 +38,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     gumbel_argmax,
     masked_first,
     progress_bar,
+    put_in_place,
     read_count,
     repeat_counts,
     repeat_rows,
@@ -414,7 +415,7 @@ def generate_llada(
                 break  # the threshold finished the block early
             cur = x[:, s:e]
             masked = cur == mask_id
-            # the logits of the masked positions only (the head and the last layer's MLP run on them)
+            # the logits of the masked positions only (the head and the last layer's query side run on them)
             read = masked_first(masked, read_count(most_masked, block_length, read_buckets))
             logits = block_logits(x, s, e, first=i == 0, read=read)
             if len(chunks) == 1:
@@ -423,9 +424,7 @@ def generate_llada(
                 x0, conf = torch.zeros_like(read), torch.full(read.shape, -torch.inf, device=device)
                 for a, b, gen in active:
                     x0[a:b], conf[a:b] = _propose(logits[a:b], temperature, remasking, gen, read[a:b], block_length)
-            x0 = cur.scatter(1, read, x0)
-            conf = torch.full(cur.shape, -torch.inf, device=device).scatter(1, read, conf)
-            conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            x0, conf = put_in_place(cur, masked, read, x0, conf)
             most_masked -= schedule[i]
             k = torch.full((B,), schedule[i], dtype=torch.long, device=device)
             if threshold is None:

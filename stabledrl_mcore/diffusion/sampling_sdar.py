@@ -48,6 +48,7 @@ from stabledrl_mcore.diffusion.sampling_common import (
     fill_after_eos,
     masked_first,
     progress_bar,
+    put_in_place,
     read_count,
     repeat_counts,
     repeat_rows,
@@ -211,9 +212,7 @@ def generate_sdar(
             x0, p = torch.zeros_like(read), torch.full(read.shape, -torch.inf, device=device)
             for a, b, gen in active:
                 x0[a:b], p[a:b] = sample_tokens(logits[a:b], temperature, top_k, top_p, gen, rows=(read[a:b], bs))
-            x0 = cur.scatter(1, read, x0)
-            conf = torch.full(cur.shape, -torch.inf, device=device).scatter(1, read, p)
-            conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            x0, conf = put_in_place(cur, masked, read, x0, p)
             transfer = torch.zeros_like(masked)
             for a, b, _ in active:
                 transfer[a:b] = select_transfer(conf[a:b], schedule[i].expand(b - a), threshold, kmax=plan[i])

@@ -80,8 +80,8 @@ def _layout_of(attention_mask) -> Optional[AttentionLayout]:
 
 def _mask_rows(allowed: torch.Tensor, rows, batch: int) -> torch.Tensor:
     """The query rows ``rows`` of an SDPA mask ``[b|1, h|1, sq, sk]`` (``take_positions``' rows)."""
-    if not isinstance(rows, torch.Tensor) or rows.dim() == 1:
-        return allowed[:, :, rows] if not isinstance(rows, torch.Tensor) else allowed.index_select(2, rows)
+    if not isinstance(rows, torch.Tensor) or rows.dim() == 1:  # shared by every sequence
+        return take_positions(allowed, rows, 2)
     allowed = allowed.expand(batch, *allowed.shape[1:])
     index = rows[:, None, :, None].expand(batch, allowed.shape[1], rows.shape[1], allowed.shape[-1])
     return allowed.gather(2, index)

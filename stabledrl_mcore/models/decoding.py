@@ -7,10 +7,10 @@ store-by-next-block step, see :class:`~stabledrl_mcore.models.kv_cache.KVCache`)
 changes from one block to the next is a tensor -- the cache slots written, the read positions of
 the head, the pad counts -- and the attended keys are the whole fixed-capacity cache under a mask
 built in the step from those tensors, so a 256-token generation of 8 or 64 blocks runs the same
-graphs. A LLaDA step reads the logits of the block's masked positions only (the head and the last
-layer's MLP run on those rows), rounded up to a quarter, half, three quarters or all of the block
-when compiled (``diffusion/sampling_llada.py`` ``READ_BUCKETS``), a graph per count. Per generation
-shape (rows, prompt + generation length, block) that is:
+graphs. A step reads the logits of the block's masked positions only (the head and the last
+layer's queries, output projection and MLP run on those rows), rounded up to a quarter, half, three
+quarters or all of the block when compiled (the samplers' ``READ_BUCKETS``), a graph per count. Per
+generation shape (rows, prompt + generation length, block) that is:
 
 - LLaDA exact (``cache="none"``): at most 4 graphs (one per read count);
 - LLaDA ``dual``: at most 5 (the filling forward, the block step per read count);
@@ -20,8 +20,8 @@ shape (rows, prompt + generation length, block) that is:
   read the whole block:
   ``diffusion/sampling_llada.py`` ``prefix_window``,
   :meth:`~stabledrl_mcore.models.kv_cache.KVCache.writing_from`);
-- SDAR: 2 (the block step, the store-by-next-block step; the prompt's prefill runs eagerly,
-  once per generation, with flex attention on GPU for long prompts).
+- SDAR: at most 5 (the block step per read count, the store-by-next-block step; the prompt's
+  prefill runs eagerly, once per generation, with flex attention on GPU for long prompts).
 
 ``compile``: ``none`` (eager), ``default`` (``torch.compile(fullgraph=True)``: inductor, one graph
 or an error, never a silent graph break) or ``reduce-overhead`` (on CUDA, CUDA graphs over those

@@ -32,6 +32,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -158,9 +159,10 @@ class DLLMModel(LanguageModule):
         ``logit_positions``: a ``slice`` of the ``S`` positions whose logits are wanted, a
         LongTensor of them (a decoding step's read positions, which change per block while the
         graph does not) or a ``[B, n]`` LongTensor of each sequence's own (a step's masked
-        positions); the LM head, and the last layer's MLP at inference, run on those only and the
-        logits are ``[B, n, V]`` (the full forward's logits at those positions, up to rounding). ``slice(0, 0)`` runs no head
-        at all (a forward that only fills a KV cache). With sequence parallelism the head runs
+        positions); the LM head, and at inference the last layer's queries, output projection
+        and MLP, run on those only and the logits are ``[B, n, V]`` (the full forward's logits at
+        those positions, up to rounding). ``slice(0, 0)`` runs no head at all (a forward that only
+        fills a KV cache). With sequence parallelism the head runs
         on the whole sequence and the logits are read after.
 
         ``cache_slots``: with a ``kv_cache``, a LongTensor ``[S]`` of the cache slots this
@@ -368,7 +370,7 @@ def _layer_at_rows(layer, hidden, mask, rotary, rows):
     if not isinstance(core, SDPACoreAttention) or count == 0 or not _plain_attention(layer):
         hidden, _ = layer._forward_attention(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
         hidden = take_positions(hidden, rows, 0)
-        return hidden if hidden.shape[0] == 0 else layer._forward_mlp(hidden)
+        return hidden if count == 0 else layer._forward_mlp(hidden)
     residual = take_positions(hidden, rows, 0)
     core.query_rows = rows
     try:
@@ -382,8 +384,6 @@ def _layer_at_rows(layer, hidden, mask, rotary, rows):
 def _plain_attention(layer) -> bool:
     """Whether ``layer``'s attention half is the steps :func:`_layer_at_rows` runs: no
     cross-attention, no output gate, no fused tensor-parallel inference kernel."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
     config = layer.config
     return (
         isinstance(layer.cross_attention, IdentityOp)
